@@ -1,0 +1,1 @@
+"""The mpcomm command line."""

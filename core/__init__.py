@@ -1,0 +1,88 @@
+"""mpcomm: one-sided transfers between the memory of many machines.
+
+A core that defines the contract (buffer ownership, completion, timeouts,
+cancellation, errors) and loads transports (tcp, shm, ucx, rdma_zerocopy, or
+third-party ones) through the ``mpcomm.transports`` entry-point group::
+
+    import mpcomm
+    with mpcomm.Engine() as target, mpcomm.Engine() as initiator:
+        kv = target.register(bytearray(64 << 20), name="kv")
+        remote = initiator.open(target.address, "kv")
+        src = initiator.register(bytearray(1 << 20))
+        initiator.write(src, remote, remote_offset=4096).result(timeout=5)
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .config import Config, load_config
+from .engine import Engine, Notification, TransportStatus
+from .errors import (
+    AccessError,
+    AlignmentError,
+    AuthenticationError,
+    BackPressureError,
+    ConfigError,
+    EngineClosedError,
+    MpcommError,
+    OutOfBoundsError,
+    PeerConnectionError,
+    PermissionDeniedError,
+    PluginError,
+    ProtocolError,
+    RegionBusyError,
+    RegionClosedError,
+    RegionError,
+    StaleRegionError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+    UnknownRegionError,
+)
+from .hookspecs import hookimpl
+from .memory import Region
+from .remote import RemoteRegion
+from .transfer import Batch, Operation, Request, Transfer, TransferStatus
+from .transport import Availability, Capabilities, Transport, TransportContext
+
+__all__ = [
+    "AccessError",
+    "AlignmentError",
+    "AuthenticationError",
+    "Availability",
+    "BackPressureError",
+    "Batch",
+    "Capabilities",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "EngineClosedError",
+    "MpcommError",
+    "Notification",
+    "Operation",
+    "OutOfBoundsError",
+    "PeerConnectionError",
+    "PermissionDeniedError",
+    "PluginError",
+    "ProtocolError",
+    "Region",
+    "RegionBusyError",
+    "RegionClosedError",
+    "RegionError",
+    "RemoteRegion",
+    "Request",
+    "StaleRegionError",
+    "Transfer",
+    "TransferError",
+    "TransferStatus",
+    "TransferTimeout",
+    "Transport",
+    "TransportContext",
+    "TransportStatus",
+    "TransportUnavailable",
+    "UnknownRegionError",
+    "__version__",
+    "hookimpl",
+    "load_config",
+]

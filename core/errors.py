@@ -1,0 +1,224 @@
+"""The exception tree of mpcomm.
+
+Every error mpcomm raises derives from :class:`MpcommError`. Each class says
+whether retrying the same operation can help (``retryable``); an instance may
+override that (a refused connection is worth retrying, a version mismatch is
+not)::
+
+    MpcommError                      (root; .retryable)
+    ├── ConfigError                  bad TOML, unknown key, bad value (names key and file)
+    ├── PluginError                  a transport plugin failed to load or misbehaved
+    ├── TransportUnavailable         no usable transport for this peer / memory kind
+    ├── RegionError                  local registration problems
+    │   ├── AlignmentError           buffer does not satisfy memory.alignment
+    │   ├── RegionBusyError          unregister/close refused: the region is leased
+    │   └── RegionClosedError        the region was unregistered
+    ├── AccessError                  refused by the target; nothing was written
+    │   ├── UnknownRegionError       no region of that name / id on the target
+    │   ├── OutOfBoundsError         offset + length past the registered bounds
+    │   ├── PermissionDeniedError    access right missing (write to a read-only region, bad token)
+    │   └── StaleRegionError         descriptor from an earlier epoch of the target (re-open it)
+    ├── TransferError                the transfer itself failed
+    │   ├── TransferTimeout          (also builtin TimeoutError) deadline passed
+    │   ├── PeerConnectionError      (also builtin ConnectionError) peer unreachable / died
+    │   ├── ProtocolError            malformed or unexpected frame; the connection is closed
+    │   ├── AuthenticationError      shared-secret handshake failed
+    │   └── BackPressureError        queue_depth requests already in flight
+    └── EngineClosedError            the engine was closed
+
+``concurrent.futures.CancelledError`` (not part of this tree) is what a
+cancelled :class:`~mpcomm.Transfer` raises from ``result()``, as every Future
+does.
+
+Errors carry what they concern where there is one: ``.region`` (a name),
+``.peer`` (an address) and ``.request`` (a :class:`~mpcomm.Request`).
+Native errors (``OSError``, UCX status codes, ibverbs errors) are mapped at
+the plugin boundary with :func:`map_errors` and chained with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "AccessError",
+    "AlignmentError",
+    "AuthenticationError",
+    "BackPressureError",
+    "ConfigError",
+    "EngineClosedError",
+    "MpcommError",
+    "OutOfBoundsError",
+    "PeerConnectionError",
+    "PermissionDeniedError",
+    "PluginError",
+    "ProtocolError",
+    "RegionBusyError",
+    "RegionClosedError",
+    "RegionError",
+    "StaleRegionError",
+    "TransferError",
+    "TransferTimeout",
+    "TransportUnavailable",
+    "UnknownRegionError",
+    "map_errors",
+]
+
+
+class MpcommError(Exception):
+    """Root of every mpcomm error.
+
+    ``retryable`` tells whether issuing the same operation again may succeed.
+    """
+
+    retryable: bool = False
+    #: Short stable identifier used on the wire and in metrics ("out_of_bounds").
+    code: str = "error"
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        retryable: bool | None = None,
+        region: str | None = None,
+        peer: str | None = None,
+        request: Any = None,
+    ) -> None:
+        super().__init__(message)
+        if retryable is not None:
+            self.retryable = retryable
+        self.region = region
+        self.peer = peer
+        self.request = request
+
+
+class ConfigError(MpcommError):
+    code = "config"
+
+
+class PluginError(MpcommError):
+    code = "plugin"
+
+
+class TransportUnavailable(MpcommError):
+    code = "unavailable"
+
+
+class RegionError(MpcommError):
+    code = "region"
+
+
+class AlignmentError(RegionError):
+    code = "alignment"
+
+
+class RegionBusyError(RegionError):
+    code = "region_busy"
+    retryable = True
+
+
+class RegionClosedError(RegionError):
+    code = "region_closed"
+
+
+class AccessError(MpcommError):
+    code = "access"
+
+
+class UnknownRegionError(AccessError):
+    code = "unknown_region"
+
+
+class OutOfBoundsError(AccessError):
+    code = "out_of_bounds"
+
+
+class PermissionDeniedError(AccessError):
+    code = "permission_denied"
+
+
+class StaleRegionError(AccessError):
+    code = "stale_region"
+    retryable = True
+
+
+class TransferError(MpcommError):
+    code = "transfer"
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The request's deadline passed.
+
+    Raised only once the transport guarantees that no more bytes of the request
+    will land (see ``landed`` for what may have happened before).
+    """
+
+    code = "timeout"
+    retryable = True
+
+
+class PeerConnectionError(TransferError, ConnectionError):
+    code = "connection"
+    retryable = True
+
+
+class ProtocolError(TransferError):
+    code = "protocol"
+
+
+class AuthenticationError(TransferError):
+    code = "auth"
+
+
+class BackPressureError(TransferError):
+    code = "back_pressure"
+    retryable = True
+
+
+class EngineClosedError(MpcommError):
+    code = "engine_closed"
+
+
+_BY_CODE: dict[str, type[MpcommError]] = {
+    cls.code: cls
+    for cls in [
+        MpcommError, ConfigError, PluginError, TransportUnavailable, RegionError,
+        AlignmentError, RegionBusyError, RegionClosedError, AccessError,
+        UnknownRegionError, OutOfBoundsError, PermissionDeniedError, StaleRegionError,
+        TransferError, TransferTimeout, PeerConnectionError, ProtocolError,
+        AuthenticationError, BackPressureError, EngineClosedError,
+    ]
+}
+
+
+def error_from_code(code: str, message: str, **kw: Any) -> MpcommError:
+    """Rebuild an error a peer reported by its wire ``code``."""
+    return _BY_CODE.get(code, MpcommError)(message, **kw)
+
+
+_CONNECTION_ERRNOS = {
+    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE,
+    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENOTCONN, errno.ESHUTDOWN,
+}
+
+
+@contextlib.contextmanager
+def map_errors(peer: str | None = None, what: str = "transfer") -> Iterator[None]:
+    """Map native ``OSError``s raised inside the block onto the mpcomm tree.
+
+    Plugins wrap their low-level calls with it so callers only ever see
+    :class:`MpcommError` subclasses; the native error stays as ``__cause__``.
+    """
+    try:
+        yield
+    except MpcommError:
+        raise
+    except (TimeoutError, OSError) as exc:
+        if isinstance(exc, TimeoutError):
+            raise TransferTimeout(f"{what}: timed out talking to {peer}", peer=peer) from exc
+        if isinstance(exc, ConnectionError) or exc.errno in _CONNECTION_ERRNOS:
+            raise PeerConnectionError(f"{what}: connection to {peer} failed: {exc}", peer=peer) from exc
+        raise TransferError(f"{what}: {exc}", peer=peer) from exc

@@ -1,0 +1,220 @@
+"""Local memory: registered regions, their leases, and engine-allocated buffers.
+
+A :class:`Region` is a contiguous piece of this process's memory that peers may
+read or write once it is registered. The rules every transport relies on:
+
+* **Ownership.** The caller keeps the buffer alive and unmoved while it is
+  registered; mpcomm holds a reference to the exporting object (so a
+  ``bytearray`` cannot be resized while registered: Python refuses it).
+* **Leases.** From submit until its :class:`~mpcomm.Transfer` is done, a request
+  leases every local region it touches; the target side leases a region while a
+  peer's request is being served. ``Engine.unregister`` refuses a leased region
+  with :class:`~mpcomm.RegionBusyError`, or waits for the leases to end when
+  given a timeout.
+* **While leased** the caller must not modify a source region's bytes (the
+  transport may read them at any time until completion) nor read a destination
+  region's bytes (they may be partly written). After completion both are safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import AlignmentError, RegionBusyError, RegionClosedError, RegionError
+
+__all__ = ["Region", "buffer_address", "allocate_host"]
+
+_region_ids = itertools.count(1)
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+
+
+def buffer_address(view: memoryview) -> int:
+    """Address of the first byte of a contiguous buffer, read-only ones included.
+
+    ``ctypes.from_buffer`` refuses read-only buffers, so ask the buffer protocol
+    directly; the caller keeps ``view`` alive, which keeps the address valid.
+    """
+    pb = _PyBuffer()
+    _get_buffer(view, ctypes.byref(pb), 0)
+    try:
+        return int(pb.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(pb))
+
+
+def as_byte_view(obj: Any) -> memoryview:
+    """A flat, C-contiguous ``B``-format view of any PEP 688 buffer."""
+    try:
+        view = memoryview(obj)
+    except TypeError as exc:
+        raise RegionError(f"cannot register {type(obj).__name__}: not a buffer ({exc})") from exc
+    if not view.c_contiguous:
+        raise RegionError("cannot register a non-contiguous buffer; copy it into a contiguous one first")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def allocate_host(size: int, alignment: int) -> tuple[memoryview, Any]:
+    """Page-aligned anonymous memory, pre-faulted, aligned to ``alignment``.
+
+    Returns the view and the object that owns the mapping.
+    """
+    extra = alignment if alignment > mmap.PAGESIZE else 0
+    mm = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+    view = memoryview(mm)
+    if extra:
+        addr = buffer_address(view)
+        skip = (-addr) % alignment
+        view = view[skip : skip + size]
+    else:
+        view = view[:size]
+    return view, mm
+
+
+class Region:
+    """A registered piece of local memory (see the module docstring for the rules).
+
+    Attributes:
+        name: the name peers open it by (unique per engine).
+        id: the engine-local numeric id that travels in requests.
+        size: its length in bytes.
+        address: base address in this process (RemoteRegion carries it for
+            callers that address remote memory by raw address).
+        access: ``"rw"`` or ``"r"`` (read-only buffers can only be sources).
+        kind: memory kind, ``"host"`` (``"device"`` where a transport supports it).
+        token: random capability that every remote access must present.
+    """
+
+    def __init__(
+        self,
+        view: memoryview,
+        *,
+        name: str,
+        access: str,
+        kind: str = "host",
+        owner: Any = None,
+        engine_allocated: bool = False,
+        backing: Any = None,
+    ) -> None:
+        if view.nbytes == 0:
+            raise RegionError("cannot register an empty buffer", region=name)
+        if access not in ("rw", "r", "w"):
+            raise RegionError(f"access must be 'rw', 'r' or 'w', not {access!r}", region=name)
+        if view.readonly and "w" in access:
+            access = "r"
+        self.view = view
+        self.name = name
+        self.id = next(_region_ids)
+        self.size = view.nbytes
+        self.address = buffer_address(view)
+        self.access = access
+        self.kind = kind
+        self.token = secrets.randbits(63)
+        self.engine_allocated = engine_allocated
+        #: Transport-specific backing (a shm segment, say); the allocator's business.
+        self.backing = backing
+        #: Per-transport registration info, sent to peers inside RemoteRegion.
+        self.transport_info: dict[str, dict[str, Any]] = {}
+        self._owner = owner
+        self._leases = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self._finalizers: list[Callable[[], None]] = []
+
+    def __repr__(self) -> str:
+        return f"<Region {self.name!r} id={self.id} size={self.size} access={self.access}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def leases(self) -> int:
+        """Number of requests currently holding this region."""
+        return self._leases
+
+    def check_alignment(self, alignment: int) -> None:
+        if alignment > 1 and self.address % alignment:
+            raise AlignmentError(
+                f"region {self.name!r} starts at {self.address:#x}, not aligned to {alignment} "
+                "(memory.alignment); allocate it with Engine.allocate() or lower memory.alignment",
+                region=self.name,
+            )
+
+    def acquire(self) -> None:
+        """Take a lease; raises RegionClosedError if the region is gone."""
+        with self._cond:
+            if self._closed:
+                raise RegionClosedError(f"region {self.name!r} is unregistered", region=self.name)
+            self._leases += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._leases -= 1
+            if self._leases == 0:
+                self._cond.notify_all()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Mark unregistered once no lease is held (see Engine.unregister)."""
+        with self._cond:
+            if self._closed:
+                return
+            if self._leases and timeout is None:
+                raise RegionBusyError(
+                    f"region {self.name!r} has {self._leases} transfer(s) in flight; wait for them "
+                    "or pass a timeout to unregister()",
+                    region=self.name,
+                )
+            deadline = time.monotonic() + (timeout or 0)
+            while self._leases:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RegionBusyError(
+                        f"region {self.name!r} still has {self._leases} transfer(s) in flight after {timeout}s",
+                        region=self.name,
+                    )
+                self._cond.wait(left)
+            self._closed = True
+        for fin in reversed(self._finalizers):
+            fin()
+        self._finalizers.clear()
+        # Dropping our references is enough: the exporter (or its mmap) is freed
+        # once no transport slice refers to it any more.
+        self._owner = None
+
+    def add_finalizer(self, fn: Callable[[], None]) -> None:
+        self._finalizers.append(fn)
+
+    def slice(self, offset: int, length: int) -> memoryview:
+        return self.view[offset : offset + length]

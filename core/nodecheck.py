@@ -1,0 +1,897 @@
+"""Read-only node acceptance checks for hosts that run mpcomm.
+
+This module is a Python port of the seed design's node-check shell script::
+
+    echo '== CPU and NUMA =='          lscpu / numactl --hardware
+    echo '== Network interfaces =='    ip -br link / ibv_devinfo
+    echo '== Large memory pages =='    grep HugePages /proc/meminfo
+
+extended with what matters to a memory-transfer library: the locked-memory
+limit (RDMA and UCX pin registered memory), the size of ``/dev/shm`` (the shm
+transport's backing store), and whether cross-memory attach
+(``process_vm_readv``) works between processes of the same user.
+
+It reads ``/proc``, ``/sys``, ``resource`` limits and ``os.statvfs`` and never
+modifies the system: no sysctl, no module loading, no limit raising.  The only
+side effect is the cross-memory-attach probe, which forks a short-lived child
+process that is always killed and reaped before the probe returns.
+
+Every check is a small function.  An exception inside one check is turned into
+a ``WARN`` :class:`Check` carrying the error text; :func:`run_checks` never
+raises because one probe failed.
+
+Public API:
+
+* :class:`Status`, :class:`Check`
+* :func:`run_checks` -- all sections, in the order of :data:`SECTIONS`
+* :func:`manifest` -- component versions for reproducible deployment lists
+* :func:`worst_status`, :func:`format_report` -- small helpers for callers
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import glob
+import importlib
+import importlib.metadata
+import os
+import platform
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Iterable, Optional
+
+__all__ = [
+    "SECTIONS",
+    "Check",
+    "Status",
+    "format_report",
+    "manifest",
+    "run_checks",
+    "worst_status",
+]
+
+SECTIONS: tuple[str, ...] = ("cpu", "network", "rdma", "hugepages", "memory", "cma")
+
+_PROC_CPUINFO = "/proc/cpuinfo"
+_PROC_MEMINFO = "/proc/meminfo"
+_SYS_CPU = "/sys/devices/system/cpu"
+_SYS_NODE = "/sys/devices/system/node"
+_SYS_NET = "/sys/class/net"
+_SYS_IB = "/sys/class/infiniband"
+_SYS_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+_YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+_IFF_UP = 0x1
+_IFF_LOOPBACK = 0x8
+_RDMA_MTU = 4200  # smallest Ethernet MTU that carries a 4096-byte RoCE MTU
+
+_NUMA_HINT = "pin transfer threads to the NIC's NUMA node (numactl --cpunodebind)"
+_MTU_HINT = "for RDMA/RoCE use jumbo frames (MTU 9000) end to end"
+_NO_RDMA_HINT = (
+    "mpcomm will use tcp/shm/ucx; load the rdma drivers (ib_core, mlx5_ib) "
+    "for zero-copy RDMA"
+)
+_HUGEPAGES_HINT = (
+    "for pinned pools reserve huge pages: echo N > /proc/sys/vm/nr_hugepages"
+)
+_MEMLOCK_HINT = (
+    "ulimit -l unlimited / LimitMEMLOCK=infinity — RDMA and UCX pin registered memory"
+)
+_SHM_HINT = "enlarge /dev/shm (mount -o remount,size=... or docker --shm-size)"
+_PTRACE_HINT = (
+    "only descendants; shm transport falls back to mapping engine-allocated "
+    "regions, or run with CAP_SYS_PTRACE / prctl(PR_SET_PTRACER)"
+)
+
+
+class Status(str, Enum):
+    """Outcome of one check, ordered PASS/INFO < WARN < FAIL by severity."""
+
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+    INFO = "info"
+
+
+_SEVERITY: dict[Status, int] = {
+    Status.PASS: 0,
+    Status.INFO: 0,
+    Status.WARN: 1,
+    Status.FAIL: 2,
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One observation about the node."""
+
+    section: str
+    name: str
+    status: Status
+    value: str
+    hint: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        """Return a JSON-serialisable mapping (status as its string value)."""
+        return {
+            "section": self.section,
+            "name": self.name,
+            "status": Status(self.status).value,
+            "value": self.value,
+            "hint": self.hint,
+        }
+
+
+# --------------------------------------------------------------------------
+# small readers
+
+
+def _read_text(path: str) -> Optional[str]:
+    """Return the stripped contents of *path*, or None when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _parse_meminfo(text: str) -> dict[str, int]:
+    """Parse ``/proc/meminfo`` style text into bytes (kB fields) or counts."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        # "/sys/devices/system/node/nodeN/meminfo" lines start with "Node N "
+        line = re.sub(r"^Node\s+\d+\s+", "", line)
+        key, sep, rest = line.partition(":")
+        if not sep:
+            continue
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            number = int(parts[0])
+        except ValueError:
+            continue
+        if len(parts) > 1 and parts[1].lower() == "kb":
+            number *= 1024
+        out[key.strip()] = number
+    return out
+
+
+def _meminfo() -> dict[str, int]:
+    text = _read_text(_PROC_MEMINFO)
+    if text is None:
+        raise OSError(f"cannot read {_PROC_MEMINFO}")
+    return _parse_meminfo(text)
+
+
+def _human_bytes(n: int) -> str:
+    """Format a byte count with binary units (``1.5 GiB``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover - loop always returns
+
+
+def _cpuinfo_blocks() -> list[dict[str, str]]:
+    text = _read_text(_PROC_CPUINFO) or ""
+    blocks: list[dict[str, str]] = []
+    current: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if current:
+                blocks.append(current)
+                current = {}
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            current[key.strip()] = value.strip()
+    if current:
+        blocks.append(current)
+    return blocks
+
+
+def _guarded(section: str, name: str, fn: Callable[[], list[Check]]) -> list[Check]:
+    """Run one check function; convert any exception into a WARN Check."""
+    try:
+        return list(fn())
+    except Exception as exc:  # noqa: BLE001 - a check must never raise
+        return [
+            Check(
+                section,
+                name,
+                Status.WARN,
+                f"check failed: {type(exc).__name__}: {exc}",
+            )
+        ]
+
+
+# --------------------------------------------------------------------------
+# cpu
+
+
+def _check_cpu_model() -> list[Check]:
+    model = ""
+    for block in _cpuinfo_blocks():
+        for key in ("model name", "Model Name", "cpu model", "Processor", "cpu"):
+            if block.get(key):
+                model = block[key]
+                break
+        if model:
+            break
+    if not model:
+        model = platform.processor() or platform.machine() or "unknown"
+    return [Check("cpu", "model", Status.INFO, model)]
+
+
+def _check_cpu_count() -> list[Check]:
+    total = os.cpu_count()
+    usable: Optional[int] = None
+    if hasattr(os, "sched_getaffinity"):
+        usable = len(os.sched_getaffinity(0))
+    if total is None and usable is None:
+        return [Check("cpu", "logical_cpus", Status.WARN, "unknown")]
+    if usable is not None and total is not None and usable != total:
+        return [
+            Check(
+                "cpu",
+                "logical_cpus",
+                Status.INFO,
+                f"{usable} usable of {total}",
+                "this process is restricted by CPU affinity / cpuset",
+            )
+        ]
+    return [Check("cpu", "logical_cpus", Status.PASS, str(usable or total))]
+
+
+def _check_sockets() -> list[Check]:
+    ids = {b["physical id"] for b in _cpuinfo_blocks() if "physical id" in b}
+    source = "/proc/cpuinfo"
+    if not ids:
+        for path in glob.glob(f"{_SYS_CPU}/cpu[0-9]*/topology/physical_package_id"):
+            value = _read_text(path)
+            if value is not None:
+                ids.add(value)
+        source = "sysfs topology"
+    if not ids:
+        return [Check("cpu", "sockets", Status.INFO, "unknown (not exposed)")]
+    return [Check("cpu", "sockets", Status.INFO, f"{len(ids)} (from {source})")]
+
+
+def _node_sort_key(path: str) -> int:
+    match = re.search(r"node(\d+)$", path)
+    return int(match.group(1)) if match else 0
+
+
+def _check_numa() -> list[Check]:
+    nodes = sorted(
+        (p for p in glob.glob(f"{_SYS_NODE}/node[0-9]*") if os.path.isdir(p)),
+        key=_node_sort_key,
+    )
+    if not nodes:
+        return [
+            Check(
+                "cpu",
+                "numa_nodes",
+                Status.INFO,
+                "NUMA topology not exposed (no /sys/devices/system/node)",
+            )
+        ]
+    checks: list[Check] = []
+    if len(nodes) > 1:
+        checks.append(Check("cpu", "numa_nodes", Status.WARN, str(len(nodes)), _NUMA_HINT))
+    else:
+        checks.append(Check("cpu", "numa_nodes", Status.PASS, "1"))
+    for node in nodes:
+        name = os.path.basename(node)
+        cpulist = _read_text(os.path.join(node, "cpulist")) or "?"
+        mem_text = _read_text(os.path.join(node, "meminfo"))
+        mem = _parse_meminfo(mem_text).get("MemTotal") if mem_text else None
+        mem_s = _human_bytes(mem) if mem is not None else "?"
+        checks.append(
+            Check("cpu", f"numa.{name}", Status.INFO, f"cpus {cpulist or '-'}, MemTotal {mem_s}")
+        )
+    return checks
+
+
+# --------------------------------------------------------------------------
+# network
+
+
+def _iface_flag(iface_dir: str, flag: int) -> bool:
+    """Test one IFF_* bit of ``/sys/class/net/<iface>/flags`` (hex text)."""
+    flags = _read_text(os.path.join(iface_dir, "flags"))
+    try:
+        return flags is not None and bool(int(flags, 16) & flag)
+    except ValueError:
+        return False
+
+
+def _iface_is_up(iface_dir: str, operstate: str) -> bool:
+    if operstate == "up":
+        return True
+    if operstate == "unknown":  # loopback, tun and some virtual devices
+        return _iface_flag(iface_dir, _IFF_UP)
+    return False
+
+
+def _check_network() -> list[Check]:
+    if not os.path.isdir(_SYS_NET):
+        return [Check("network", "interfaces", Status.WARN, f"{_SYS_NET} not readable")]
+    checks: list[Check] = []
+    up_non_lo = 0
+    for name in sorted(os.listdir(_SYS_NET)):
+        d = os.path.join(_SYS_NET, name)
+        operstate = _read_text(os.path.join(d, "operstate")) or "unknown"
+        mtu_s = _read_text(os.path.join(d, "mtu")) or "?"
+        address = _read_text(os.path.join(d, "address")) or "-"
+        speed = _read_text(os.path.join(d, "speed"))  # EINVAL on many virtual NICs
+        virtual = not os.path.exists(os.path.join(d, "device"))
+        parts = [operstate, f"mtu {mtu_s}", address]
+        if speed is not None and speed.lstrip("-").isdigit() and int(speed) > 0:
+            parts.append(f"{int(speed)} Mb/s")
+        if virtual:
+            parts.append("virtual")
+        value = ", ".join(parts)
+        is_up = _iface_is_up(d, operstate)
+        loopback = name == "lo" or _iface_flag(d, _IFF_LOOPBACK)
+        if loopback:
+            checks.append(Check("network", f"iface.{name}", Status.INFO, value))
+            continue
+        if not is_up:
+            checks.append(
+                Check("network", f"iface.{name}", Status.WARN, value, "interface is down")
+            )
+            continue
+        up_non_lo += 1
+        try:
+            mtu = int(mtu_s)
+        except ValueError:
+            mtu = -1
+        if 0 <= mtu < _RDMA_MTU:
+            checks.append(Check("network", f"iface.{name}", Status.INFO, value, _MTU_HINT))
+        else:
+            checks.append(Check("network", f"iface.{name}", Status.PASS, value))
+    if up_non_lo:
+        checks.insert(
+            0, Check("network", "interfaces_up", Status.PASS, f"{up_non_lo} non-loopback up")
+        )
+    else:
+        checks.insert(
+            0,
+            Check(
+                "network",
+                "interfaces_up",
+                Status.WARN,
+                "no non-loopback interface is up",
+                "only same-host transports (shm, tcp over lo) can work; "
+                "containers may have only lo",
+            ),
+        )
+    return checks
+
+
+# --------------------------------------------------------------------------
+# rdma
+
+
+def _ib_port_state(raw: Optional[str]) -> str:
+    # sysfs state reads like "4: ACTIVE"
+    if not raw:
+        return "?"
+    return raw.split(":", 1)[-1].strip() or raw
+
+
+def _check_rdma_devices() -> list[Check]:
+    devices = sorted(os.listdir(_SYS_IB)) if os.path.isdir(_SYS_IB) else []
+    if not devices:
+        return [Check("rdma", "devices", Status.INFO, "no RDMA devices", _NO_RDMA_HINT)]
+    checks: list[Check] = []
+    any_active = False
+    for dev in devices:
+        ddir = os.path.join(_SYS_IB, dev)
+        ports_dir = os.path.join(ddir, "ports")
+        port_desc: list[str] = []
+        dev_active = False
+        ports = os.listdir(ports_dir) if os.path.isdir(ports_dir) else []
+        for port in sorted(ports, key=lambda p: int(p) if p.isdigit() else 0):
+            pdir = os.path.join(ports_dir, port)
+            link_layer = _read_text(os.path.join(pdir, "link_layer")) or "?"
+            state = _ib_port_state(_read_text(os.path.join(pdir, "state")))
+            rate = _read_text(os.path.join(pdir, "rate"))
+            desc = f"port {port}: {link_layer} {state}"
+            if rate:
+                desc += f" ({rate})"
+            port_desc.append(desc)
+            if state.upper() == "ACTIVE":
+                dev_active = True
+        fw = _read_text(os.path.join(ddir, "fw_ver"))
+        value = f"hca_id {dev}"
+        if fw:
+            value += f", fw {fw}"
+        value += "; " + ("; ".join(port_desc) if port_desc else "no ports")
+        any_active = any_active or dev_active
+        checks.append(
+            Check(
+                "rdma",
+                f"device.{dev}",
+                Status.PASS if dev_active else Status.WARN,
+                value,
+                "" if dev_active else "no ACTIVE port: check cabling / subnet manager",
+            )
+        )
+    uverbs = glob.glob("/dev/infiniband/uverbs*")
+    if uverbs:
+        checks.append(
+            Check("rdma", "uverbs", Status.PASS, f"{len(uverbs)} /dev/infiniband/uverbs* nodes")
+        )
+    else:
+        checks.append(
+            Check(
+                "rdma",
+                "uverbs",
+                Status.WARN,
+                "RDMA devices present but no /dev/infiniband/uverbs*",
+                "load ib_uverbs, or pass --device=/dev/infiniband into the container",
+            )
+        )
+    checks.insert(
+        0,
+        Check(
+            "rdma",
+            "devices",
+            Status.PASS if any_active else Status.WARN,
+            f"{len(devices)} device(s): {', '.join(devices)}",
+        ),
+    )
+    return checks
+
+
+def _has_rdma_devices() -> bool:
+    return os.path.isdir(_SYS_IB) and bool(os.listdir(_SYS_IB))
+
+
+def _check_rdma_userspace() -> list[Check]:
+    have_devices = _has_rdma_devices()
+    checks: list[Check] = []
+    tool = shutil.which("ibv_devinfo")
+    checks.append(
+        Check(
+            "rdma",
+            "ibv_devinfo",
+            Status.INFO,
+            tool if tool else "ibv_devinfo is not installed",
+            "" if tool else "install ibverbs-utils (rdma-core) for manual RDMA inspection",
+        )
+    )
+    lib = ctypes.util.find_library("ibverbs")
+    if lib:
+        checks.append(Check("rdma", "libibverbs", Status.PASS if have_devices else Status.INFO, lib))
+    else:
+        checks.append(
+            Check(
+                "rdma",
+                "libibverbs",
+                Status.WARN if have_devices else Status.INFO,
+                "libibverbs.so.1 not found",
+                "install libibverbs1 / rdma-core to use the rdma_zerocopy transport",
+            )
+        )
+    return checks
+
+
+# --------------------------------------------------------------------------
+# hugepages
+
+
+def _check_hugepages() -> list[Check]:
+    info = _meminfo()
+    total = info.get("HugePages_Total")
+    free = info.get("HugePages_Free")
+    size = info.get("Hugepagesize")
+    if total is None:
+        return [Check("hugepages", "hugepages", Status.INFO, "not reported by /proc/meminfo")]
+    size_s = _human_bytes(size) if size is not None else "?"
+    value = f"{total} total, {free if free is not None else '?'} free, size {size_s}"
+    if total == 0:
+        return [Check("hugepages", "hugepages", Status.INFO, value, _HUGEPAGES_HINT)]
+    return [Check("hugepages", "hugepages", Status.PASS, value)]
+
+
+def _check_thp() -> list[Check]:
+    raw = _read_text(_SYS_THP)
+    if raw is None:
+        return [Check("hugepages", "transparent_hugepage", Status.INFO, "not available")]
+    match = re.search(r"\[(\w+)\]", raw)
+    mode = match.group(1) if match else raw
+    return [Check("hugepages", "transparent_hugepage", Status.INFO, mode)]
+
+
+# --------------------------------------------------------------------------
+# memory
+
+
+def _check_memlock(min_memlock_bytes: int) -> list[Check]:
+    import resource  # POSIX only; ImportError becomes a WARN via _guarded
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+    def fmt(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else _human_bytes(v)
+
+    value = f"soft {fmt(soft)}, hard {fmt(hard)}"
+    if soft != resource.RLIM_INFINITY and soft < min_memlock_bytes:
+        return [
+            Check(
+                "memory",
+                "memlock",
+                Status.WARN,
+                f"{value} (< {_human_bytes(min_memlock_bytes)})",
+                _MEMLOCK_HINT,
+            )
+        ]
+    return [Check("memory", "memlock", Status.PASS, value)]
+
+
+def _check_shm(shm_path: str, min_shm_bytes: int) -> list[Check]:
+    if not os.path.exists(shm_path):
+        return [
+            Check(
+                "memory",
+                "shm",
+                Status.FAIL,
+                f"{shm_path} is missing",
+                "mount a tmpfs on /dev/shm; the shm transport needs it",
+            )
+        ]
+    if not os.path.isdir(shm_path):
+        return [Check("memory", "shm", Status.FAIL, f"{shm_path} is not a directory")]
+    st = os.statvfs(shm_path)
+    size = st.f_blocks * st.f_frsize
+    free = st.f_bavail * st.f_frsize
+    value = f"{shm_path}: size {_human_bytes(size)}, free {_human_bytes(free)}"
+    if not os.access(shm_path, os.W_OK | os.X_OK):
+        return [Check("memory", "shm", Status.FAIL, f"{value}, not writable by this user")]
+    if free < min_shm_bytes:
+        return [
+            Check(
+                "memory",
+                "shm",
+                Status.WARN,
+                f"{value} (< {_human_bytes(min_shm_bytes)} free)",
+                _SHM_HINT,
+            )
+        ]
+    return [Check("memory", "shm", Status.PASS, value)]
+
+
+def _check_system_memory() -> list[Check]:
+    total: Optional[int]
+    avail: Optional[int]
+    try:
+        info = _meminfo()
+        total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    except OSError:
+        total = avail = None
+    if total is None:
+        try:
+            import psutil  # type: ignore[import-not-found]
+
+            vm = psutil.virtual_memory()
+            total, avail = int(vm.total), int(vm.available)
+        except Exception:  # noqa: BLE001 - optional dependency
+            pass
+    if total is None:
+        return [Check("memory", "total", Status.WARN, "unknown")]
+    checks = [Check("memory", "total", Status.INFO, _human_bytes(total))]
+    if avail is not None:
+        checks.append(Check("memory", "available", Status.INFO, _human_bytes(avail)))
+    return checks
+
+
+# --------------------------------------------------------------------------
+# cma (cross-memory attach)
+
+
+def _check_ptrace_scope() -> list[Check]:
+    raw = _read_text(_YAMA_PTRACE_SCOPE)
+    if raw is None:
+        return [
+            Check(
+                "cma",
+                "ptrace_scope",
+                Status.PASS,
+                "yama not enabled: same-user process_vm_readv allowed",
+            )
+        ]
+    if raw == "0":
+        return [Check("cma", "ptrace_scope", Status.PASS, "0 (classic: same-user allowed)")]
+    if raw == "1":
+        return [Check("cma", "ptrace_scope", Status.WARN, "1 (restricted)", _PTRACE_HINT)]
+    if raw == "2":
+        return [
+            Check(
+                "cma",
+                "ptrace_scope",
+                Status.WARN,
+                "2 (admin-only: CAP_SYS_PTRACE required)",
+                "shm transport cannot use process_vm_readv without CAP_SYS_PTRACE; "
+                "it falls back to mapping engine-allocated regions",
+            )
+        ]
+    if raw == "3":
+        return [
+            Check(
+                "cma",
+                "ptrace_scope",
+                Status.WARN,
+                "3 (no attach: process_vm_readv disabled until reboot)",
+                "shm transport falls back to mapping engine-allocated regions",
+            )
+        ]
+    return [Check("cma", "ptrace_scope", Status.WARN, f"unexpected value {raw!r}")]
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def _probe_process_vm_readv(timeout_s: float = 5.0) -> tuple[bool, str]:
+    """Fork a child, then read a buffer from it with ``process_vm_readv``.
+
+    The buffer is allocated before the fork, so it sits at the same virtual
+    address in the child; the child overwrites it (copy-on-write) with its own
+    marker, which the parent must see.  The child waits on a pipe with a
+    timeout and is always SIGKILLed and reaped before this returns.
+    """
+    libc_name = ctypes.util.find_library("c") or "libc.so.6"
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    readv = libc.process_vm_readv  # AttributeError on libcs without it
+    readv.restype = ctypes.c_ssize_t
+    readv.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+
+    parent_marker = b"mpcomm-cma-probe-parent\0"
+    child_marker = b"mpcomm-cma-probe-child!\0"
+    size = len(child_marker)
+    shared = ctypes.create_string_buffer(parent_marker, size)
+    remote_addr = ctypes.addressof(shared)
+
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about fork() in multi-threaded processes; the
+        # child only touches its own buffer and pipes before os._exit().
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.close(ready_r)
+            os.close(hold_w)
+            ctypes.memmove(remote_addr, child_marker, size)
+            os.write(ready_w, b"1")
+            select.select([hold_r], [], [], timeout_s + 5.0)
+        finally:
+            os._exit(0)
+
+    # parent
+    try:
+        os.close(ready_w)
+        os.close(hold_r)
+        ready, _, _ = select.select([ready_r], [], [], timeout_s)
+        if not ready or os.read(ready_r, 1) != b"1":
+            return False, f"probe child did not start within {timeout_s:.0f}s"
+        out = ctypes.create_string_buffer(size)
+        local_iov = _IoVec(ctypes.cast(out, ctypes.c_void_p), size)
+        remote_iov = _IoVec(ctypes.c_void_p(remote_addr), size)
+        ctypes.set_errno(0)
+        n = readv(pid, ctypes.byref(local_iov), 1, ctypes.byref(remote_iov), 1, 0)
+        if n < 0:
+            err = ctypes.get_errno()
+            name = errno.errorcode.get(err, str(err))
+            return False, f"process_vm_readv failed: {name} ({os.strerror(err)})"
+        if out.raw[:size] != child_marker:
+            return False, f"process_vm_readv read {n} bytes but not the child's data"
+        return True, f"read {n} bytes from a forked child (pid {pid})"
+    finally:
+        for fd in (ready_r, hold_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _check_cma_probe() -> list[Check]:
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return [Check("cma", "process_vm_readv", Status.INFO, f"not Linux ({sys.platform})")]
+    ok, detail = _probe_process_vm_readv()
+    if ok:
+        return [Check("cma", "process_vm_readv", Status.PASS, detail)]
+    hint = (
+        "shm transport falls back to mapping engine-allocated regions; check "
+        "ptrace_scope, CAP_SYS_PTRACE and the container's seccomp profile"
+    )
+    if "ENOSYS" in detail:
+        hint = "kernel lacks CONFIG_CROSS_MEMORY_ATTACH or seccomp blocks it; " + hint
+    return [Check("cma", "process_vm_readv", Status.WARN, detail, hint)]
+
+
+# --------------------------------------------------------------------------
+# public API
+
+
+def run_checks(
+    *,
+    shm_path: str = "/dev/shm",
+    min_shm_bytes: int = 1 << 30,
+    min_memlock_bytes: int = 64 << 20,
+) -> list[Check]:
+    """Run every read-only node check and return the results in section order.
+
+    Sections are those of :data:`SECTIONS`.  No check raises: a failing probe
+    becomes a ``WARN`` Check whose value carries the error text.
+    """
+    plan: list[tuple[str, str, Callable[[], list[Check]]]] = [
+        ("cpu", "model", _check_cpu_model),
+        ("cpu", "logical_cpus", _check_cpu_count),
+        ("cpu", "sockets", _check_sockets),
+        ("cpu", "numa_nodes", _check_numa),
+        ("network", "interfaces", _check_network),
+        ("rdma", "devices", _check_rdma_devices),
+        ("rdma", "userspace", _check_rdma_userspace),
+        ("hugepages", "hugepages", _check_hugepages),
+        ("hugepages", "transparent_hugepage", _check_thp),
+        ("memory", "memlock", lambda: _check_memlock(min_memlock_bytes)),
+        ("memory", "shm", lambda: _check_shm(shm_path, min_shm_bytes)),
+        ("memory", "system", _check_system_memory),
+        ("cma", "ptrace_scope", _check_ptrace_scope),
+        ("cma", "process_vm_readv", _check_cma_probe),
+    ]
+    checks: list[Check] = []
+    for section, name, fn in plan:
+        checks.extend(_guarded(section, name, fn))
+    return checks
+
+
+def worst_status(checks: Iterable[Check]) -> Status:
+    """Return the most severe status (FAIL > WARN > PASS); PASS when empty."""
+    worst = Status.PASS
+    for check in checks:
+        if _SEVERITY[Status(check.status)] > _SEVERITY[worst]:
+            worst = Status(check.status)
+    return worst
+
+
+def format_report(checks: Iterable[Check]) -> str:
+    """Render checks as plain text grouped by section (``== cpu ==`` headers)."""
+    lines: list[str] = []
+    section: Optional[str] = None
+    for check in checks:
+        if check.section != section:
+            section = check.section
+            lines.append(f"== {section} ==")
+        status = Status(check.status).value.upper()
+        lines.append(f"[{status:<4}] {check.name}: {check.value}")
+        if check.hint:
+            lines.append(f"       hint: {check.hint}")
+    return "\n".join(lines)
+
+
+def _dist_version(*names: str) -> Optional[str]:
+    """Return ``version`` of the first installed distribution among *names*."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001 - broken metadata must not break manifest
+            continue
+    return None
+
+
+def _dist_version_labelled(*names: str) -> str:
+    for name in names:
+        version = _dist_version(name)
+        if version is not None:
+            return version if len(names) == 1 else f"{version} ({name})"
+    return "not installed"
+
+
+def _rdma_core_version() -> str:
+    commands: list[list[str]] = []
+    if shutil.which("dpkg-query"):
+        commands.append(["dpkg-query", "-W", "-f=${Version}", "rdma-core"])
+    if shutil.which("rpm"):
+        commands.append(["rpm", "-q", "--qf", "%{VERSION}-%{RELEASE}", "rdma-core"])
+    if not commands:
+        return "unknown"
+    for cmd in commands:
+        try:
+            proc = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=2,
+                check=False,
+                stdin=subprocess.DEVNULL,
+            )
+        except (OSError, subprocess.SubprocessError):
+            continue
+        out = proc.stdout.strip()
+        if proc.returncode == 0 and out:
+            return out
+    return "not installed"
+
+
+def _pyverbs_version() -> str:
+    version = _dist_version("pyverbs")
+    if version is not None:
+        return version
+    try:
+        module = importlib.import_module("pyverbs")
+    except BaseException:  # noqa: BLE001 - import may fail in arbitrary ways
+        return "not installed"
+    try:
+        return str(getattr(module, "__version__", "installed (version unknown)"))
+    except Exception:  # noqa: BLE001
+        return "installed (version unknown)"
+
+
+def manifest(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """Return component versions for reproducible deployment lists.
+
+    Keys: python, implementation, platform, kernel, arch, glibc, mpcomm,
+    pluggy, opentelemetry-api, typer, numpy, ucxx, libucx, rdma-core, pyverbs.
+    Missing packages read ``"not installed"``.  *extra* (for example plugin
+    versions added by the caller) is merged in last and wins on conflicts.
+    """
+    uname = os.uname() if hasattr(os, "uname") else None
+    libc_name, libc_version = platform.libc_ver()
+    out: dict[str, str] = {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "kernel": f"{uname.sysname} {uname.release}" if uname else platform.release(),
+        "arch": uname.machine if uname else platform.machine(),
+        "glibc": libc_version if libc_name == "glibc" and libc_version else (
+            f"{libc_name} {libc_version}".strip() or "unknown"
+        ),
+        "mpcomm": _dist_version_labelled("mpcomm"),
+        "pluggy": _dist_version_labelled("pluggy"),
+        "opentelemetry-api": _dist_version_labelled("opentelemetry-api"),
+        "typer": _dist_version_labelled("typer"),
+        "numpy": _dist_version_labelled("numpy"),
+        "ucxx": _dist_version_labelled("ucxx-cu12", "ucxx-cu11", "ucxx"),
+        "libucx": _dist_version_labelled("libucx-cu12", "libucx-cu11", "libucx"),
+        "rdma-core": _rdma_core_version(),
+        "pyverbs": _pyverbs_version(),
+    }
+    if extra:
+        out.update({str(k): str(v) for k, v in extra.items()})
+    return out

@@ -1,0 +1,1 @@
+"""In-tree transport plugins; each registers through the mpcomm.transports entry-point group."""

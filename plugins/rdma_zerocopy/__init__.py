@@ -1,0 +1,1 @@
+"""The rdma_zerocopy transport plugin (in progress)."""

@@ -1,0 +1,1 @@
+"""The shm transport plugin (in progress)."""

@@ -1,0 +1,1 @@
+"""The ucx transport plugin (in progress)."""
