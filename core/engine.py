@@ -151,7 +151,8 @@ class Engine:
     Args:
         config: a :class:`Config`, a TOML path, a dict, or None.
         endpoint: overrides ``transport.endpoint``.
-        transports: overrides ``transport.order`` (names, most preferred first).
+        transports: exactly these transports, most preferred first (overrides
+            ``transport.name`` and ``transport.order``).
         secret: overrides ``transport.secret`` (else ``MPCOMM_SECRET``).
         plugins: extra plugin objects (modules with hookimpls) to load.
         autoload: load entry-point plugins (default: unless
@@ -174,9 +175,7 @@ class Engine:
         overrides: dict[str, Any] = {}
         if endpoint is not None:
             overrides["endpoint"] = endpoint
-        if transports is not None:
-            overrides["order"] = list(transports)
-            overrides["name"] = "auto"
+        self._exact_order = list(transports) if transports is not None else None
         if secret is not None:
             overrides["secret"] = secret
         elif not cfg.transport.secret and os.environ.get("MPCOMM_SECRET"):
@@ -252,6 +251,8 @@ class Engine:
     # -- transports -----------------------------------------------------------
 
     def _transport_order(self) -> list[str]:
+        if self._exact_order is not None:
+            return self._exact_order
         t = self.config.transport
         if t.name != "auto":
             return [t.name]
@@ -551,24 +552,67 @@ class Engine:
         """Read ``length`` bytes of ``remote`` into ``dst`` (a Region or a writable buffer)."""
         return self._submit_one(Request("read", dst, remote, remote_offset, length, local_offset, notify, timeout))
 
-    def submit(self, requests: Sequence[Request], timeout: float | None = None) -> Batch:
-        """Submit many requests in one call; every request is validated before any is posted."""
+    def submit(self, requests: Sequence[Request], timeout: float | None = None, *, post: bool = True) -> Batch:
+        """Submit many requests in one call; every request is validated before any is posted.
+
+        From here until each handle is done, its local region is leased. With
+        ``post=False`` the handles stay PENDING (cancel() always succeeds on
+        them) until :meth:`post` is called: the staging step of a
+        prepare-then-submit caller.
+        """
         prepared = [self._prepare(r, timeout) for r in requests]
-        transfers = [p[1] for p in prepared]
-        batch = Batch(transfers)
         for i, (op, _t) in enumerate(prepared):
+            try:
+                self._hold(op)
+            except BaseException as exc:
+                for earlier, _ in prepared[:i]:
+                    self._abandon(earlier, exc)
+                raise
+        batch = Batch([t for _, t in prepared])
+        batch._ops = [op for op, _ in prepared]  # type: ignore[attr-defined]
+        if post:
+            self.post(batch)
+        return batch
+
+    def post(self, batch: Batch) -> Batch:
+        """Post the members of a ``submit(..., post=False)`` batch that were not cancelled."""
+        ops: list[Operation] = getattr(batch, "_ops", [])
+        for i, op in enumerate(ops):
+            if op.transfer.done():
+                continue
             try:
                 self._launch(op)
             except BaseException as exc:
-                for later, _ in prepared[i:]:
+                for later in ops[i:]:
                     self._abandon(later, exc)
                 raise
         return batch
 
     def _submit_one(self, request: Request) -> Transfer:
         op, transfer = self._prepare(request, None)
-        self._launch(op)
+        self._hold(op)
+        try:
+            self._launch(op)
+        except BaseException as exc:
+            self._abandon(op, exc)
+            raise
         return transfer
+
+    def _hold(self, op: Operation) -> None:
+        """Lease the local region until the handle is done (released by its finalizer)."""
+        op.local.acquire()
+        op.transfer._add_finalizer(op.local.release)
+        if op._ephemeral:  # type: ignore[attr-defined]
+            op.transfer._add_finalizer(lambda: self._drop_ephemeral(op.local))
+
+    def _drop_ephemeral(self, region: Region) -> None:
+        for name, t in self._transports.items():
+            if name in region.transport_info:
+                try:
+                    t.unregister(region)
+                except Exception:  # noqa: BLE001
+                    log.exception("transport %s failed to unregister an ephemeral buffer", name)
+        region.transport_info.clear()
 
     def _prepare(self, req: Request, batch_timeout: float | None) -> tuple[Operation, Transfer]:
         self._check_open()
@@ -621,8 +665,10 @@ class Engine:
         return op, transfer
 
     def _abandon(self, op: Operation, exc: BaseException) -> None:
-        if not op.transfer.done():
-            op.transfer.set_running_or_notify_cancel()
+        """Finish a handle that never got posted (its leases go with it)."""
+        if op.transfer.done():
+            return
+        if op.transfer.set_running_or_notify_cancel():
             op.transfer._fail(exc if isinstance(exc, MpcommError) else MpcommError(str(exc)))
 
     def _acquire_slot(self, op: Operation) -> None:
@@ -682,12 +728,10 @@ class Engine:
             info = transport.register(op.local)
             if info is not None:
                 op.local.transport_info[transport.name] = info
+        if transfer.done():  # cancelled while we connected
+            return
         self._acquire_slot(op)
-        try:
-            op.local.acquire()
-        except BaseException:
-            self._slots.release()
-            raise
+        transfer._add_finalizer(self._slots.release)
         op.transport = transport
         with self._lock:
             self._inflight.add(op)
@@ -697,7 +741,9 @@ class Engine:
             op.before_complete = lambda: self._send_notify(remote, notify, max(op.time_left(), 0.001))
         transfer._canceller = lambda timeout: self._cancel_posted(op, timeout)
         if not transfer._mark_posted(transport.name):
-            self._on_op_finish(op)
+            with self._lock:
+                self._inflight.discard(op)
+            transfer._run_finalizers()  # cancelled meanwhile: finalizers added since then
             return
         if self.telemetry.enabled:
             self.telemetry.on_post(op, transport.name)
@@ -710,23 +756,11 @@ class Engine:
             log.exception("transport %s failed to post", transport.name)
             op.fail(MpcommError(f"transport {transport.name} failed: {exc}"))
 
-    def _on_op_finish(self, op: Operation) -> None:
+    def _on_op_finish(self, op: Operation, error: BaseException | None) -> None:
         with self._lock:
-            if op not in self._inflight:
-                return
             self._inflight.discard(op)
-        op.local.release()
-        self._slots.release()
-        if op._ephemeral:  # type: ignore[attr-defined]
-            for name, t in self._transports.items():
-                if name in op.local.transport_info:
-                    try:
-                        t.unregister(op.local)
-                    except Exception:  # noqa: BLE001
-                        log.exception("transport %s failed to unregister an ephemeral buffer", name)
         if self.telemetry.enabled and op.transport is not None:
-            exc = op.transfer.exception() if op.transfer.done() and not op.transfer.cancelled() else None
-            self.telemetry.on_finish(op, op.transport.name, exc if exc is not None else op.abort_exc)
+            self.telemetry.on_finish(op, op.transport.name, error)
 
     def _on_deadline(self, op: Operation) -> None:
         if op.done:
@@ -745,7 +779,8 @@ class Engine:
             "bytes may still land in the destination range",
             region=op.remote.name, peer=op.remote.address,
         )
-        if op._finish():
+        err.confirmed = False
+        if op._finish(err):
             op.transfer._fail(err)
 
     def _cancel_posted(self, op: Operation, timeout: float | None) -> bool:

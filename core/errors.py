@@ -158,6 +158,9 @@ class TransferTimeout(TransferError, TimeoutError):
 
     code = "timeout"
     retryable = True
+    #: False when the transport could not confirm, within ``runtime.abort_grace_ms``
+    #: after the deadline, that the request stopped: then bytes may still land.
+    confirmed: bool = True
 
 
 class PeerConnectionError(TransferError, ConnectionError):

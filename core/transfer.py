@@ -251,7 +251,7 @@ class Operation:
     before_complete: Callable[[], None] | None = None
     _done: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _on_finish: list[Callable[[Operation], None]] = field(default_factory=list)
+    _on_finish: list[Callable[[Operation, BaseException | None], None]] = field(default_factory=list)
 
     @property
     def local_view(self) -> memoryview:
@@ -280,13 +280,13 @@ class Operation:
             except Exception:
                 log.exception("transport %s failed to abort", self.transport.name)
 
-    def _finish(self) -> bool:
+    def _finish(self, error: BaseException | None) -> bool:
         with self._lock:
             if self._done:
                 return False
             self._done = True
         for fn in self._on_finish:
-            fn(self)
+            fn(self, error)
         return True
 
     def complete(self, nbytes: int | None = None) -> None:
@@ -297,7 +297,7 @@ class Operation:
             except BaseException as exc:  # noqa: BLE001
                 self.fail(exc if isinstance(exc, MpcommError) else MpcommError(f"after the data landed: {exc}"))
                 return
-        if self._finish():
+        if self._finish(None):
             self.transfer._complete(self.length if nbytes is None else nbytes)
 
     def fail(self, exc: BaseException) -> None:
@@ -310,7 +310,7 @@ class Operation:
             if isinstance(self.abort_exc, MpcommError) and exc is not self.abort_exc:
                 self.abort_exc.__cause__ = self.abort_exc.__cause__ or (exc if exc is not self.abort_exc else None)
             exc = self.abort_exc
-        if self._finish():
+        if self._finish(exc):
             self.transfer._fail(exc)
 
 

@@ -464,7 +464,7 @@ class TcpTransport(Transport):
     def _fence(self, conn: _Conn) -> None:
         """After aborting a write, wait until the target has stopped with it."""
         sock = conn.sock
-        sock.settimeout(self.ctx.config.runtime.abort_grace_ms / 1000)
+        sock.settimeout(self._fence_time())
         try:
             while sock.recv(65536):
                 pass
@@ -484,6 +484,23 @@ class TcpTransport(Transport):
                 c.sock.shutdown(how)
             except OSError:
                 pass
+            if how == socket.SHUT_WR:
+                # A stalled target never answers the half-close; wake the
+                # executing thread after the fence time. From then on the
+                # target's own deadline check refuses what it has not started.
+                timer = threading.Timer(self._fence_time(), self._hard_close, args=(c,))
+                timer.daemon = True
+                timer.start()
+
+    def _fence_time(self) -> float:
+        return self.ctx.config.runtime.abort_grace_ms / 2000
+
+    @staticmethod
+    def _hard_close(conn: _Conn) -> None:
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def peer_changed(self, peer: PeerInfo) -> None:
         info = peer.transports.get(self.name) or {}

@@ -1,0 +1,28 @@
+"""mpcomm.testing: the public conformance kit for transports.
+
+Every transport — in-tree or third-party — must pass the same checks, run
+between two real processes (:mod:`mpcomm.testing.kit`). Three ways to run them:
+
+* without pytest::
+
+      from mpcomm.testing import run_conformance
+      report = run_conformance("mytransport")
+      print(report.summary()); assert report.ok
+
+* from the command line: ``python -m mpcomm.testing mytransport``;
+
+* with pytest: the plugin registered through the ``pytest11`` entry point
+  provides the fixture ``mpcomm_conformance`` (one environment per available
+  transport, or per ``--mpcomm-transport NAME``) and ``mpcomm_check`` (each
+  check), so a plugin author's whole test is::
+
+      def test_conformance(mpcomm_conformance, mpcomm_check):
+          mpcomm_check(mpcomm_conformance)
+"""
+
+from __future__ import annotations
+
+from .kit import CHECKS, CheckResult, ConformanceEnv, Report, Skip, TargetProcess, run_conformance
+from .patterns import pattern
+
+__all__ = ["CHECKS", "CheckResult", "ConformanceEnv", "Report", "Skip", "TargetProcess", "pattern", "run_conformance"]

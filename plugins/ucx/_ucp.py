@@ -1,0 +1,596 @@
+"""Minimal ctypes binding to UCX's UCP API for one-sided RMA (put/get).
+
+ucxx does not wrap RMA, so we talk to libucp directly.  Struct layouts below
+were checked with offsetof() against the headers shipped in libucx-cu12 1.21.0
+(site-packages/libucx/include/ucp/api/ucp.h).  UCP structs only grow at the
+end and every field is gated by a field_mask bit, so these layouts stay valid
+for later 1.x releases; we refuse major versions other than 1.
+
+Importing this module never touches UCX; call load() (done implicitly by
+Context) which raises UcxUnavailable with a reason when UCX can't be used.
+"""
+from __future__ import annotations
+
+import ctypes as C
+import os
+import select
+import tempfile
+import time
+
+# --- constants (values verified against UCX 1.21 headers) -------------------
+UCS_OK, UCS_INPROGRESS = 0, 1
+UCS_ERR_BUSY, UCS_ERR_TIMED_OUT, UCS_ERR_LAST = -15, -20, -100
+UCS_ERR_CANCELED, UCS_ERR_CONNECTION_RESET, UCS_ERR_ENDPOINT_TIMEOUT = -16, -25, -80
+
+FEATURE_TAG, FEATURE_RMA, FEATURE_AMO32, FEATURE_AMO64, FEATURE_WAKEUP = 1, 2, 4, 8, 16
+THREAD_SINGLE, THREAD_SERIALIZED, THREAD_MULTI = 0, 1, 2
+
+_PARAM_FIELD_FEATURES, _PARAM_FIELD_MT_WORKERS_SHARED = 1 << 0, 1 << 5
+_WORKER_PARAM_FIELD_THREAD_MODE = 1 << 0
+_WORKER_ATTR_FIELD_THREAD_MODE = 1 << 0
+_EP_FIELD_REMOTE_ADDRESS, _EP_FIELD_ERR_MODE, _EP_FIELD_ERR_HANDLER = 1, 2, 4
+_ERR_MODE_NONE, _ERR_MODE_PEER = 0, 1
+_MM_FIELD_ADDRESS, _MM_FIELD_LENGTH, _MM_FIELD_FLAGS, _MM_FIELD_PROT = 1, 2, 4, 8
+PROT_LOCAL_READ, PROT_LOCAL_WRITE, PROT_REMOTE_READ, PROT_REMOTE_WRITE = 1, 2, 1 << 8, 1 << 9
+_MM_ALLOCATE = 1 << 1
+_MEM_ATTR_ADDRESS, _MEM_ATTR_LENGTH = 1, 2
+_OP_ATTR_FIELD_FLAGS, _OP_ATTR_FIELD_MEMH = 1 << 4, 1 << 8
+_EP_CLOSE_FLAG_FORCE = 1 << 0
+
+_API_MAJOR, _API_MINOR = 1, 21  # header version the layouts were checked against
+
+
+class UcxUnavailable(RuntimeError):
+    """UCX cannot be loaded here; str(exc) is the reason."""
+
+
+class UcxError(RuntimeError):
+    def __init__(self, status: int, message: str = "", where: str = ""):
+        self.status = status
+        self.message = message or status_string(status)
+        super().__init__(f"{where + ': ' if where else ''}{self.message} (ucs_status {status})")
+
+
+# --- structs ------------------------------------------------------------------
+class _Params(C.Structure):
+    _fields_ = [("field_mask", C.c_uint64), ("features", C.c_uint64),
+                ("request_size", C.c_size_t), ("request_init", C.c_void_p),
+                ("request_cleanup", C.c_void_p), ("tag_sender_mask", C.c_uint64),
+                ("mt_workers_shared", C.c_int), ("estimated_num_eps", C.c_size_t),
+                ("estimated_num_ppn", C.c_size_t), ("name", C.c_char_p),
+                ("node_local_id", C.c_size_t)]                            # 88 bytes
+
+
+class _WorkerParams(C.Structure):
+    _fields_ = [("field_mask", C.c_uint64), ("thread_mode", C.c_int),
+                ("cpu_mask", C.c_uint64 * 16), ("events", C.c_uint),
+                ("user_data", C.c_void_p), ("event_fd", C.c_int),
+                ("flags", C.c_uint64), ("name", C.c_char_p),
+                ("am_alignment", C.c_size_t), ("client_id", C.c_uint64)]  # 200 bytes
+
+
+class _WorkerAttr(C.Structure):
+    # Only the prefix we read; the padding covers the rest (80 bytes total).
+    _fields_ = [("field_mask", C.c_uint64), ("thread_mode", C.c_int),
+                ("_rest", C.c_uint8 * 68)]
+
+
+# ucs_status_t is declared UCS_S_PACKED: a 1-byte enum. Declaring it c_int
+# reads garbage/zero-extended upper bits (-25 came back as 231), so every
+# status in/out of UCX is c_int8.
+_STATUS = C.c_int8
+_ERR_CB = C.CFUNCTYPE(None, C.c_void_p, C.c_void_p, _STATUS)
+
+
+class _EpParams(C.Structure):
+    _fields_ = [("field_mask", C.c_uint64), ("address", C.c_void_p),
+                ("err_mode", C.c_int), ("err_cb", _ERR_CB), ("err_arg", C.c_void_p),
+                ("user_data", C.c_void_p), ("flags", C.c_uint),
+                ("sockaddr", C.c_uint8 * 16), ("conn_request", C.c_void_p),
+                ("name", C.c_char_p), ("local_sockaddr", C.c_uint8 * 16)]  # 104 bytes
+
+
+class _MemMapParams(C.Structure):
+    _fields_ = [("field_mask", C.c_uint64), ("address", C.c_void_p),
+                ("length", C.c_size_t), ("flags", C.c_uint), ("prot", C.c_uint),
+                ("memory_type", C.c_int), ("exported_memh_buffer", C.c_void_p)]  # 48
+
+
+class _MemAttr(C.Structure):
+    _fields_ = [("field_mask", C.c_uint64), ("address", C.c_void_p),
+                ("length", C.c_size_t), ("mem_type", C.c_int)]            # 32 bytes
+
+
+class _RequestParam(C.Structure):
+    _fields_ = [("op_attr_mask", C.c_uint32), ("flags", C.c_uint32),
+                ("request", C.c_void_p), ("cb", C.c_void_p), ("datatype", C.c_uint64),
+                ("user_data", C.c_void_p), ("reply_buffer", C.c_void_p),
+                ("memory_type", C.c_int), ("recv_info", C.c_void_p),
+                ("memh", C.c_void_p)]                                     # 72 bytes
+
+
+for _s, _n in ((_Params, 88), (_WorkerParams, 200), (_WorkerAttr, 80), (_EpParams, 104),
+               (_MemMapParams, 48), (_MemAttr, 32), (_RequestParam, 72)):
+    assert C.sizeof(_s) == _n, (_s.__name__, C.sizeof(_s))
+
+# --- library loading ----------------------------------------------------------
+_lib = None      # libucp handle once load() succeeded
+_ucs = None      # libucs handle (ucs_status_string)
+_libc = C.CDLL(None)
+_libc.fopen.restype = C.c_void_p
+_libc.fopen.argtypes = [C.c_char_p, C.c_char_p]
+_libc.fclose.argtypes = [C.c_void_p]
+
+_P, _PP, _S, _SZ, _U64 = C.c_void_p, C.POINTER(C.c_void_p), _STATUS, C.c_size_t, C.c_uint64
+_SIGS = {
+    "ucp_get_version": (None, [C.POINTER(C.c_uint)] * 3),
+    "ucp_config_read": (_S, [C.c_char_p, C.c_char_p, _PP]),
+    "ucp_config_modify": (_S, [_P, C.c_char_p, C.c_char_p]),
+    "ucp_config_release": (None, [_P]),
+    "ucp_init_version": (_S, [C.c_uint, C.c_uint, C.POINTER(_Params), _P, _PP]),
+    "ucp_cleanup": (None, [_P]),
+    "ucp_worker_create": (_S, [_P, C.POINTER(_WorkerParams), _PP]),
+    "ucp_worker_query": (_S, [_P, C.POINTER(_WorkerAttr)]),
+    "ucp_worker_destroy": (None, [_P]),
+    "ucp_worker_get_address": (_S, [_P, _PP, C.POINTER(_SZ)]),
+    "ucp_worker_release_address": (None, [_P, _P]),
+    "ucp_worker_progress": (C.c_uint, [_P]),
+    "ucp_worker_get_efd": (_S, [_P, C.POINTER(C.c_int)]),
+    "ucp_worker_arm": (_S, [_P]),
+    "ucp_worker_signal": (_S, [_P]),
+    "ucp_worker_print_info": (None, [_P, _P]),
+    "ucp_ep_create": (_S, [_P, C.POINTER(_EpParams), _PP]),
+    "ucp_ep_close_nbx": (_P, [_P, C.POINTER(_RequestParam)]),
+    "ucp_ep_flush_nbx": (_P, [_P, C.POINTER(_RequestParam)]),
+    "ucp_ep_print_info": (None, [_P, _P]),
+    "ucp_mem_map": (_S, [_P, C.POINTER(_MemMapParams), _PP]),
+    "ucp_mem_unmap": (_S, [_P, _P]),
+    "ucp_mem_query": (_S, [_P, C.POINTER(_MemAttr)]),
+    "ucp_rkey_pack": (_S, [_P, _P, _PP, C.POINTER(_SZ)]),
+    "ucp_rkey_buffer_release": (None, [_P]),
+    "ucp_ep_rkey_unpack": (_S, [_P, _P, _PP]),
+    "ucp_rkey_destroy": (None, [_P]),
+    "ucp_put_nbx": (_P, [_P, _P, _SZ, _U64, _P, C.POINTER(_RequestParam)]),
+    "ucp_get_nbx": (_P, [_P, _P, _SZ, _U64, _P, C.POINTER(_RequestParam)]),
+    "ucp_request_check_status": (_S, [_P]),
+    "ucp_request_cancel": (None, [_P, _P]),
+    "ucp_request_free": (None, [_P]),
+}
+
+
+def libucx_dir() -> str:
+    """Directory of the libucx wheel package (holds lib/, bin/, include/)."""
+    try:
+        import libucx  # from the libucx-cu12 wheel pulled in by ucxx-cu12
+    except ImportError as exc:
+        raise UcxUnavailable(f"ucxx/libucx is not installed ({exc})") from None
+    return os.path.dirname(os.path.abspath(libucx.__file__))
+
+
+def tool(name: str = "ucx_perftest"):
+    """(path, env) to run a bundled UCX binary such as ucx_perftest/ucx_info.
+    The wheel's binaries have no RPATH to libucx/lib, so LD_LIBRARY_PATH is needed."""
+    d = libucx_dir()
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (os.path.join(d, "lib"), env.get("LD_LIBRARY_PATH")) if p)
+    return os.path.join(d, "bin", name), env
+
+
+def load(path: str | None = None):
+    """Load libucp (idempotent). Order: explicit path, $MPCOMM_LIBUCP, libucx wheel."""
+    global _lib, _ucs
+    if _lib is not None:
+        return _lib
+    path = path or os.environ.get("MPCOMM_LIBUCP")
+    if not path:
+        path = os.path.join(libucx_dir(), "lib", "libucp.so")
+    if not os.path.exists(path):
+        raise UcxUnavailable(f"libucp.so not found at {path}")
+    try:
+        # libucp's RPATH has $ORIGIN so libucs/libuct/libucm resolve next to it;
+        # RTLD_LOCAL mirrors libucx.load_library() so we share instances with ucxx.
+        lib = C.CDLL(path, C.RTLD_LOCAL)
+        ucs = C.CDLL(os.path.join(os.path.dirname(path), "libucs.so.0"), C.RTLD_LOCAL)
+    except OSError as exc:
+        raise UcxUnavailable(f"cannot load {path}: {exc}") from None
+    for name, (res, args) in _SIGS.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    ucs.ucs_status_string.restype = C.c_char_p
+    ucs.ucs_status_string.argtypes = [_STATUS]
+    major, minor, rel = C.c_uint(), C.c_uint(), C.c_uint()
+    lib.ucp_get_version(C.byref(major), C.byref(minor), C.byref(rel))
+    if major.value != _API_MAJOR:
+        raise UcxUnavailable(f"unsupported UCX version {major.value}.{minor.value}")
+    lib.version = (major.value, minor.value, rel.value)
+    _lib, _ucs = lib, ucs
+    return lib
+
+
+def version() -> tuple:
+    return load().version
+
+
+def status_string(status: int) -> str:
+    if _ucs is None:
+        return f"ucs_status {status}"
+    return _ucs.ucs_status_string(status).decode()
+
+
+def _check(status: int, where: str):
+    if status != UCS_OK:
+        raise UcxError(status, where=where)
+
+
+def _dump(printer, handle) -> str:
+    """ucp_*_print_info only writes to a FILE*, so go through a temp file."""
+    with tempfile.NamedTemporaryFile("r", suffix=".ucxinfo") as tmp:
+        fp = _libc.fopen(tmp.name.encode(), b"w")
+        printer(handle, fp)
+        _libc.fclose(fp)
+        return tmp.read()
+
+
+def _req_param(memh=None) -> _RequestParam:
+    p = _RequestParam()
+    if memh is not None:
+        # Lets UCX skip its registration-cache lookup for the local buffer.
+        p.op_attr_mask |= _OP_ATTR_FIELD_MEMH
+        p.memh = memh._h
+    return p
+
+
+# --- objects ------------------------------------------------------------------
+class Context:
+    """ucp_context: owns transport resources and memory registrations.
+
+    features: FEATURE_* bits; WAKEUP is included by default for Worker.wait().
+    env: UCX settings without the UCX_ prefix (e.g. {"TLS": "tcp"}) applied on top
+         of what ucp_config_read took from the environment (UCX_TLS etc. are honoured)."""
+
+    def __init__(self, features: int = FEATURE_RMA | FEATURE_WAKEUP, env: dict | None = None,
+                 shared_workers: bool = True):
+        lib = load()
+        cfg = C.c_void_p()
+        _check(lib.ucp_config_read(None, None, C.byref(cfg)), "ucp_config_read")
+        try:
+            for k, v in (env or {}).items():
+                _check(lib.ucp_config_modify(cfg, k.encode(), str(v).encode()),
+                       f"ucp_config_modify({k})")
+            p = _Params(field_mask=_PARAM_FIELD_FEATURES | _PARAM_FIELD_MT_WORKERS_SHARED,
+                        features=features, mt_workers_shared=int(shared_workers))
+            # Ask for the lowest of (library, our checked layouts) so neither side
+            # assumes fields the other does not know.
+            minor = min(lib.version[1], _API_MINOR)
+            h = C.c_void_p()
+            _check(lib.ucp_init_version(_API_MAJOR, minor, C.byref(p), cfg, C.byref(h)), "ucp_init")
+        finally:
+            lib.ucp_config_release(cfg)
+        self._h, self._lib = h, lib
+        self._workers: list[Worker] = []
+        self._memhs: list[MemHandle] = []
+
+    def create_worker(self, thread_mode: int = THREAD_MULTI) -> "Worker":
+        w = Worker(self, thread_mode)
+        self._workers.append(w)
+        return w
+
+    def mem_map(self, addr: int | None, length: int, prot: int | None = None) -> "MemHandle":
+        """Register [addr, addr+length). addr=None: UCX allocates (see .address).
+        prot: PROT_* bits (UCX's default is all four). Only hardware transports
+        (InfiniBand) enforce remote bits; tcp, shm and cma ignore them."""
+        p = _MemMapParams(field_mask=_MM_FIELD_ADDRESS | _MM_FIELD_LENGTH | _MM_FIELD_FLAGS,
+                          address=addr, length=length, flags=0 if addr else _MM_ALLOCATE)
+        if prot is not None:
+            p.field_mask |= _MM_FIELD_PROT
+            p.prot = prot
+        h = C.c_void_p()
+        _check(self._lib.ucp_mem_map(self._h, C.byref(p), C.byref(h)), "ucp_mem_map")
+        a = _MemAttr(field_mask=_MEM_ATTR_ADDRESS | _MEM_ATTR_LENGTH)
+        _check(self._lib.ucp_mem_query(h, C.byref(a)), "ucp_mem_query")
+        m = MemHandle(self, h, a.address, a.length)
+        self._memhs.append(m)
+        return m
+
+    def close(self):
+        """Tear down in dependency order: workers (and their eps), memhs, context."""
+        if self._h is None:
+            return
+        for w in self._workers:
+            w.close()
+        for m in self._memhs:
+            m.unmap()
+        self._lib.ucp_cleanup(self._h)
+        self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class MemHandle:
+    def __init__(self, ctx, h, address, length):
+        self._ctx, self._h, self.address, self.length = ctx, h, address, length
+
+    def pack_rkey(self) -> bytes:
+        buf, size = C.c_void_p(), C.c_size_t()
+        _check(self._ctx._lib.ucp_rkey_pack(self._ctx._h, self._h, C.byref(buf), C.byref(size)),
+               "ucp_rkey_pack")
+        try:
+            return C.string_at(buf, size.value)
+        finally:
+            self._ctx._lib.ucp_rkey_buffer_release(buf)
+
+    def unmap(self):
+        if self._h is not None:
+            _check(self._ctx._lib.ucp_mem_unmap(self._ctx._h, self._h), "ucp_mem_unmap")
+            self._h = None
+
+
+class Worker:
+    """ucp_worker. Default THREAD_MULTI: ctypes drops the GIL during every call, so
+    Python code cannot cheaply guarantee the serialization SERIALIZED demands
+    (e.g. a progress thread plus issuing threads); UCX's own worker lock costs
+    ~tens of ns, noise next to ~1us of ctypes overhead per call."""
+
+    def __init__(self, ctx: Context, thread_mode: int):
+        self._ctx, self._lib = ctx, ctx._lib
+        p = _WorkerParams(field_mask=_WORKER_PARAM_FIELD_THREAD_MODE, thread_mode=thread_mode)
+        h = C.c_void_p()
+        _check(self._lib.ucp_worker_create(ctx._h, C.byref(p), C.byref(h)), "ucp_worker_create")
+        self._h = h
+        attr = _WorkerAttr(field_mask=_WORKER_ATTR_FIELD_THREAD_MODE)
+        _check(self._lib.ucp_worker_query(h, C.byref(attr)), "ucp_worker_query")
+        self.thread_mode = attr.thread_mode  # what UCX actually granted
+        self._endpoints: list[Endpoint] = []
+        self._efd = None
+
+    @property
+    def address(self) -> bytes:
+        addr, size = C.c_void_p(), C.c_size_t()
+        _check(self._lib.ucp_worker_get_address(self._h, C.byref(addr), C.byref(size)),
+               "ucp_worker_get_address")
+        try:
+            return C.string_at(addr, size.value)
+        finally:
+            self._lib.ucp_worker_release_address(self._h, addr)
+
+    def progress(self) -> int:
+        return self._lib.ucp_worker_progress(self._h)
+
+    def fileno(self) -> int:
+        if self._efd is None:
+            fd = C.c_int()
+            _check(self._lib.ucp_worker_get_efd(self._h, C.byref(fd)), "ucp_worker_get_efd")
+            self._efd = fd.value
+        return self._efd
+
+    def arm(self) -> bool:
+        """Drain progress, then arm the efd. False means events are pending
+        (UCS_ERR_BUSY): progress again instead of sleeping, or they are lost.
+        Use with fileno() to sleep in your own select/poll/epoll loop."""
+        while self.progress():
+            pass
+        st = self._lib.ucp_worker_arm(self._h)
+        if st == UCS_ERR_BUSY:
+            return False
+        _check(st, "ucp_worker_arm")
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until the worker has events (or timeout); True if woken.
+        Needs FEATURE_WAKEUP."""
+        fd = self.fileno()
+        if not self.arm():
+            return True
+        r, _, _ = select.select([fd], [], [], timeout)
+        return bool(r)
+
+    def signal(self):
+        """Wake a thread blocked in wait()."""
+        _check(self._lib.ucp_worker_signal(self._h), "ucp_worker_signal")
+
+    def connect(self, address: bytes, error_handling: bool = True, on_error=None) -> "Endpoint":
+        ep = Endpoint(self, address, error_handling, on_error)
+        self._endpoints.append(ep)
+        return ep
+
+    def info(self) -> str:
+        return _dump(self._lib.ucp_worker_print_info, self._h)
+
+    def close(self):
+        if self._h is None:
+            return
+        for ep in list(self._endpoints):
+            try:
+                ep.close(force=True, timeout=2.0)
+            except UcxError:
+                pass
+        self._lib.ucp_worker_destroy(self._h)
+        self._h = None
+
+
+class Endpoint:
+    def __init__(self, worker: Worker, address: bytes, error_handling: bool, on_error):
+        self.worker, self._lib = worker, worker._lib
+        self.error_status = None  # set (from inside progress) when the peer fails
+        self._on_error = on_error
+        self._rkeys: list[RemoteKey] = []
+        addr_buf = C.create_string_buffer(address, len(address))
+        p = _EpParams(field_mask=_EP_FIELD_REMOTE_ADDRESS | _EP_FIELD_ERR_MODE, address=C.addressof(addr_buf),
+                      err_mode=_ERR_MODE_PEER if error_handling else _ERR_MODE_NONE)
+        if error_handling:
+            # The CFUNCTYPE object must outlive the ep or UCX calls freed memory.
+            self._cb = _ERR_CB(self._handle_error)
+            p.field_mask |= _EP_FIELD_ERR_HANDLER
+            p.err_cb = self._cb
+        h = C.c_void_p()
+        _check(self._lib.ucp_ep_create(worker._h, C.byref(p), C.byref(h)), "ucp_ep_create")
+        self._h = h
+
+    def _handle_error(self, arg, ep, status):
+        # Runs inside ucp_worker_progress; keep it to bookkeeping.
+        self.error_status = status
+        if self._on_error is not None:
+            self._on_error(self, UcxError(status, where="peer failure"))
+
+    def unpack_rkey(self, packed: bytes) -> "RemoteKey":
+        h = C.c_void_p()
+        _check(self._lib.ucp_ep_rkey_unpack(self._h, packed, C.byref(h)), "ucp_ep_rkey_unpack")
+        rk = RemoteKey(self._lib, h)
+        self._rkeys.append(rk)
+        return rk
+
+    def _issue(self, fn, name, local_addr, length, remote_addr, rkey, memh):
+        if self.error_status is not None:
+            raise UcxError(self.error_status, where=name)
+        p = _req_param(memh)
+        r = fn(self._h, local_addr, length, remote_addr, rkey._h, C.byref(p))
+        return Request._wrap(self.worker, r, name)
+
+    def put(self, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
+            memh: MemHandle | None = None) -> "Request | None":
+        """Local completion only (buffer reusable); use flush() for remote completion."""
+        return self._issue(self._lib.ucp_put_nbx, "ucp_put_nbx", local_addr, length,
+                           remote_addr, rkey, memh)
+
+    def get(self, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
+            memh: MemHandle | None = None) -> "Request | None":
+        return self._issue(self._lib.ucp_get_nbx, "ucp_get_nbx", local_addr, length,
+                           remote_addr, rkey, memh)
+
+    def flush(self) -> "Request | None":
+        return Request._wrap(self.worker, self._lib.ucp_ep_flush_nbx(self._h, C.byref(_req_param())),
+                             "ucp_ep_flush_nbx")
+
+    def info(self) -> str:
+        """ucp_ep_print_info: lanes/transports chosen for this endpoint."""
+        return _dump(self._lib.ucp_ep_print_info, self._h)
+
+    def close(self, force: bool = False, timeout: float | None = 10.0):
+        """Flush-close (default) needs the peer alive and progressing; force=True
+        just releases local resources and is the only option after a peer failure."""
+        if self._h is None:
+            return
+        for rk in self._rkeys:
+            rk.destroy()
+        p = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_FLAGS,
+                          flags=_EP_CLOSE_FLAG_FORCE if force else 0)
+        h, self._h = self._h, None
+        try:
+            self.worker._endpoints.remove(self)
+        except ValueError:
+            pass
+        req = Request._wrap(self.worker, self._lib.ucp_ep_close_nbx(h, C.byref(p)),
+                            "ucp_ep_close_nbx", raise_now=False)
+        if isinstance(req, Request):
+            req.wait(timeout)
+
+
+class RemoteKey:
+    def __init__(self, lib, h):
+        self._lib, self._h = lib, h
+
+    def destroy(self):
+        if self._h is not None:
+            self._lib.ucp_rkey_destroy(self._h)
+            self._h = None
+
+
+class Request:
+    """A pending UCP operation. UCX owns the memory; free() exactly once (wait()
+    and the error paths do it for you)."""
+
+    def __init__(self, worker, ptr, name):
+        self.worker, self._ptr, self.name = worker, ptr, name
+        self._final = None
+
+    @staticmethod
+    def _wrap(worker, r, name, raise_now=True):
+        # ucs_status_ptr_t: NULL = done, small negative = error, else a request.
+        if not r:
+            return None
+        if r >= (UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF):
+            st = r - (1 << 64)
+            if raise_now:
+                raise UcxError(st, where=name)
+            return st
+        return Request(worker, r, name)
+
+    def status(self) -> int:
+        """UCS_INPROGRESS (1), UCS_OK (0) or a negative ucs_status_t."""
+        if self._ptr is None:
+            return self._final
+        return self.worker._lib.ucp_request_check_status(self._ptr)
+
+    @property
+    def done(self) -> bool:
+        return self.status() != UCS_INPROGRESS
+
+    def cancel(self):
+        # Only receive-type requests are truly cancellable in UCP; RMA ops ignore it.
+        if self._ptr is not None:
+            self.worker._lib.ucp_request_cancel(self.worker._h, self._ptr)
+
+    def free(self):
+        if self._ptr is not None:
+            self._final = self.status()
+            self.worker._lib.ucp_request_free(self._ptr)
+            self._ptr = None
+
+    def wait(self, timeout: float | None = None, blocking: bool = False):
+        """Progress until complete; raise UcxError on failure or after timeout
+        (UCS_ERR_TIMED_OUT, request freed so UCX reclaims it on completion).
+        blocking=True sleeps on the worker efd instead of spinning."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        w = self.worker
+        while True:
+            st = self.status()
+            if st != UCS_INPROGRESS:
+                self.free()
+                if st != UCS_OK:
+                    raise UcxError(st, where=self.name)
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                self.free()
+                raise UcxError(UCS_ERR_TIMED_OUT, where=self.name + " (deadline)")
+            if not w.progress() and blocking:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                w.wait(min(left, 0.1) if left is not None else 0.1)
+
+
+def wait_all(reqs, timeout: float | None = None, blocking: bool = False):
+    for r in reqs:
+        if r is not None:
+            r.wait(timeout, blocking)
+
+
+def buffer_address(buf) -> int:
+    """Address of a writable buffer-protocol object (bytearray, mmap, numpy)."""
+    return C.addressof(C.c_char.from_buffer(buf))
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None when device (CUDA) buffers can go through UCX here, else why not.
+
+    Needs UCX built with CUDA (the libucx wheel ships lib/ucx/libuct_cuda.so),
+    a loadable driver (libcuda.so.1) and at least one visible GPU."""
+    try:
+        d = libucx_dir()
+    except UcxUnavailable as exc:
+        return str(exc)
+    if not os.path.exists(os.path.join(d, "lib", "ucx", "libuct_cuda.so")):
+        return "this UCX build has no CUDA transport (lib/ucx/libuct_cuda.so missing)"
+    try:
+        cuda = C.CDLL("libcuda.so.1")
+    except OSError:
+        return "no CUDA driver (libcuda.so.1 not loadable)"
+    if cuda.cuInit(0) != 0:
+        return "cuInit failed (no usable GPU)"
+    n = C.c_int()
+    if cuda.cuDeviceGetCount(C.byref(n)) != 0 or n.value < 1:
+        return "no CUDA device visible"
+    return None
