@@ -15,6 +15,7 @@ Memory used per request is bounded; nothing queues without limit.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -57,6 +58,7 @@ __all__ = ["Engine", "Notification", "TransportStatus"]
 log = logging.getLogger("mpcomm.engine")
 
 MAX_NOTIFY = 64 << 10
+DEADLINE_BUCKETS_PER_S = 100
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ class Engine:
         self._link_lock = threading.Lock()
         self._known_epochs: dict[str, str] = {}
         self._inflight: set[Operation] = set()
+        self._deadline_buckets: dict[int, set[Operation]] = {}
         self._slots = threading.BoundedSemaphore(cfg.runtime.queue_depth)
         self._timer = DeadlineTimer()
         self._executor = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-worker")
@@ -747,7 +750,7 @@ class Engine:
             return
         if self.telemetry.enabled:
             self.telemetry.on_post(op, transport.name)
-        self._timer.schedule(op.deadline, lambda: self._on_deadline(op))
+        self._arm_deadline(op)
         try:
             transport.post(op)
         except MpcommError as exc:
@@ -756,9 +759,29 @@ class Engine:
             log.exception("transport %s failed to post", transport.name)
             op.fail(MpcommError(f"transport {transport.name} failed: {exc}"))
 
+    def _arm_deadline(self, op: Operation) -> None:
+        """Deadlines share 10 ms buckets: one timer wake-up per bucket, not per request."""
+        bucket = math.ceil(op.deadline * DEADLINE_BUCKETS_PER_S)
+        op.deadline_bucket = bucket  # type: ignore[attr-defined]
+        with self._lock:
+            members = self._deadline_buckets.get(bucket)
+            if members is None:
+                members = self._deadline_buckets[bucket] = set()
+                self._timer.schedule(bucket / DEADLINE_BUCKETS_PER_S, lambda: self._on_bucket(bucket))
+            members.add(op)
+
+    def _on_bucket(self, bucket: int) -> None:
+        with self._lock:
+            members = self._deadline_buckets.pop(bucket, set())
+        for op in members:
+            self._on_deadline(op)
+
     def _on_op_finish(self, op: Operation, error: BaseException | None) -> None:
         with self._lock:
             self._inflight.discard(op)
+            members = self._deadline_buckets.get(getattr(op, "deadline_bucket", None))  # type: ignore[arg-type]
+            if members is not None:
+                members.discard(op)
         if self.telemetry.enabled and op.transport is not None:
             self.telemetry.on_finish(op, op.transport.name, error)
 

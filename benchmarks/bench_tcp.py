@@ -1,0 +1,180 @@
+"""tcp transport vs plain Python sockets, between two processes, in the seed's record format.
+
+    python benchmarks/bench_tcp.py [--quick] [--json]
+
+For each size (4 KiB, 64 KiB, 4 MiB, 64 MiB), direction (write, read) and
+concurrency (1, 8 in flight) it measures the tcp transport (target engine in
+a child process) and, in the same run, plain sockets moving the same bytes
+the same way (a child process that recv_into()s / sendall()s a preallocated
+buffer and acknowledges each message). It prints one record per case plus
+``ratio_to_socket`` = tcp throughput / plain-socket throughput. The issue's
+target is tcp 4 MiB write >= 0.8x the plain-socket figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+
+import mpcomm
+from mpcomm.testing import TargetProcess
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB, 64 * KiB, 4 * MiB, 64 * MiB]
+
+PLAIN_SERVER = r"""
+import socket, struct, sys, threading
+buf = bytearray(64 << 20)
+view = memoryview(buf)
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 0)); srv.listen(64)
+print(srv.getsockname()[1], flush=True)
+def serve(c):
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        h = c.recv(9, socket.MSG_WAITALL)
+        if len(h) < 9: return
+        op, n = struct.unpack("!BQ", h)
+        if op == 1:                      # write: receive n bytes, ack
+            got = 0
+            while got < n:
+                r = c.recv_into(view[got:n], n - got)
+                if not r: return
+                got += r
+            c.sendall(b"k")
+        else:                            # read: send n bytes
+            c.sendall(view[:n])
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def human(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
+        if n >= div:
+            v = n / div
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.2f}{unit}"
+    return f"{n:.0f}B"
+
+
+def rate(bps: float) -> str:
+    return f"{bps / 1e9:.2f}GB/s" if bps >= 1e9 else f"{bps / 1e6:.1f}MB/s"
+
+
+def lat(s: float) -> str:
+    return f"{s * 1e6:.1f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
+
+
+def measure(fn: Callable[[int], None], concurrency: int, iters: int, pids: list[int]) -> dict[str, float]:
+    """Run ``fn(worker_index)`` iters times on each of ``concurrency`` threads."""
+    lats: list[float] = []
+    lock = threading.Lock()
+    procs = [psutil.Process(p) for p in pids]
+    cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    def worker(k: int) -> None:
+        mine = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn(k)
+            mine.append(time.perf_counter() - t0)
+        with lock:
+            lats.extend(mine)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    cpu = sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0
+    lats.sort()
+    return {"wall": wall, "ops": len(lats), "p50": statistics.median(lats),
+            "p99": lats[min(len(lats) - 1, int(len(lats) * 0.99))], "cpu": cpu / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (CI-sized)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--mode", default="zero-copy", choices=["zero-copy", "copy"])
+    args = ap.parse_args()
+
+    cfg = {"transport": {"mode": args.mode}} if args.mode != "zero-copy" else None
+    target = TargetProcess("tcp", config=cfg, regions={"dst": [8 * 64 * MiB, "allocate"]})
+    plain = subprocess.Popen([sys.executable, "-c", PLAIN_SERVER], stdout=subprocess.PIPE, text=True)
+    assert plain.stdout is not None
+    plain_port = int(plain.stdout.readline())
+    records = []
+    try:
+        with mpcomm.Engine(cfg, transports=["tcp"]) as eng:
+            remote = eng.open(target.address, "dst")
+            src = eng.allocate(64 * MiB)
+            src.view[:] = os.urandom(MiB) * 64
+            socks = []
+            for _ in range(8):
+                s = socket.create_connection(("127.0.0.1", plain_port))
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                socks.append(s)
+            for size in SIZES:
+                iters = max(3, min(2000, (256 * MiB) // size)) // (4 if args.quick else 1)
+                for op in ("write", "read"):
+                    for conc in (1, 8):
+                        n = max(2, iters // conc)
+
+                        def via_tcp(k: int, size: int = size, op: str = op) -> None:
+                            fn = eng.write if op == "write" else eng.read
+                            fn(src, remote, k * 64 * MiB, size).result(60)
+
+                        def via_socket(k: int, size: int = size, op: str = op) -> None:
+                            s = socks[k]
+                            view = src.view[:size]
+                            if op == "write":
+                                s.sendall(struct.pack("!BQ", 1, size))
+                                s.sendall(view)
+                                s.recv(1)
+                            else:
+                                s.sendall(struct.pack("!BQ", 2, size))
+                                got = 0
+                                while got < size:
+                                    got += s.recv_into(view[got:], size - got)
+
+                        base = measure(via_socket, conc, n, [os.getpid(), plain.pid])
+                        res = measure(via_tcp, conc, n, [os.getpid(), target.pid])
+                        thr = res["ops"] * size / res["wall"]
+                        base_thr = base["ops"] * size / base["wall"]
+                        rec = {
+                            "transport": "tcp", "mode": args.mode, "memory": "host", "op": op,
+                            "message_size": human(size), "concurrency": conc, "numa_binding": "none",
+                            "throughput": rate(thr), "p50_latency": lat(res["p50"]), "p99_latency": lat(res["p99"]),
+                            "cpu_utilization": f"{res['cpu']:.2f}cores",
+                            "baseline": "plain-socket", "baseline_throughput": rate(base_thr),
+                            "ratio_to_socket": f"{thr / base_thr:.2f}",
+                        }
+                        records.append(rec)
+                        if not args.json:
+                            print(" ".join(f"{k}={v}" for k, v in rec.items()), flush=True)
+            for s in socks:
+                s.close()
+    finally:
+        target.close()
+        plain.kill()
+    if args.json:
+        print(json.dumps(records, indent=2))
+
+
+if __name__ == "__main__":
+    main()
