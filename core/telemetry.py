@@ -1,83 +1,266 @@
 """Tracing and metrics through the OpenTelemetry API (never the SDK).
 
 The library only asks the global providers for a tracer and a meter; the
-application or the CLI decides where spans and metrics go. With
-``observability.trace_transfers`` and ``observability.metrics`` off, the
-per-request cost is one attribute check.
+application or the CLI (``mpcomm --otel console|otlp``) decides where spans
+and metrics go. Without an SDK installed every call below is a no-op of the
+API. With ``observability.trace_transfers`` and ``observability.metrics``
+both off (the default) the engine's per-request cost is one attribute check
+(``Telemetry.enabled``): nothing of this module runs.
+
+Spans (``observability.trace_transfers``): one ``mpcomm.write`` /
+``mpcomm.read`` span per posted request, kind CLIENT, child of the caller's
+current span, started when the request is posted and ended when its
+:class:`~mpcomm.Transfer` is resolved. Attributes:
+
+=========================  ===============================================
+``mpcomm.transport``       transport that carried it (``tcp``, ``shm``...)
+``mpcomm.route``           ``<transport>-><peer address>``
+``mpcomm.direction``       ``write`` or ``read``
+``mpcomm.size``            bytes requested
+``mpcomm.peer``            peer address; ``mpcomm.peer.node_id`` its id
+``mpcomm.region``          remote region name
+``mpcomm.outcome``         ``ok``, ``cancelled`` or the error's ``code``
+``mpcomm.retries``         retries recorded for the request (see below)
+``mpcomm.bytes_moved``     bytes the transport reported
+``error.type``             error class, on failures (status ERROR + exception event)
+=========================  ===============================================
+
+A retry is an event ``mpcomm.retry`` on the span (``error.type``, attempt).
+
+Metrics (``observability.metrics``), attributes ``mpcomm.transport`` and
+``mpcomm.direction`` on every transfer instrument:
+
+==================================  =========  ===================================
+``mpcomm.transfer.bytes``           counter    bytes moved by finished requests
+``mpcomm.transfer.operations``      counter    finished requests (+ ``mpcomm.outcome``)
+``mpcomm.transfer.duration``        histogram  seconds from post to resolution (+ outcome)
+``mpcomm.transfer.inflight``        up-down    requests posted and not yet resolved
+``mpcomm.transfer.failures``        counter    failed requests by ``error.type`` (the code)
+``mpcomm.transfer.retries``         counter    retries by ``error.type``
+``mpcomm.regions``                  up-down    regions registered now
+``mpcomm.region.registrations``     counter    register/unregister calls (``mpcomm.event``)
+==================================  =========  ===================================
+
+Cost: OpenTelemetry SDK calls cost microseconds each, a lot next to a ~30 us
+shared-memory write. So the counters and up-down counters are *observable*
+instruments fed from plain per-process tallies (a dict update under a lock),
+read only when the SDK collects; a request pays one synchronous SDK call, the
+latency histogram. Totals are per process (every engine adds to them).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .config import Config
-    from .transfer import Operation
+    from .transfer import Operation, Transfer
 
 from . import __version__
 
+__all__ = ["DURATION_BUCKETS", "Telemetry", "outcome_of"]
+
+#: Histogram boundaries in seconds: 10 us .. 30 s (the SDK's defaults suit milliseconds).
+DURATION_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
+
+def outcome_of(error: BaseException | None) -> str:
+    """``ok``, ``cancelled``, or the error's stable code (``timeout``, ``connection``...)."""
+    if error is None:
+        return "ok"
+    if isinstance(error, CancelledError):
+        return "cancelled"
+    code = getattr(error, "code", None)
+    return code if isinstance(code, str) else type(error).__name__
+
+
+class _Tallies:
+    """Process-wide counts behind the observable instruments (created once per process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.bytes: dict[tuple[str, str], int] = {}
+        self.ops: dict[tuple[str, str, str], int] = {}
+        self.failures: dict[tuple[str, str, str], int] = {}
+        self.retries: dict[tuple[str, str, str], int] = {}
+        self.inflight: dict[tuple[str, str], int] = {}
+        self.regions = 0
+        self.registrations = {"register": 0, "unregister": 0}
+        self.instruments: dict[str, Any] = {}
+        self.meter: Any = None
+
+    def bump(self, table: dict[Any, int], key: Any, n: int = 1) -> None:
+        with self.lock:
+            table[key] = table.get(key, 0) + n
+
+    def _obs(self, table: dict[Any, int], keys: tuple[str, ...]) -> Iterator[Any]:
+        from opentelemetry.metrics import Observation
+
+        with self.lock:
+            items = list(table.items())
+        for key, value in items:
+            yield Observation(value, dict(zip(keys, key)))
+
+    def setup(self) -> Any:
+        """Create the instruments once; returns the latency histogram."""
+        with self.lock:
+            if self.meter is not None:
+                return self.instruments["duration"]
+            from opentelemetry import metrics
+
+            meter = self.meter = metrics.get_meter("mpcomm", __version__)
+        td = ("mpcomm.transport", "mpcomm.direction")
+        meter.create_observable_counter(
+            "mpcomm.transfer.bytes", [lambda _o: self._obs(self.bytes, td)], unit="By", description="bytes moved")
+        meter.create_observable_counter(
+            "mpcomm.transfer.operations", [lambda _o: self._obs(self.ops, (*td, "mpcomm.outcome"))],
+            unit="{operation}", description="finished requests by outcome")
+        meter.create_observable_up_down_counter(
+            "mpcomm.transfer.inflight", [lambda _o: self._obs(self.inflight, td)],
+            unit="{request}", description="requests in flight")
+        meter.create_observable_counter(
+            "mpcomm.transfer.failures", [lambda _o: self._obs(self.failures, (*td, "error.type"))],
+            unit="{failure}", description="failed requests by kind")
+        meter.create_observable_counter(
+            "mpcomm.transfer.retries", [lambda _o: self._obs(self.retries, (*td, "error.type"))],
+            unit="{retry}", description="retries by kind")
+        meter.create_observable_up_down_counter(
+            "mpcomm.regions", [lambda _o: self._obs({(): self.regions}, ())],
+            unit="{region}", description="registered regions")
+        meter.create_observable_counter(
+            "mpcomm.region.registrations",
+            [lambda _o: self._obs({(k,): v for k, v in self.registrations.items()}, ("mpcomm.event",))],
+            unit="{event}", description="register and unregister calls")
+        try:
+            hist = meter.create_histogram(
+                "mpcomm.transfer.duration", unit="s", description="request latency, post to resolution",
+                explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS))
+        except TypeError:  # opentelemetry-api < 1.23
+            hist = meter.create_histogram(
+                "mpcomm.transfer.duration", unit="s", description="request latency, post to resolution")
+        self.instruments["duration"] = hist
+        return hist
+
+
+_tallies = _Tallies()
+
 
 class Telemetry:
+    """The engine's link to OpenTelemetry; one per :class:`~mpcomm.Engine`.
+
+    The engine calls :meth:`on_post` (only when :attr:`enabled`) for every
+    posted request, :meth:`on_register` for every (un)registration, and may
+    call :meth:`on_retry` when it retries part of a request.
+    """
+
     def __init__(self, config: Config) -> None:
-        self.tracing = config.observability.trace_transfers
-        self.metrics = config.observability.metrics
+        self.tracing = bool(config.observability.trace_transfers)
+        self.metrics = bool(config.observability.metrics)
         self.enabled = self.tracing or self.metrics
         self._tracer: Any = None
+        self._hist_attrs: dict[tuple[str, str, str], dict[str, str]] = {}
         if self.tracing:
             from opentelemetry import trace
 
             self._tracer = trace.get_tracer("mpcomm", __version__)
+            self._span_kind = trace.SpanKind.CLIENT
         if self.metrics:
-            from opentelemetry import metrics
+            self._latency = _tallies.setup()
 
-            meter = metrics.get_meter("mpcomm", __version__)
-            self._bytes = meter.create_counter("mpcomm.transfer.bytes", unit="By", description="bytes moved")
-            self._ops = meter.create_counter("mpcomm.transfer.operations", unit="{operation}", description="finished requests")
-            self._latency = meter.create_histogram("mpcomm.transfer.duration", unit="s", description="request latency")
-            self._inflight = meter.create_up_down_counter("mpcomm.transfer.inflight", unit="{request}", description="requests in flight")
-            self._failures = meter.create_counter("mpcomm.transfer.failures", unit="{failure}", description="failed requests by kind")
-            self._registrations = meter.create_up_down_counter("mpcomm.regions", unit="{region}", description="registered regions")
+    # -- hooks the engine calls -------------------------------------------------------
 
     def on_post(self, op: Operation, transport: str) -> None:
+        """``op`` was handed to ``transport``: open its span, count it in flight."""
+        span = None
         if self._tracer is not None:
-            span = self._tracer.start_span(f"mpcomm.{op.kind}")
+            span = self._tracer.start_span(f"mpcomm.{op.kind}", kind=self._span_kind)
             if span.is_recording():
+                peer = op.remote.address
                 span.set_attributes({
                     "mpcomm.transport": transport,
+                    "mpcomm.route": f"{transport}->{peer}",
                     "mpcomm.direction": op.kind,
                     "mpcomm.size": op.length,
-                    "mpcomm.peer": op.remote.address,
+                    "mpcomm.peer": peer,
+                    "mpcomm.peer.node_id": op.remote.node_id,
                     "mpcomm.region": op.remote.name,
-                    "mpcomm.route": f"{transport}:{op.remote.address}",
                 })
             op._span = span  # type: ignore[attr-defined]
         if self.metrics:
-            self._inflight.add(1, {"transport": transport, "direction": op.kind})
-        op._t0 = time.perf_counter()  # type: ignore[attr-defined]
+            _tallies.bump(_tallies.inflight, (transport, op.kind))
+        t0 = time.perf_counter()
+        # The engine's finish hook runs before the Transfer is resolved (it cannot
+        # see the error yet), so record the outcome when the handle resolves.
+        op.transfer.add_done_callback(lambda t: self._resolved(op, transport, t, span, t0))
 
     def on_finish(self, op: Operation, transport: str, error: BaseException | None) -> None:
-        outcome = "ok" if error is None else getattr(error, "code", type(error).__name__)
-        if self._tracer is not None:
-            span = getattr(op, "_span", None)
-            if span is not None:
-                from opentelemetry.trace import Status, StatusCode
+        """Kept for the engine; outcomes are recorded when the Transfer resolves (see on_post)."""
 
+    def _resolved(self, op: Operation, transport: str, transfer: Transfer, span: Any, t0: float) -> None:
+        elapsed = time.perf_counter() - t0
+        error: BaseException | None
+        if transfer.cancelled():
+            error = CancelledError()
+        else:
+            error = transfer.exception()
+        outcome = outcome_of(error)
+        retries = getattr(op, "_retries", 0)
+        if span is not None:
+            if span.is_recording():
                 span.set_attribute("mpcomm.outcome", outcome)
+                span.set_attribute("mpcomm.retries", retries)
+                span.set_attribute("mpcomm.bytes_moved", transfer.bytes_moved)
                 if error is not None:
-                    span.record_exception(error)
-                    span.set_status(Status(StatusCode.ERROR, str(error)))
-                span.end()
+                    from opentelemetry.trace import Status, StatusCode
+
+                    span.set_attribute("error.type", type(error).__name__)
+                    if not isinstance(error, CancelledError):
+                        span.record_exception(error)
+                    span.set_status(Status(StatusCode.ERROR, str(error) or outcome))
+            span.end()
         if self.metrics:
-            attrs = {"transport": transport, "direction": op.kind}
-            self._inflight.add(-1, attrs)
-            self._ops.add(1, {**attrs, "outcome": outcome})
-            if error is None:
-                self._bytes.add(op.length, attrs)
-                self._latency.record(time.perf_counter() - getattr(op, "_t0", time.perf_counter()), attrs)
-            else:
-                self._failures.add(1, {**attrs, "kind": outcome})
+            kind = op.kind
+            t = _tallies
+            with t.lock:
+                key = (transport, kind)
+                t.inflight[key] = t.inflight.get(key, 0) - 1
+                okey = (transport, kind, outcome)
+                t.ops[okey] = t.ops.get(okey, 0) + 1
+                if error is None:
+                    t.bytes[key] = t.bytes.get(key, 0) + transfer.bytes_moved
+                else:
+                    t.failures[okey] = t.failures.get(okey, 0) + 1
+            attrs = self._hist_attrs.get((transport, kind, outcome))
+            if attrs is None:
+                attrs = self._hist_attrs[(transport, kind, outcome)] = {
+                    "mpcomm.transport": transport, "mpcomm.direction": kind, "mpcomm.outcome": outcome}
+            self._latency.record(elapsed, attrs)
+
+    def on_retry(self, op: Operation, error: BaseException | None = None) -> None:
+        """The engine retries (part of) ``op`` after ``error``: an event and a count.
+
+        The core does not retry yet; this is the hook for when it does.
+        """
+        retries = getattr(op, "_retries", 0) + 1
+        op._retries = retries  # type: ignore[attr-defined]
+        kind = outcome_of(error) if error is not None else "unknown"
+        span = getattr(op, "_span", None)
+        if span is not None and span.is_recording():
+            span.add_event("mpcomm.retry", {"error.type": kind, "mpcomm.attempt": retries + 1})
+        if self.metrics:
+            transport = op.transport.name if op.transport is not None else "?"
+            _tallies.bump(_tallies.retries, (transport, op.kind, kind))
 
     def on_register(self, delta: int) -> None:
+        """A region was registered (+1) or unregistered (-1)."""
         if self.metrics:
-            self._registrations.add(delta)
+            with _tallies.lock:
+                _tallies.regions += delta
+                _tallies.registrations["register" if delta > 0 else "unregister"] += 1

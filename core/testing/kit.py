@@ -65,11 +65,12 @@ class TargetProcess:
 
     def __init__(self, transport: str, *, plugins: Sequence[str] = (), config: dict[str, Any] | None = None,
                  endpoint: str = "127.0.0.1:0", regions: dict[str, list[Any]] | None = None,
-                 autoload: bool | None = None, start_timeout: float = 30.0) -> None:
+                 autoload: bool | None = None, start_timeout: float = 30.0,
+                 prefix: Sequence[str] = ()) -> None:
         spec = {"transport": transport, "plugins": list(plugins), "config": config or {}, "endpoint": endpoint,
                 "regions": regions if regions is not None else TARGET_REGIONS, "autoload": autoload}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mpcomm.testing.target", json.dumps(spec)],
+            [*prefix, sys.executable, "-m", "mpcomm.testing.target", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
         try:
@@ -141,13 +142,18 @@ class ConformanceEnv:
     """An initiator engine here and a target process, both running ``transport`` only."""
 
     def __init__(self, transport: str, *, plugins: Sequence[str] = (), config: dict[str, Any] | None = None,
-                 autoload: bool | None = None) -> None:
+                 autoload: bool | None = None, target_host: str = "127.0.0.1",
+                 target_prefix: Sequence[str] = ()) -> None:
+        """``target_prefix`` runs the target under a launcher (``ip netns exec NS``,
+        for a second host in a network namespace) bound to ``target_host``."""
         import importlib
 
         self.transport = transport
         self.plugins = list(plugins)
         self.autoload = autoload
         self.config = config or {}
+        self.target_host = target_host
+        self.target_prefix = list(target_prefix)
         cfg = mpcomm.Config.from_dict(INITIATOR_CONFIG).with_overrides(**self.config) if self.config else \
             mpcomm.Config.from_dict(INITIATOR_CONFIG)
         try:
@@ -162,9 +168,12 @@ class ConformanceEnv:
         self.capabilities = type(self.engine.transports[transport]).capabilities
         self.target = self.spawn()
 
-    def spawn(self, endpoint: str = "127.0.0.1:0", regions: dict[str, list[Any]] | None = None) -> TargetProcess:
-        return TargetProcess(self.transport, plugins=self.plugins, config=self.config, endpoint=endpoint,
-                             regions=regions, autoload=self.autoload)
+    def spawn(self, endpoint: str | None = None, regions: dict[str, list[Any]] | None = None) -> TargetProcess:
+        from mpcomm.peer import format_endpoint
+
+        return TargetProcess(self.transport, plugins=self.plugins, config=self.config,
+                             endpoint=endpoint or format_endpoint(self.target_host, 0),
+                             regions=regions, autoload=self.autoload, prefix=self.target_prefix)
 
     def remote(self, name: str, target: TargetProcess | None = None) -> mpcomm.RemoteRegion:
         return self.engine.open((target or self.target).address, name)
@@ -631,7 +640,7 @@ class Report:
 
 def run_conformance(transport: str, *, plugins: Sequence[str] = (), config: dict[str, Any] | None = None,
                     checks: Iterable[Callable[[ConformanceEnv], None]] | None = None,
-                    autoload: bool | None = None) -> Report:
+                    autoload: bool | None = None, **env_options: Any) -> Report:
     """Run the conformance checks on ``transport`` without pytest; returns a :class:`Report`.
 
     ``plugins`` are module names holding hookimpls for transports that are
@@ -640,7 +649,7 @@ def run_conformance(transport: str, *, plugins: Sequence[str] = (), config: dict
     report = Report(transport)
     selected = list(checks if checks is not None else CHECKS)
     try:
-        env = ConformanceEnv(transport, plugins=plugins, config=config, autoload=autoload)
+        env = ConformanceEnv(transport, plugins=plugins, config=config, autoload=autoload, **env_options)
     except Skip as exc:
         report.results = [CheckResult(c.__name__, "skipped", str(exc)) for c in selected]
         return report

@@ -1,0 +1,5 @@
+"""``python -m mpcomm.cli`` runs the ``mpcomm`` command."""
+
+from .app import main
+
+main()

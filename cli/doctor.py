@@ -1,0 +1,91 @@
+"""``mpcomm doctor``: the seed's node check, plus what matters to mpcomm.
+
+Read-only: it changes nothing on the system (see :mod:`mpcomm.nodecheck`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from mpcomm import nodecheck
+from mpcomm.nodecheck import Check, Status
+
+from . import plugins_cmd
+from ._common import EXIT_FAILURE, JsonOption, handle_errors, parse_size, print_json
+
+app = typer.Typer()
+
+_STYLE = {"pass": "green", "info": "cyan", "warn": "yellow", "fail": "bold red"}
+
+
+def plugin_checks(found: dict[str, Any]) -> list[Check]:
+    """One check per transport (available or why not), one per broken plugin."""
+    checks = []
+    for t in found["transports"]:
+        if t["available"]:
+            checks.append(Check("plugins", t["name"], Status.PASS, f"available ({t['reason'] or 'ok'})"))
+        else:
+            hint = "see `mpcomm plugins`; install the plugin's extra or the native library it names"
+            checks.append(Check("plugins", t["name"], Status.WARN, f"unavailable: {t['reason']}", hint))
+    for f in found["failures"]:
+        checks.append(Check("plugins", f"broken:{f['name']}", Status.WARN, f"{f['distribution']}: {f['reason']}",
+                            "fix or uninstall the plugin distribution; it is skipped"))
+    if not any(t["available"] for t in found["transports"]):
+        checks.append(Check("plugins", "usable_transport", Status.FAIL, "no transport is available",
+                            "install mpcomm with its tcp plugin (always available) or check MPCOMM_PLUGINS"))
+    return checks
+
+
+def manifest_extra(found: dict[str, Any]) -> dict[str, str]:
+    extra: dict[str, str] = {}
+    for t in found["transports"]:
+        extra[f"plugin:{t['name']}"] = f"{t['distribution']} {t['version']}".strip()
+        if t["native_version"]:
+            extra[f"transport:{t['name']}"] = t["native_version"]
+    return extra
+
+
+@app.command("doctor")
+@handle_errors
+def doctor(
+    json_: JsonOption = False,
+    manifest: Annotated[bool, typer.Option("--manifest", help="Print component versions (mpcomm, plugins, "
+                                           "native libraries) for a reproducible deployment list instead.")] = False,
+    min_shm: Annotated[str, typer.Option(help="Warn below this /dev/shm size.", envvar="MPCOMM_DOCTOR_MIN_SHM")] = "1GiB",
+    min_memlock: Annotated[str, typer.Option(help="Warn below this locked-memory limit.",
+                                             envvar="MPCOMM_DOCTOR_MIN_MEMLOCK")] = "64MiB",
+) -> None:
+    """Check this node (CPU, NUMA, NICs, RDMA, huge pages, memlock, /dev/shm, ptrace scope, plugins). Exits 1 only on FAIL."""
+    found = plugins_cmd.collect()
+    if manifest:
+        data = nodecheck.manifest(manifest_extra(found))
+        if json_:
+            print_json(data)
+        else:
+            width = max(map(len, data))
+            for k, v in data.items():
+                typer.echo(f"{k:<{width}}  {v}")
+        return
+    checks = nodecheck.run_checks(min_shm_bytes=parse_size(min_shm), min_memlock_bytes=parse_size(min_memlock))
+    checks += plugin_checks(found)
+    worst = nodecheck.worst_status(checks)
+    if json_:
+        print_json({"status": worst.value, "checks": [c.to_dict() for c in checks]})
+    else:
+        table = Table(title="mpcomm doctor", title_justify="left", show_lines=False)
+        for col in ("section", "check", "status", "value", "hint"):
+            table.add_column(col, overflow="fold")
+        for c in checks:
+            st = Status(c.status).value
+            table.add_row(c.section, escape(c.name), f"[{_STYLE[st]}]{st.upper()}[/]", escape(c.value), escape(c.hint))
+        from rich.console import Console
+
+        out = Console(width=max(Console().width, 140))
+        out.print(table)
+        out.print(f"overall: [{_STYLE[worst.value]}]{worst.value.upper()}[/]")
+    if worst is Status.FAIL:
+        raise typer.Exit(EXIT_FAILURE)
