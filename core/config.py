@@ -117,9 +117,13 @@ class Config:
     def load(cls, path: str | os.PathLike[str]) -> Config:
         p = Path(path)
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_bytes().decode("utf-8"))  # TOML is UTF-8 whatever the locale
         except FileNotFoundError as exc:
             raise ConfigError(f"{p}: config file not found") from exc
+        except OSError as exc:
+            raise ConfigError(f"{p}: cannot read config file: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: not UTF-8 ({exc})") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
         return cls.from_dict(data, source=str(p))

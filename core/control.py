@@ -148,7 +148,7 @@ class ControlServer:
             raise AuthenticationError("peer failed the shared-secret challenge")
         try:
             peer = PeerInfo.from_dict(auth.get("info") or hello.get("info") or {})
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad peer info: {exc}") from exc
         wire.send_json(conn, {"t": "welcome", "info": self._local_info().to_dict()})
         conn.settimeout(None)
@@ -255,7 +255,7 @@ class PeerLink:
             info = PeerInfo.from_dict(welcome["info"])
         except TimeoutError as exc:
             raise PeerConnectionError(f"handshake with {self.address} timed out after {timeout}s", peer=self.address) from exc
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"malformed handshake from {self.address}: {exc}", peer=self.address) from exc
         except PeerConnectionError as exc:
             raise PeerConnectionError(f"handshake with {self.address} failed: {exc}", peer=self.address) from exc

@@ -403,6 +403,7 @@ class Engine:
                 except Exception:  # noqa: BLE001
                     log.exception("transport %s failed to unregister %s", name, region.name)
         region.transport_info.clear()
+        _release_view(region)
         self.telemetry.on_register(-1)
 
     def regions(self) -> list[Region]:
@@ -616,6 +617,7 @@ class Engine:
                 except Exception:  # noqa: BLE001
                     log.exception("transport %s failed to unregister an ephemeral buffer", name)
         region.transport_info.clear()
+        _release_view(region)
 
     def _prepare(self, req: Request, batch_timeout: float | None) -> tuple[Operation, Transfer]:
         self._check_open()
@@ -869,6 +871,17 @@ class Engine:
                 log.exception("transport %s failed to close", t.name)
         self._timer.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _release_view(region: Region) -> None:
+    """Give the caller's buffer back (a bytearray can resize, an mmap can close).
+
+    After the transports' unregister, which may still read the view.
+    """
+    try:
+        region.view.release()
+    except BufferError:
+        pass  # something still exports from it; the reference drops with the region
 
 
 def _default_advertise(bind_host: str) -> str:

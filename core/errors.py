@@ -64,6 +64,7 @@ __all__ = [
     "TransferTimeout",
     "TransportUnavailable",
     "UnknownRegionError",
+    "error_from_code",
     "map_errors",
 ]
 

@@ -111,6 +111,14 @@ def load_plugins(extra: Iterable[Any] = (), *, autoload: bool | None = None) -> 
         registered: list[type[Transport]] = []
         try:
             pm.register(obj, name=f"{name}@{dist_name}")
+            unknown = sorted(hc.name for hc in (pm.get_hookcallers(obj) or []) if hc.spec is None)
+            if unknown:
+                problem = (f"unknown hook {', '.join(unknown)} (known: "
+                           f"{', '.join(n for n in dir(hookspecs) if n.startswith('mpcomm_'))})")
+                result.failures.append(PluginFailure(name, dist_name, problem))
+                log.warning("transport plugin %s (%s): %s", name, dist_name, problem)
+                _unregister(pm, obj)
+                continue
             impl = [i for i in pm.hook.mpcomm_register_transports.get_hookimpls() if i.plugin is obj]
             for hi in impl:
                 hi.function(register=registered.append)

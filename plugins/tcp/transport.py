@@ -13,12 +13,14 @@ no staging copy on either side. Copy mode stages through a bounce buffer on
 both sides, for the zero-copy vs copy comparison.
 
 Abort (timeout, cancel, peer lost): the initiator shuts its socket down. For
-a write it then waits for the target to close or answer — the target stops
-at the end of the stream — so no byte lands afterwards. The target also
-refuses to start, or continue, a request whose wall-clock deadline (carried
-in the header) has passed, which bounds what a stalled target can do after
-the initiator gave up; the remaining window is one receive chunk
-(``chunk`` bytes) in flight when the target stalled.
+a write it then waits (``abort_grace_ms / 2``) for the target to close or
+answer — the target stops at the end of the stream — so no byte lands
+afterwards. A target that stays silent (stalled, partitioned) cannot confirm:
+the timeout then says ``confirmed=False`` (a cancel fails with TransferError
+instead of reporting CANCELLED). The target also refuses to start, or
+continue, a request whose wall-clock deadline (carried in the header) has
+passed, which bounds what a resumed target can still write to the receive
+chunk (``chunk`` bytes) it was in when it stalled.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from mpcomm.errors import (
     MpcommError,
     PeerConnectionError,
     ProtocolError,
+    TransferError,
     TransferTimeout,
     error_from_code,
     map_errors,
@@ -72,6 +75,7 @@ def _sendmsg_all(sock: socket.socket, parts: list[memoryview | bytes]) -> None:
 class _Conn:
     sock: socket.socket
     broken: bool = False
+    hard_closed: bool = False
 
 
 class _Pool:
@@ -151,6 +155,7 @@ class _OpState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     conns: set[_Conn] = field(default_factory=set)
     error: BaseException | None = None
+    unconfirmed: bool = False
 
 
 class TcpTransport(Transport):
@@ -393,8 +398,8 @@ class TcpTransport(Transport):
             err = exc
             if conn is not None:
                 conn.broken = True
-                if op.aborted and op.kind == "write":
-                    self._fence(conn)
+                if op.aborted and op.kind == "write" and not self._fence(conn):
+                    state.unconfirmed = True
         finally:
             if conn is not None:
                 with state.lock:
@@ -409,8 +414,25 @@ class TcpTransport(Transport):
         if last:
             if first_err is None:
                 op.complete(op.length)
+            elif state.unconfirmed and op.abort_exc is not None:
+                op.fail(self._unconfirmed(op))
             else:
                 op.fail(first_err if isinstance(first_err, (MpcommError, BaseException)) else MpcommError(str(first_err)))
+
+    @staticmethod
+    def _unconfirmed(op: Operation) -> BaseException:
+        """The abort reason, marked as not confirmed by the target."""
+        exc = op.abort_exc
+        if isinstance(exc, TransferTimeout):
+            exc.confirmed = False
+            return exc
+        err = TransferError(
+            f"{op.kind} to {op.remote.address} was aborted ({type(exc).__name__}) but the target did not confirm "
+            "that it stopped; part of the range may still be written if it resumes",
+            peer=op.remote.address, region=op.remote.name,
+        )
+        op.abort_exc = err
+        return err
 
     def _exchange(self, op: Operation, conn: _Conn, start: int, length: int) -> None:
         sock = conn.sock
@@ -461,15 +483,21 @@ class TcpTransport(Transport):
             raise ProtocolError(f"malformed error response from {op.remote.address}") from exc
         raise error_from_code(code, f"{op.remote.address}: {message}", peer=op.remote.address, region=op.remote.name)
 
-    def _fence(self, conn: _Conn) -> None:
-        """After aborting a write, wait until the target has stopped with it."""
+    def _fence(self, conn: _Conn) -> bool:
+        """After aborting a write, wait until the target has stopped with it.
+
+        True when the target answered or closed; False when it stayed silent
+        (stalled or unreachable): then only its wall-clock deadline check
+        stands between a resumed target and the region.
+        """
         sock = conn.sock
         sock.settimeout(self._fence_time())
         try:
             while sock.recv(65536):
                 pass
         except OSError:
-            pass
+            return False
+        return not conn.hard_closed
 
     def abort(self, op: Operation) -> None:
         state: _OpState | None = op.state
@@ -497,6 +525,7 @@ class TcpTransport(Transport):
 
     @staticmethod
     def _hard_close(conn: _Conn) -> None:
+        conn.hard_closed = True
         try:
             conn.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -1,0 +1,292 @@
+"""The Transfer contract (a real Future), batches, RemoteRegion descriptors, and registering memory."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import mmap
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpcomm
+from mpcomm import RemoteRegion, Request, Transfer, TransferStatus
+
+
+@pytest.fixture
+def kv(pair: tuple[mpcomm.Engine, mpcomm.Engine]) -> tuple[mpcomm.Engine, mpcomm.Engine, bytearray, RemoteRegion]:
+    target, initiator = pair
+    buf = bytearray(1 << 16)
+    target.register(buf, name="kv")
+    return target, initiator, buf, initiator.open(target.address, "kv")
+
+
+def test_transfer_is_a_future(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+    t = initiator.write(b"\x01" * 100, remote)
+    assert isinstance(t, cf.Future) and isinstance(t, Transfer)
+    assert t.result(timeout=5) == 100
+    assert t.status is TransferStatus.COMPLETED
+    assert t.transport == "tcp"
+    assert t.bytes_moved == 100
+    assert t.elapsed is not None and t.elapsed >= 0
+    assert t.cancel() is False  # done: cannot be cancelled
+    assert buf[:100] == b"\x01" * 100
+
+
+def test_wait_and_as_completed(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+    handles = [initiator.write(bytes([i]) * 4096, remote, remote_offset=i * 4096) for i in range(8)]
+    done, not_done = cf.wait(handles, timeout=10)
+    assert not not_done and len(done) == 8
+    reads = [initiator.read(bytearray(4096), remote, remote_offset=i * 4096) for i in range(8)]
+    finished = list(cf.as_completed(reads, timeout=10))
+    assert sorted(map(id, finished)) == sorted(map(id, reads))
+    assert all(t.result() == 4096 for t in finished)
+    for i in range(8):
+        assert buf[i * 4096 : (i + 1) * 4096] == bytes([i]) * 4096
+
+
+def test_await_in_asyncio(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+
+    async def main() -> list[int]:
+        ts = [initiator.write(b"\x07" * 512, remote, remote_offset=512 * i) for i in range(4)]
+        return list(await asyncio.gather(*ts))
+
+    assert asyncio.run(main()) == [512] * 4
+    assert buf[: 512 * 4] == b"\x07" * 2048
+
+
+def test_done_callback_runs_at_once_when_done(kv: Any) -> None:
+    _, initiator, _, remote = kv
+    t = initiator.write(b"x" * 10, remote)
+    t.result(5)
+    seen: list[Any] = []
+    t.add_done_callback(lambda f: seen.append((f, threading.get_ident())))
+    assert seen == [(t, threading.get_ident())]  # synchronously, on this thread
+
+
+def test_raising_callback_is_logged_not_raised(kv: Any, caplog: pytest.LogCaptureFixture) -> None:
+    _, initiator, _, remote = kv
+
+    def bad(_f: Any) -> None:
+        raise ValueError("callback bug")
+
+    pending = initiator.submit([Request("write", b"y" * 10, remote)], post=False).transfers[0]
+    pending.add_done_callback(bad)
+    t = initiator.write(b"x" * 10, remote)
+    t.result(5)
+    with caplog.at_level(logging.ERROR):
+        t.add_done_callback(bad)  # already done: runs now, must not raise
+        assert pending.cancel() is True  # runs on completion, must not raise either
+    bugs = [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], ValueError)]
+    assert len(bugs) == 2
+
+
+def test_status_transitions(kv: Any) -> None:
+    target, initiator, buf, remote = kv
+    batch = initiator.submit([Request("write", b"z" * 8, remote)], post=False)
+    staged = batch.transfers[0]
+    assert staged.status is TransferStatus.PENDING and staged.transport is None
+    assert staged.cancel() is True
+    assert staged.status is TransferStatus.CANCELLED and staged.cancelled()
+    with pytest.raises(cf.CancelledError):
+        staged.result(0)
+    initiator.post(batch)  # posting skips the cancelled member
+    assert buf[:8] == bytes(8)
+
+    ok = initiator.write(b"z" * 8, remote)
+    ok.result(5)
+    assert ok.status is TransferStatus.COMPLETED
+
+    # The target unregisters the region: the request is refused there, nothing lands.
+    target.unregister(target.regions()[0])
+    failed = initiator.write(b"w" * 8, remote)
+    with pytest.raises(mpcomm.UnknownRegionError):
+        failed.result(5)
+    assert failed.status is TransferStatus.FAILED
+    assert buf[:8] == b"z" * 8
+
+
+def test_batch_result_and_members(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+    src = initiator.register(bytearray(b"abcdefgh" * 512))
+    batch = initiator.submit([
+        Request("write", src, remote, remote_offset=0, length=100),
+        Request("write", src, remote, remote_offset=1000, length=200, local_offset=8),
+        Request("read", bytearray(50), remote, remote_offset=0, length=50),
+    ])
+    assert batch.result(5) == 350
+    assert [t.result() for t in batch.transfers] == [100, 200, 50]
+    assert all(t.status is TransferStatus.COMPLETED for t in batch.transfers)
+    assert batch.status is TransferStatus.COMPLETED
+    assert bytes(buf[1000:1200]) == bytes(src.view[8:208])
+    assert src.leases == 0
+
+
+def test_batch_with_a_failing_member(kv: Any) -> None:
+    target, initiator, _, remote = kv
+    other = bytearray(64)
+    target.register(other, name="other")
+    doomed = initiator.open(target.address, "other")
+    target.unregister(target.regions()[-1])
+    batch = initiator.submit([Request("write", b"a" * 8, remote), Request("write", b"b" * 8, doomed)])
+    with pytest.raises(mpcomm.UnknownRegionError):
+        batch.result(5)
+    assert batch.transfers[0].result() == 8  # the good member still completed
+    assert isinstance(batch.transfers[1].exception(), mpcomm.UnknownRegionError)
+
+
+def test_empty_batch() -> None:
+    assert mpcomm.Batch([]).result(0) == 0
+
+
+def test_remote_region_round_trip_and_raw_addresses(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+    data = remote.to_bytes()
+    assert isinstance(data, bytes) and len(data) < 1024
+    again = RemoteRegion.from_bytes(data)
+    assert again == remote
+    assert RemoteRegion.from_bytes(data.decode()) == remote
+    # A descriptor that travelled out of band works for a transfer.
+    initiator.write(b"oob", again, remote_offset=again.offset_of(remote.base_address + 77)).result(5)
+    assert buf[77:80] == b"oob"
+    assert remote.offset_of(remote.base_address) == 0
+    for bad in (remote.base_address - 1, remote.base_address + remote.size + 1, 0):
+        with pytest.raises(mpcomm.OutOfBoundsError):
+            remote.offset_of(bad)
+    with pytest.raises(mpcomm.MpcommError):
+        RemoteRegion.from_bytes(b"not json")
+    with pytest.raises(mpcomm.MpcommError):
+        RemoteRegion.from_bytes(b'{"address": "x"}')
+
+
+def test_out_of_bounds_is_refused_before_anything_moves(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+    with pytest.raises(mpcomm.OutOfBoundsError):
+        initiator.write(b"x" * 10, remote, remote_offset=remote.size - 5, length=10)
+    with pytest.raises(mpcomm.OutOfBoundsError):
+        initiator.read(bytearray(4), remote, length=8)
+    with pytest.raises(mpcomm.OutOfBoundsError):
+        initiator.write(b"x" * 10, remote, remote_offset=-1)
+    assert buf == bytearray(len(buf))
+
+
+def test_register_read_only_bytes_is_source_only(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+    src = initiator.register(b"read-only source")
+    assert src.access == "r"
+    initiator.write(src, remote).result(5)
+    assert buf[: src.size] == b"read-only source"
+    with pytest.raises(mpcomm.PermissionDeniedError):
+        initiator.read(src, remote)
+    with pytest.raises(mpcomm.PermissionDeniedError):
+        initiator.read(b"bytes are read-only", remote)  # unregistered buffer: same rule
+    assert src.leases == 0
+
+
+def test_read_only_remote_region(pair: Any) -> None:
+    target, initiator = pair
+    target.register(b"\x05" * 64, name="ro")
+    remote = initiator.open(target.address, "ro")
+    assert not remote.writable and remote.readable
+    with pytest.raises(mpcomm.PermissionDeniedError):
+        initiator.write(b"x", remote)
+    out = bytearray(64)
+    initiator.read(out, remote).result(5)
+    assert out == b"\x05" * 64
+
+
+def test_register_numpy_mmap_memoryview(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+    arr = np.arange(256, dtype=np.uint32)
+    r = initiator.register(arr)
+    assert r.size == arr.nbytes and r.access == "rw"
+    initiator.write(r, remote).result(5)
+    assert bytes(buf[: arr.nbytes]) == arr.tobytes()
+
+    mm = mmap.mmap(-1, 8192)
+    rm = initiator.register(mm)
+    initiator.read(rm, remote, length=arr.nbytes).result(5)
+    assert mm[: arr.nbytes] == arr.tobytes()
+
+    back = np.zeros(256, dtype=np.uint32)
+    initiator.read(initiator.register(memoryview(back)), remote, length=arr.nbytes).result(5)
+    assert (back == arr).all()
+
+    two_d = np.ones((4, 16), dtype=np.float64)  # multi-dimensional, still contiguous
+    assert initiator.register(two_d).size == two_d.nbytes
+    for region in initiator.regions():
+        initiator.unregister(region)
+
+
+def test_non_contiguous_buffer_is_refused(make_engine: Any) -> None:
+    e = make_engine()
+    with pytest.raises(mpcomm.RegionError, match="contiguous"):
+        e.register(np.arange(100)[::2])
+    with pytest.raises(mpcomm.RegionError, match="contiguous"):
+        e.register(memoryview(bytearray(100))[::3])
+    with pytest.raises(mpcomm.RegionError):
+        e.register(object())
+    with pytest.raises(mpcomm.RegionError):
+        e.register(bytearray())
+
+
+def test_duplicate_region_name(make_engine: Any) -> None:
+    e = make_engine()
+    e.register(bytearray(16), name="dup")
+    with pytest.raises(mpcomm.RegionError, match="dup"):
+        e.register(bytearray(16), name="dup")
+    assert [r.name for r in e.regions()] == ["dup"]
+
+
+def test_alignment(make_engine: Any) -> None:
+    e = make_engine({"memory": {"alignment": 4096}})
+    for size in (1, 4096, 10_000):
+        assert e.allocate(size).address % 4096 == 0
+    page = mmap.mmap(-1, 3 * 4096)
+    view = memoryview(page)
+    aligned = e.register(view[4096:8192], name="aligned")  # mmap is page aligned
+    assert aligned.address % 4096 == 0
+    with pytest.raises(mpcomm.AlignmentError) as info:
+        e.register(view[1:4097], name="unaligned")
+    assert "memory.alignment" in str(info.value) and "allocate" in str(info.value)
+    assert "unaligned" not in [r.name for r in e.regions()]
+    e.unregister(aligned)
+
+
+def test_unregister_refuses_a_leased_region_and_waits_with_a_timeout(make_engine: Any) -> None:
+    e = make_engine()
+    r = e.register(bytearray(64), name="leased")
+    r.acquire()  # what a request in flight holds (see test_core_backpressure for a real one)
+    with pytest.raises(mpcomm.RegionBusyError):
+        e.unregister(r)
+    with pytest.raises(mpcomm.RegionBusyError):
+        e.unregister(r, timeout=0.1)
+    threading.Timer(0.3, r.release).start()
+    e.unregister(r, timeout=5)
+    assert r.closed and e.regions() == []
+
+
+def test_unregistered_buffer_can_be_freed(make_engine: Any) -> None:
+    e = make_engine()
+    page = mmap.mmap(-1, 4096)
+    region = e.register(page, name="page")
+    e.unregister(region)
+    page.close()  # the caller owns the buffer again
+    buf = bytearray(64)
+    e.unregister(e.register(buf, name="grow"))
+    buf.extend(b"more")
+    assert len(buf) == 68
+
+
+def test_closed_engine(make_engine: Any) -> None:
+    e = make_engine()
+    e.close()
+    with pytest.raises(mpcomm.EngineClosedError):
+        e.register(bytearray(8))
+    e.close()  # idempotent
