@@ -41,3 +41,16 @@ def data_file(tmp_path: Any) -> Any:
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(300_000))
     return path
+
+
+@pytest.fixture(autouse=True)
+def _restore_mpcomm_logger():
+    """The CLI configures the ``mpcomm`` logger for its process; CliRunner runs it
+    in ours, so put the logger back for the tests that follow."""
+    import logging
+
+    logger = logging.getLogger("mpcomm")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.propagate, logger.level = saved[1], saved[2]
