@@ -66,12 +66,13 @@ class TargetProcess:
     def __init__(self, transport: str, *, plugins: Sequence[str] = (), config: dict[str, Any] | None = None,
                  endpoint: str = "127.0.0.1:0", regions: dict[str, list[Any]] | None = None,
                  autoload: bool | None = None, start_timeout: float = 30.0,
-                 prefix: Sequence[str] = ()) -> None:
+                 prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
         spec = {"transport": transport, "plugins": list(plugins), "config": config or {}, "endpoint": endpoint,
                 "regions": regions if regions is not None else TARGET_REGIONS, "autoload": autoload}
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "mpcomm.testing.target", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            env={**os.environ, **env} if env else None,
         )
         try:
             hello = json.loads(self._readline(start_timeout))

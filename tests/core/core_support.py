@@ -8,73 +8,31 @@ slow transport really moves bytes with ``memmove`` after sleeping.
 
 from __future__ import annotations
 
-import json
-import os
-import select
 import socket
-import subprocess
-import sys
 import threading
 import types
 from typing import Any, ClassVar
 
 import mpcomm
 from mpcomm import Availability, Capabilities, Operation, Transport, TransportContext
+from mpcomm.testing import TargetProcess
 
 # -- a target engine in a subprocess ------------------------------------------------
 
 
-class Target:
-    """``python -m mpcomm.testing.target SPEC``, driven over stdin/stdout."""
+class Target(TargetProcess):
+    """The kit's target process (``python -m mpcomm.testing.target``) on tcp, called as ``cmd("sha", name, ...)``."""
 
     def __init__(self, regions: dict[str, list[Any]], *, endpoint: str = "127.0.0.1:0",
                  config: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
-        spec = {"transport": "tcp", "endpoint": endpoint, "regions": regions, "config": config}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mpcomm.testing.target", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})},
-        )
-        hello = json.loads(self._line(30))
-        self.address: str = hello["address"]
-        self.pid: int = hello["pid"]
-        self.node_id: str = hello["node_id"]
+        super().__init__("tcp", config=config, endpoint=endpoint, regions=regions, env=env)
 
-    def _line(self, timeout: float = 20) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError("target did not answer")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise EOFError(f"target exited with {self.proc.poll()}")
-        return line.strip()
-
-    def cmd(self, *words: Any, timeout: float = 20) -> str:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
-        self.proc.stdin.flush()
-        return self._line(timeout)
+    def cmd(self, *words: Any, timeout: float = 20) -> str:  # type: ignore[override]
+        return super().cmd(" ".join(map(str, words)), timeout=timeout)
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.cmd("quit", timeout=5)
-            except (OSError, TimeoutError, EOFError):
-                pass
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 # -- a recording TCP proxy ------------------------------------------------------------
