@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 import mpcomm
+from mpcomm.records import format_seconds, format_size, parse_size
 
 MiB = 1 << 20
 REGION = 64 * MiB
@@ -42,28 +42,9 @@ TARGET = textwrap.dedent(f"""
 """)
 
 
-def fmt_size(n: int) -> str:
-    for unit, div in (("MiB", MiB), ("KiB", 1024)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return f"{n}B"
-
-
-def parse_size(s: str) -> int:
-    s = s.strip()
-    for unit, mul in (("MiB", MiB), ("KiB", 1024), ("B", 1)):
-        if s.endswith(unit):
-            return int(s[: -len(unit)]) * mul
-    return int(s)
-
-
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(len(xs) * q))]
-
-
-def fmt_lat(s: float) -> str:
-    return f"{s * 1e6:.1f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
 
 
 def memcpy_baseline(size: int, seconds: float) -> tuple[float, float]:
@@ -129,9 +110,9 @@ def main() -> int:
         address = json.loads(proc.stdout.readline())["address"]
         base = {size: memcpy_baseline(size, args.seconds) for size in sizes}
         for size in sizes:
-            print(record(transport="memcpy", mode="numpy.copyto", memory="host", message_size=fmt_size(size),
+            print(record(transport="memcpy", mode="numpy.copyto", memory="host", message_size=format_size(size),
                          concurrency=1, numa_binding="none", throughput=f"{base[size][0] / 1e9:.2f}GB/s",
-                         p50_latency=fmt_lat(base[size][1])), flush=True)
+                         p50_latency=format_seconds(base[size][1])), flush=True)
         results: dict[tuple[str, str, str, int, int], dict[str, Any]] = {}
         for mode in ("zero-copy", "copy"):
             with mpcomm.Engine({"transport": {"mode": mode}}, transports=["shm", "tcp"]) as e:
@@ -145,9 +126,9 @@ def main() -> int:
                                 r = run_case(e, local, remote, kind, size, conc, args.seconds)
                                 results[(mode, route, kind, size, conc)] = r
                                 print(record(transport=f"shm/{route}" if r["via"] == "shm" else r["via"], mode=mode,
-                                             memory="host", op=kind, message_size=fmt_size(size), concurrency=conc,
+                                             memory="host", op=kind, message_size=format_size(size), concurrency=conc,
                                              numa_binding="none", throughput=f"{r['throughput'] / 1e9:.2f}GB/s",
-                                             p50_latency=fmt_lat(r["p50"]), p99_latency=fmt_lat(r["p99"]),
+                                             p50_latency=format_seconds(r["p50"]), p99_latency=format_seconds(r["p99"]),
                                              cpu_utilization=f"{r['cpu']:.2f}cores",
                                              ratio_to_memcpy=f"{r['throughput'] / base[size][0]:.2f}"), flush=True)
                     # A batch of 64 x 4 KiB through Engine.submit (one handle).
@@ -163,7 +144,7 @@ def main() -> int:
                     print(record(transport=f"shm/{route}", mode=mode, memory="host", op="write",
                                  message_size="64x4KiB", concurrency=64, numa_binding="none",
                                  throughput=f"{64 * 4096 * len(lat) / sum(lat) / 1e9:.2f}GB/s",
-                                 p50_latency=fmt_lat(pct(lat, 0.5)), p99_latency=fmt_lat(pct(lat, 0.99))), flush=True)
+                                 p50_latency=format_seconds(pct(lat, 0.5)), p99_latency=format_seconds(pct(lat, 0.99))), flush=True)
                     if mode == "zero-copy":
                         raw_batch(e, local, remote, route, args.seconds)
         summarize(results, base, sizes)
@@ -199,7 +180,7 @@ def raw_batch(e: mpcomm.Engine, local: mpcomm.Region, remote: mpcomm.RemoteRegio
         lat.append(time.perf_counter() - s)
     print(record(transport=f"shm/{route}", mode="zero-copy-raw", memory="host", op="write", message_size="64x4KiB",
                  concurrency=64, numa_binding="none", throughput=f"{64 * 4096 * len(lat) / sum(lat) / 1e9:.2f}GB/s",
-                 p50_latency=fmt_lat(pct(lat, 0.5)), p99_latency=fmt_lat(pct(lat, 0.99))), flush=True)
+                 p50_latency=format_seconds(pct(lat, 0.5)), p99_latency=format_seconds(pct(lat, 0.99))), flush=True)
 
 
 def summarize(results: dict[tuple[str, str, str, int, int], dict[str, Any]], base: dict[int, tuple[float, float]],
@@ -212,12 +193,12 @@ def summarize(results: dict[tuple[str, str, str, int, int], dict[str, Any]], bas
             c1 = results.get(("copy", route, "write", size, 1))
             if not r1:
                 continue
-            print(f"# {route} write {fmt_size(size)}: 1 in flight {r1['throughput'] / base[size][0]:.2f}x memcpy "
+            print(f"# {route} write {format_size(size)}: 1 in flight {r1['throughput'] / base[size][0]:.2f}x memcpy "
                   f"(target 0.9), 8 in flight {r8['throughput'] / base[size][0]:.2f}x (target 1.2), "
                   f"zero-copy/copy {r1['throughput'] / c1['throughput']:.2f}x (target 1.3)")
     r = results.get(("zero-copy", "memfd", "write", 4096, 1))
     if r:
-        print(f"# 4KiB write p50 {fmt_lat(r['p50'])} (target 5us)")
+        print(f"# 4KiB write p50 {format_seconds(r['p50'])} (target 5us)")
 
 
 if __name__ == "__main__":

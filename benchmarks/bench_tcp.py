@@ -28,6 +28,7 @@ from collections.abc import Callable
 import psutil
 
 import mpcomm
+from mpcomm.records import format_rate, format_record, format_seconds, format_size
 from mpcomm.testing import TargetProcess
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -59,22 +60,6 @@ while True:
     c, _ = srv.accept()
     threading.Thread(target=serve, args=(c,), daemon=True).start()
 """
-
-
-def human(n: float) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
-        if n >= div:
-            v = n / div
-            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.2f}{unit}"
-    return f"{n:.0f}B"
-
-
-def rate(bps: float) -> str:
-    return f"{bps / 1e9:.2f}GB/s" if bps >= 1e9 else f"{bps / 1e6:.1f}MB/s"
-
-
-def lat(s: float) -> str:
-    return f"{s * 1e6:.1f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
 
 
 def measure(fn: Callable[[int], None], concurrency: int, iters: int, pids: list[int]) -> dict[str, float]:
@@ -158,15 +143,15 @@ def main() -> None:
                         base_thr = base["ops"] * size / base["wall"]
                         rec = {
                             "transport": "tcp", "mode": args.mode, "memory": "host", "op": op,
-                            "message_size": human(size), "concurrency": conc, "numa_binding": "none",
-                            "throughput": rate(thr), "p50_latency": lat(res["p50"]), "p99_latency": lat(res["p99"]),
+                            "message_size": format_size(size), "concurrency": conc, "numa_binding": "none",
+                            "throughput": format_rate(thr), "p50_latency": format_seconds(res["p50"]), "p99_latency": format_seconds(res["p99"]),
                             "cpu_utilization": f"{res['cpu']:.2f}cores",
-                            "baseline": "plain-socket", "baseline_throughput": rate(base_thr),
+                            "baseline": "plain-socket", "baseline_throughput": format_rate(base_thr),
                             "ratio_to_socket": f"{thr / base_thr:.2f}",
                         }
                         records.append(rec)
                         if not args.json:
-                            print(" ".join(f"{k}={v}" for k, v in rec.items()), flush=True)
+                            print(format_record(rec), flush=True)
             for s in socks:
                 s.close()
     finally:

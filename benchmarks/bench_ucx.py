@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import socket
 import statistics
 import subprocess
@@ -26,40 +25,12 @@ import time
 from typing import Any
 
 import mpcomm
+from mpcomm.records import format_rate, format_seconds, format_size, proc_cpu, self_cpu
 
 SIZES = [4 << 10, 4 << 20, 64 << 20]
 REGION = (64 << 20) + 4096
 # (UCX_TLS or None, error_handling)
 UCX_CASES = [(None, True), (None, False), ("tcp", True), ("tcp", False)]
-
-
-def fmt_size(n: int) -> str:
-    for unit, f in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= f:
-            return f"{n // f}{unit}"
-    return f"{n}B"
-
-
-def fmt_rate(b: float) -> str:
-    return f"{b / 1e9:.2f}GB/s" if b >= 1e9 else f"{b / 1e6:.2f}MB/s"
-
-
-def fmt_s(s: float) -> str:
-    return f"{s * 1e6:.1f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
-
-
-def proc_cpu(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def self_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 def env_for(tls: str | None) -> dict[str, str]:
@@ -106,7 +77,7 @@ def measure(transport: str, config: dict[str, Any], env: dict[str, str], quick: 
             engine = mpcomm.Engine(config, transports=[transport])
         except mpcomm.MpcommError as exc:
             for size in SIZES:
-                print(f"transport={transport} mode=zero-copy memory=host message_size={fmt_size(size)} concurrency=1 "
+                print(f"transport={transport} mode=zero-copy memory=host message_size={format_size(size)} concurrency=1 "
                       f"numa_binding=none throughput=- p50_latency=- p99_latency=- cpu_utilization=- "
                       f"status=skipped reason={str(exc)!r}", flush=True)
             return out
@@ -133,10 +104,10 @@ def measure(transport: str, config: dict[str, Any], env: dict[str, str], quick: 
                     rate = size * n / wall
                     out[(op, size)] = rate
                     extra = " ".join(f"{k}={v}" for k, v in label.items())
-                    print(f"transport={transport} mode=zero-copy memory=host message_size={fmt_size(size)} "
-                          f"concurrency=1 numa_binding=none throughput={fmt_rate(rate)} "
-                          f"p50_latency={fmt_s(statistics.median(lat))} "
-                          f"p99_latency={fmt_s(lat[min(len(lat) - 1, int(len(lat) * 0.99))])} "
+                    print(f"transport={transport} mode=zero-copy memory=host message_size={format_size(size)} "
+                          f"concurrency=1 numa_binding=none throughput={format_rate(rate)} "
+                          f"p50_latency={format_seconds(statistics.median(lat))} "
+                          f"p99_latency={format_seconds(lat[min(len(lat) - 1, int(len(lat) * 0.99))])} "
                           f"cpu_utilization={cpu / wall * 100:.0f}% case=bench_ucx op={op} requests={n}"
                           + (f" {extra}" if extra else ""), flush=True)
             engine.unregister(local)
@@ -226,7 +197,7 @@ def main() -> None:
                       f"-s {size}: no figure ({row})")
                 continue
             print(f"# ucx_perftest ucp_put_bw UCX_TLS={tls or 'unset'}{' -e' if eh else ''} "
-                  f"message_size={fmt_size(size)}: {fmt_rate(ref)}; ucx write/perftest = {ours / ref:.2f}", flush=True)
+                  f"message_size={format_size(size)}: {format_rate(ref)}; ucx write/perftest = {ours / ref:.2f}", flush=True)
     print(f"# total {time.monotonic() - t_start:.1f}s")
 
 

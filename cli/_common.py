@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from mpcomm import Config, load_config
+from mpcomm import Config, load_config, records
 from mpcomm.errors import (
     AccessError,
     ConfigError,
@@ -149,50 +148,18 @@ def print_json(data: Any) -> None:
 
 # -- sizes ----------------------------------------------------------------------
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kb": 1000, "kib": 1 << 10,
-    "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
-    "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30,
-    "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+format_size = records.format_size
+format_rate = records.format_rate
+format_seconds = records.format_seconds
 
 
 def parse_size(text: str) -> int:
-    """``"64MiB"`` → 67108864; ``K``/``M``/``G`` are binary, ``KB``/``MB``/``GB`` decimal."""
-    m = _SIZE_RE.match(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise CliError(f"not a size: {text!r} (examples: 4096, 64KiB, 4MiB, 1GiB)", EXIT_USAGE)
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value != int(value):
-        raise CliError(f"not a whole number of bytes: {text!r}", EXIT_USAGE)
-    return int(value)
-
-
-def format_size(n: float) -> str:
-    """Binary units without a fractional part where exact: 4096 → ``4KiB``."""
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor:
-            q = n / factor
-            return f"{q:.0f}{unit}" if q == int(q) else f"{q:.1f}{unit}"
-    return f"{int(n)}B"
-
-
-def format_rate(bytes_per_s: float) -> str:
-    """Throughput in decimal units: ``2.71GB/s``."""
-    for unit, factor in (("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3)):
-        if bytes_per_s >= factor:
-            return f"{bytes_per_s / factor:.2f}{unit}"
-    return f"{bytes_per_s:.0f}B/s"
-
-
-def format_seconds(s: float) -> str:
-    if s < 1e-3:
-        return f"{s * 1e6:.1f}us"
-    if s < 1:
-        return f"{s * 1e3:.2f}ms"
-    return f"{s:.2f}s"
+    """``"64MiB"`` → 67108864 (see :func:`mpcomm.records.parse_size`); a usage error otherwise."""
+    try:
+        return records.parse_size(text)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import select
 import signal
 import statistics
@@ -50,6 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import mpcomm
 from mpcomm.errors import MpcommError
+from mpcomm.records import proc_cpu, self_cpu
 
 from ._common import (
     EXIT_USAGE,
@@ -159,21 +159,6 @@ class Record:
 # -- the target process -------------------------------------------------------------
 
 
-def _proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid``; 0.0 where /proc is unavailable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def _self_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
 def _cpulist(node: int) -> set[int]:
     try:
         text = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip()
@@ -212,7 +197,7 @@ class Target:
         self.address: str = info["address"]
 
     def cpu(self) -> float:
-        return _proc_cpu(self.pid)
+        return proc_cpu(self.pid)
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -275,7 +260,7 @@ def measure(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, op: str, size: i
         issue(local, remote, (i % slots) * size, size, local_offset=(i % slots) * size).result(timeout + 5)
     lat: list[float] = []
     pending: deque[mpcomm.Transfer] = deque()
-    cpu0, tcpu0 = _self_cpu(), (tgt.cpu() if tgt else 0.0)
+    cpu0, tcpu0 = self_cpu(), (tgt.cpu() if tgt else 0.0)
     t0 = time.perf_counter()
     end = t0 + plan.seconds
     n = 0
@@ -290,7 +275,7 @@ def measure(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, op: str, size: i
         t.result(timeout + 5)
         lat.append(t.elapsed or 0.0)
     wall = time.perf_counter() - t0
-    cpu, tcpu = _self_cpu() - cpu0, (tgt.cpu() if tgt else 0.0) - tcpu0
+    cpu, tcpu = self_cpu() - cpu0, (tgt.cpu() if tgt else 0.0) - tcpu0
     if own:
         engine.unregister(local, timeout=5.0)
     lat.sort()
@@ -404,6 +389,19 @@ class Runner:
             first_fail: float | None = None
             stop_at = kill_at + 1.0
             n = 0
+
+            def settle(t: mpcomm.Transfer) -> bool:
+                """Wait for ``t``; count it as completed or by its error code."""
+                nonlocal ok
+                try:
+                    t.result(timeout + 5)
+                except MpcommError as exc:
+                    errors[exc.code] += 1
+                    failed_lat.append(t.elapsed or 0.0)
+                    return False
+                ok += 1
+                return True
+
             while time.perf_counter() < stop_at:
                 if killed is None and time.perf_counter() >= kill_at:
                     tgt.signal(signal.SIGKILL)
@@ -421,21 +419,10 @@ class Runner:
                     if killed is not None and errors:
                         break
                     continue
-                t = pending.popleft()
-                try:
-                    t.result(timeout + 5)
-                    ok += 1
-                except MpcommError as exc:
-                    errors[exc.code] += 1
-                    failed_lat.append(t.elapsed or 0.0)
+                if not settle(pending.popleft()):
                     first_fail = first_fail or time.perf_counter()
             for t in pending:
-                try:
-                    t.result(timeout + 5)
-                    ok += 1
-                except MpcommError as exc:
-                    errors[exc.code] += 1
-                    failed_lat.append(t.elapsed or 0.0)
+                settle(t)
             failed_lat.sort()
             quiet.close()
             extra: dict[str, Any] = {"completed": ok, **quiet.extra()}
@@ -503,9 +490,9 @@ class Runner:
                 for r in range(p.otel_rounds):
                     for name, eng in engines.items():
                         self.step(f"{transport} otel overhead: {name} (round {r + 1}/{p.otel_rounds})")
-                        c0, t0 = _self_cpu(), time.perf_counter()
+                        c0, t0 = self_cpu(), time.perf_counter()
                         m = measure_latencies(eng, remotes[name], locals_[name], size, sub)
-                        cpu[name] += _self_cpu() - c0
+                        cpu[name] += self_cpu() - c0
                         wall[name] += time.perf_counter() - t0
                         samples[name].extend(m)
             finally:
