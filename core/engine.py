@@ -726,10 +726,11 @@ class Engine:
                 region=remote.name, peer=remote.address, request=transfer.request,
             )
         op.peer = link.info
-        if op._ephemeral:  # type: ignore[attr-defined]
-            self._register_with_transports(op.local)
         transport = self._route(link, op)
-        if self.config.memory.registration == "lazy" and transport.name not in op.local.transport_info:
+        # A buffer passed for one request, like lazy registration, is registered
+        # with the transport that carries it only.
+        lazy = self.config.memory.registration == "lazy" or op._ephemeral  # type: ignore[attr-defined]
+        if lazy and transport.name not in op.local.transport_info:
             info = transport.register(op.local)
             if info is not None:
                 op.local.transport_info[transport.name] = info

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import CancelledError, Future
-from concurrent.futures._base import CANCELLED_AND_NOTIFIED, FINISHED, RUNNING
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, RUNNING
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -119,7 +119,7 @@ class Transfer(Future):  # type: ignore[type-arg]
         request's own deadline plus the abort grace).
         """
         with self._condition:
-            if self._state in (CANCELLED_AND_NOTIFIED, FINISHED) or self._state == "CANCELLED":
+            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED):
                 return self._state != FINISHED
             if self._state != RUNNING:
                 ok = super().cancel()
@@ -308,7 +308,7 @@ class Operation:
         """
         if self.abort_exc is not None:
             if isinstance(self.abort_exc, MpcommError) and exc is not self.abort_exc:
-                self.abort_exc.__cause__ = self.abort_exc.__cause__ or (exc if exc is not self.abort_exc else None)
+                self.abort_exc.__cause__ = self.abort_exc.__cause__ or exc
             exc = self.abort_exc
         if self._finish(exc):
             self.transfer._fail(exc)

@@ -417,7 +417,7 @@ class TcpTransport(Transport):
             elif state.unconfirmed and op.abort_exc is not None:
                 op.fail(self._unconfirmed(op))
             else:
-                op.fail(first_err if isinstance(first_err, (MpcommError, BaseException)) else MpcommError(str(first_err)))
+                op.fail(first_err)
 
     @staticmethod
     def _unconfirmed(op: Operation) -> BaseException:
