@@ -196,7 +196,7 @@ class Engine:
         self._known_epochs: dict[str, str] = {}
         self._inflight: set[Operation] = set()
         self._deadline_buckets: dict[int, set[Operation]] = {}
-        self._slots = threading.BoundedSemaphore(cfg.runtime.queue_depth)
+        self._slots = _Slots(cfg.runtime.queue_depth)
         self._timer = DeadlineTimer()
         self._executor = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-worker")
         self._notifications: queue.Queue[Notification] = queue.Queue()
@@ -753,7 +753,8 @@ class Engine:
             return
         if self.telemetry.enabled:
             self.telemetry.on_post(op, transport.name)
-        self._arm_deadline(op)
+        if transport.post_may_block:
+            self._arm_deadline(op)
         try:
             transport.post(op)
         except MpcommError as exc:
@@ -761,6 +762,8 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a plugin bug fails the request, not the caller
             log.exception("transport %s failed to post", transport.name)
             op.fail(MpcommError(f"transport {transport.name} failed: {exc}"))
+        if not transport.post_may_block and not op.done:
+            self._arm_deadline(op)
 
     def _arm_deadline(self, op: Operation) -> None:
         """Deadlines share 1 ms buckets: one timer wake-up per bucket, not per request."""
@@ -872,6 +875,43 @@ class Engine:
                 log.exception("transport %s failed to close", t.name)
         self._timer.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _Slots:
+    """A counting semaphore for ``runtime.queue_depth`` whose uncontended path is
+    one C-level lock (``threading.BoundedSemaphore`` is a Python Condition)."""
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        with self._lock:
+            if self._free:
+                self._free -= 1
+                return True
+            if not blocking:
+                return False
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._waiting += 1
+            try:
+                while not self._free:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(left)
+                self._free -= 1
+                return True
+            finally:
+                self._waiting -= 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._free += 1
+            if self._waiting:
+                self._cond.notify()
 
 
 def _release_view(region: Region) -> None:

@@ -149,7 +149,10 @@ class Region:
         self._owner = owner
         self._leases = 0
         self._closed = False
-        self._cond = threading.Condition()
+        # Leases take a C-level lock; the Condition is only waited on by close().
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._closers = 0
         self._finalizers: list[Callable[[], None]] = []
 
     def __repr__(self) -> str:
@@ -174,15 +177,15 @@ class Region:
 
     def acquire(self) -> None:
         """Take a lease; raises RegionClosedError if the region is gone."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RegionClosedError(f"region {self.name!r} is unregistered", region=self.name)
             self._leases += 1
 
     def release(self) -> None:
-        with self._cond:
+        with self._lock:
             self._leases -= 1
-            if self._leases == 0:
+            if self._leases == 0 and self._closers:
                 self._cond.notify_all()
 
     def close(self, timeout: float | None = None) -> None:
@@ -197,14 +200,18 @@ class Region:
                     region=self.name,
                 )
             deadline = time.monotonic() + (timeout or 0)
-            while self._leases:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RegionBusyError(
-                        f"region {self.name!r} still has {self._leases} transfer(s) in flight after {timeout}s",
-                        region=self.name,
-                    )
-                self._cond.wait(left)
+            self._closers += 1
+            try:
+                while self._leases:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise RegionBusyError(
+                            f"region {self.name!r} still has {self._leases} transfer(s) in flight after {timeout}s",
+                            region=self.name,
+                        )
+                    self._cond.wait(left)
+            finally:
+                self._closers -= 1
             self._closed = True
         for fin in reversed(self._finalizers):
             fin()

@@ -126,6 +126,12 @@ class Transport:
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: Accepted ``[plugins.<name>]`` keys and their defaults; others are config errors.
     default_options: ClassVar[dict[str, Any]] = {}
+    #: True when :meth:`post` may wait on the peer (the network) on the caller's
+    #: thread: the engine then arms the request's deadline before posting. A
+    #: transport whose post() only runs bounded local work (or waits with the
+    #: request's own deadline) sets False, and requests it finishes inline never
+    #: touch the deadline timer.
+    post_may_block: ClassVar[bool] = True
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

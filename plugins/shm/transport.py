@@ -185,6 +185,9 @@ class ShmTransport(Transport):
     """Same-host transfers through shared memory (memfd) or cross-memory attach."""
 
     name: ClassVar[str] = "shm"
+    # post() copies at most inline_threshold bytes on the caller's thread; the
+    # first attach waits on the peer with the request's own deadline.
+    post_may_block: ClassVar[bool] = False
     capabilities: ClassVar[Capabilities] = Capabilities(
         memory_kinds=frozenset({"host"}),
         intra_node=True,
