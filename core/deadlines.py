@@ -3,6 +3,10 @@
 The thread sleeps on a condition until the earliest deadline (no polling), so
 an idle engine costs no CPU. Callbacks run on the timer thread and must be
 quick: they only ask transports to abort.
+
+Most requests finish long before their deadline, so their entries are
+cancelled, and the heap is compacted once cancelled entries outnumber live
+ones: the thread wakes for deadlines that still matter, not once per request.
 """
 
 from __future__ import annotations
@@ -13,30 +17,47 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("mpcomm.deadlines")
 
 
 class DeadlineTimer:
     def __init__(self, name: str = "mpcomm-deadlines") -> None:
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        # Entries are [when, seq, fn]; fn is None once cancelled.
+        self._heap: list[list[Any]] = []
+        self._dead = 0
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
         self._name = name
         self._thread: threading.Thread | None = None
 
-    def schedule(self, when: float, fn: Callable[[], None]) -> None:
-        """Run ``fn`` at monotonic time ``when`` (callbacks check whether still needed)."""
+    def schedule(self, when: float, fn: Callable[[], None]) -> list[Any]:
+        """Run ``fn`` at monotonic time ``when``; returns a handle for :meth:`cancel`."""
+        entry = [when, next(self._seq), fn]
         with self._cond:
             if self._closed:
-                return
-            heapq.heappush(self._heap, (when, next(self._seq), fn))
+                return entry
+            heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            elif self._heap[0][2] is fn:
+            elif self._heap[0] is entry:
                 self._cond.notify()
+        return entry
+
+    def cancel(self, entry: list[Any]) -> None:
+        """Forget a scheduled call (no-op if it already ran or was cancelled)."""
+        with self._cond:
+            if entry[2] is None:
+                return
+            entry[2] = None
+            self._dead += 1
+            if self._dead > 64 and self._dead * 2 > len(self._heap):
+                self._heap = [e for e in self._heap if e[2] is not None]
+                heapq.heapify(self._heap)
+                self._dead = 0
 
     def _run(self) -> None:
         while True:
@@ -51,7 +72,11 @@ class DeadlineTimer:
                     self._cond.wait(left)
                 if self._closed:
                     return
-                _, _, fn = heapq.heappop(self._heap)
+                entry = heapq.heappop(self._heap)
+                fn, entry[2] = entry[2], None
+                if fn is None:
+                    self._dead -= 1
+                    continue
             try:
                 fn()
             except Exception:

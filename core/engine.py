@@ -15,7 +15,6 @@ Memory used per request is bounded; nothing queues without limit.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import secrets
 import threading
@@ -58,7 +57,6 @@ __all__ = ["Engine", "Notification", "TransportStatus"]
 log = logging.getLogger("mpcomm.engine")
 
 MAX_NOTIFY = 64 << 10
-DEADLINE_BUCKETS_PER_S = 1000  # 1 ms: at most 1000 timer wake-ups a second under load, none idle
 
 
 @dataclass(frozen=True)
@@ -195,7 +193,6 @@ class Engine:
         self._link_lock = threading.Lock()
         self._known_epochs: dict[str, str] = {}
         self._inflight: set[Operation] = set()
-        self._deadline_buckets: dict[int, set[Operation]] = {}
         self._slots = _Slots(cfg.runtime.queue_depth)
         self._timer = DeadlineTimer()
         self._executor = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-worker")
@@ -766,28 +763,14 @@ class Engine:
             self._arm_deadline(op)
 
     def _arm_deadline(self, op: Operation) -> None:
-        """Deadlines share 1 ms buckets: one timer wake-up per bucket, not per request."""
-        bucket = math.ceil(op.deadline * DEADLINE_BUCKETS_PER_S)
-        op.deadline_bucket = bucket  # type: ignore[attr-defined]
-        with self._lock:
-            members = self._deadline_buckets.get(bucket)
-            if members is None:
-                members = self._deadline_buckets[bucket] = set()
-                self._timer.schedule(bucket / DEADLINE_BUCKETS_PER_S, lambda: self._on_bucket(bucket))
-            members.add(op)
-
-    def _on_bucket(self, bucket: int) -> None:
-        with self._lock:
-            members = self._deadline_buckets.pop(bucket, set())
-        for op in members:
-            self._on_deadline(op)
+        op.deadline_entry = self._timer.schedule(op.deadline, lambda: self._on_deadline(op))  # type: ignore[attr-defined]
 
     def _on_op_finish(self, op: Operation, error: BaseException | None) -> None:
         with self._lock:
             self._inflight.discard(op)
-            members = self._deadline_buckets.get(getattr(op, "deadline_bucket", None))  # type: ignore[arg-type]
-            if members is not None:
-                members.discard(op)
+        entry = getattr(op, "deadline_entry", None)
+        if entry is not None:
+            self._timer.cancel(entry)
         if self.telemetry.enabled and op.transport is not None:
             self.telemetry.on_finish(op, op.transport.name, error)
 
