@@ -21,6 +21,7 @@ from .engine import Engine, Notification, TransportStatus
 from .errors import (
     AccessError,
     AlignmentError,
+    AllocationError,
     AuthenticationError,
     BackPressureError,
     ConfigError,
@@ -49,6 +50,7 @@ from .transport import Availability, Capabilities, Transport, TransportContext
 __all__ = [
     "AccessError",
     "AlignmentError",
+    "AllocationError",
     "AuthenticationError",
     "Availability",
     "BackPressureError",
