@@ -49,7 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import mpcomm
 from mpcomm.errors import MpcommError
-from mpcomm.records import proc_cpu, self_cpu
+from .records import proc_cpu, self_cpu
 
 from ._common import (
     EXIT_USAGE,

@@ -21,6 +21,7 @@ from ._common import (
     ConfigOption,
     JsonOption,
     build_config,
+    client_engine,
     err_console,
     fail,
     format_rate,
@@ -43,7 +44,8 @@ def _fill(view: memoryview) -> None:
 
 def run_pair(cfg: mpcomm.Config, transport: str, size: int, reps: int) -> dict[str, Any]:
     """Write and read ``size`` bytes ``reps`` times between two engines that run only ``transport``."""
-    with mpcomm.Engine(cfg, transports=[transport]) as target, mpcomm.Engine(cfg, transports=[transport]) as initiator:
+    # Both engines live in this process: each listens on a free port, whatever transport.endpoint says.
+    with client_engine(cfg, transports=[transport]) as target, client_engine(cfg, transports=[transport]) as initiator:
         target.allocate(size, name="demo")
         remote = initiator.open(target.address, "demo")
         src = initiator.allocate(size)
@@ -84,7 +86,7 @@ def demo(
     nbytes = parse_size(size)
     if nbytes <= 0:
         fail("--size must be positive", 2)
-    with mpcomm.Engine(cfg) as probe:
+    with client_engine(cfg) as probe:
         running = list(probe.transports)
         skipped = {s.name: s.availability.reason for s in probe.transport_status() if not s.running}
     best = running[0]
@@ -110,8 +112,6 @@ def demo(
     for r in results:
         table.add_row(r["transport"] + (" (best)" if r["best"] else ""), format_rate(r["write_throughput"]),
                       format_rate(r["read_throughput"]), format_seconds(r["latency_4KiB_p50"]))
-    from rich.console import Console
-
-    Console().print(table)
+    err_console.print(table)  # tables are for humans: stderr; --json for data on stdout
     for name, reason in skipped.items():
         err_console.print(f"[dim]{name}: not used ({escape(reason)})[/]")
