@@ -155,7 +155,9 @@ def build_config(ctx: typer.Context, config_path: Path | None = None, **override
     path = config_path or state.config_path
     cfg = load_config(str(path) if path is not None else None)
     if state.otel != "none":
-        cfg = cfg.with_overrides(observability={"trace_transfers": True, "metrics": True})
+        # Metrics, plus a span per operation and batch (mpcomm.telemetry); per-request
+        # spans stay off unless the config asks for them (observability.trace_transfers).
+        cfg = cfg.with_overrides(observability={"metrics": True})
     for section, values in overrides.items():
         if values:
             cfg = cfg.with_overrides(**{section: values})

@@ -67,7 +67,8 @@ def root(
     otel: Annotated[
         OtelMode,
         typer.Option("--otel", help="Send spans and metrics to the console (stderr) or to OTLP "
-                     "(OTEL_EXPORTER_OTLP_* variables); turns on observability.trace_transfers and metrics.",
+                     "(OTEL_EXPORTER_OTLP_* variables); turns on observability.metrics (a span per command, "
+                     "operation and batch; per-request spans need observability.trace_transfers).",
                      envvar="MPCOMM_OTEL", case_sensitive=False),
     ] = OtelMode.none,
     log_level: Annotated[
@@ -84,6 +85,14 @@ def root(
     if otel is not OtelMode.none:
         shutdown = setup_otel(otel.value)
         ctx.call_on_close(shutdown)
+        # One span for the whole command, parent of the operations' spans; it ends
+        # before the providers flush (close callbacks run last-in, first-out).
+        from mpcomm.telemetry import operation_span
+
+        span = operation_span(f"mpcomm {ctx.invoked_subcommand or ''}".strip(), {"mpcomm.cli.command":
+                                                                                  ctx.invoked_subcommand})
+        span.__enter__()
+        ctx.call_on_close(lambda: span.__exit__(None, None, None))
 
 
 def _configure_logging(level: str) -> None:

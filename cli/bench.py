@@ -64,6 +64,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import mpcomm
 from mpcomm.errors import MpcommError
 from mpcomm.peer import parse_endpoint
+from mpcomm.telemetry import operation_span
 
 from ._common import (
     EXIT_USAGE,
@@ -537,7 +538,9 @@ class Runner:
             self.step(f"{transport} {mode} {case} {op} {format_size(size)} x{conc}"
                       + (f" batch {batch}" if batch > 1 else "") + (f" {threads} threads" if threads > 1 else ""))
             try:
-                m = measure(eng, remote, op, size, conc, p, tgt, load)
+                with operation_span("mpcomm.bench.point", {"mpcomm.case": case, "mpcomm.direction": op,
+                                                           "mpcomm.size": size, "mpcomm.transport": transport}):
+                    m = measure(eng, remote, op, size, conc, p, tgt, load)
                 if p.check_data:
                     ok = check_data(eng, remote, size)
                     m["extra"]["verified"] = ok

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import mpcomm
+from mpcomm.telemetry import operation_span
 
 from ._common import (
     ConfigOption,
@@ -95,7 +96,9 @@ def demo(
         for name in running:
             status.update(f"{name}: {format_size(nbytes)} x {reps} each way")
             try:
-                r = run_pair(cfg, name, nbytes, reps)
+                with operation_span("mpcomm.demo.pair", {"mpcomm.transport": name, "mpcomm.size": nbytes,
+                                                         "mpcomm.reps": reps}):
+                    r = run_pair(cfg, name, nbytes, reps)
                 r["best"] = name == best
                 results.append(r)
             except mpcomm.MpcommError as exc:

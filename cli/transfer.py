@@ -28,6 +28,7 @@ from rich.markup import escape
 import mpcomm
 from mpcomm.errors import OutOfBoundsError, PermissionDeniedError
 from mpcomm.peer import parse_endpoint
+from mpcomm.telemetry import operation_span
 
 from ._common import (
     EXIT_USAGE,
@@ -106,6 +107,11 @@ def _check_range(remote: mpcomm.RemoteRegion, offset: int, length: int) -> None:
             f"({format_size(remote.size)}) on {remote.address}; nothing was moved",
             region=remote.name, peer=remote.address,
         )
+
+
+def _span_attrs(remote: mpcomm.RemoteRegion, offset: int, length: int) -> dict[str, Any]:
+    return {"mpcomm.peer": remote.address, "mpcomm.region": remote.name, "mpcomm.offset": offset,
+            "mpcomm.size": length}
 
 
 def move(engine: mpcomm.Engine, op: str, local: mpcomm.Region, remote: mpcomm.RemoteRegion, remote_offset: int,
@@ -199,7 +205,7 @@ def put(
         _check_range(remote, off, size)
         src = engine.register(mm, name=f"put:{file.name}")
         t0 = time.perf_counter()
-        with progress_bar() as progress:
+        with progress_bar() as progress, operation_span("mpcomm.put", _span_attrs(remote, off, size)):
             task = progress.add_task(f"put {file.name}", total=size)
             move(engine, "write", src, remote, off, size, chunk=chunk_n, inflight=inflight, timeout=timeout,
                  advance=lambda n: progress.advance(task, n))
@@ -310,7 +316,7 @@ def _get_into(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, path: Path, of
         dst = engine.register(mm, name=f"get:{label}")
         t0 = time.perf_counter()
         try:
-            with progress_bar() as progress:
+            with progress_bar() as progress, operation_span("mpcomm.get", _span_attrs(remote, off, n)):
                 task = progress.add_task(f"get {label}", total=n)
                 move(engine, "read", dst, remote, off, n, chunk=chunk, inflight=inflight, timeout=timeout,
                      advance=lambda k: progress.advance(task, k))

@@ -145,8 +145,10 @@ def test_otel_console_prints_spans_and_metrics_on_stderr(tmp_path: Any) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     json.loads(proc.stdout)  # stdout stays data
-    assert '"name": "mpcomm.write"' in proc.stderr
-    assert "mpcomm.transfer.bytes" in proc.stderr
+    # A span per command and operation, per-request detail as metrics: readable, not one span per request.
+    assert '"name": "mpcomm demo"' in proc.stderr and '"name": "mpcomm.demo.pair"' in proc.stderr
+    assert '"name": "mpcomm.write"' not in proc.stderr
+    assert "mpcomm.transfer.bytes" in proc.stderr and "mpcomm.transfer.duration" in proc.stderr
 
 
 def test_otel_otlp_missing_exporter_is_a_clear_usage_error(invoke: Any, monkeypatch: pytest.MonkeyPatch) -> None:
