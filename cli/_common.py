@@ -76,12 +76,19 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_FAILURE
 
 
+#: How a CliError is named in its error line, by exit code.
+_CLI_ERROR_NAMES = {EXIT_USAGE: "UsageError", EXIT_PEER: "PeerError", EXIT_VERIFY: "VerifyError"}
+
+
 def describe_error(exc: BaseException) -> str:
+    """``<ErrorClass>: <message>`` for the one error line."""
     if isinstance(exc, MpcommError):
         kind = type(exc).__name__
         hint = " (retrying may help)" if exc.retryable else ""
         return f"{kind}: {exc}{hint}"
-    return str(exc) or type(exc).__name__
+    if isinstance(exc, CliError):
+        return f"{_CLI_ERROR_NAMES.get(exc.code, 'Error')}: {exc}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -108,6 +115,13 @@ def handle_errors(fn: F) -> F:
         except (MpcommError, CliError) as exc:
             print_error(describe_error(exc))
             raise typer.Exit(exit_code_for(exc)) from exc
+        except BrokenPipeError as exc:
+            # stdout's reader left (`mpcomm bench --json | head -1`): stop quietly, as `yes | head` does.
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+            raise typer.Exit(128 + 13) from exc
         except OSError as exc:
             print_error(f"{type(exc).__name__}: {exc}")
             raise typer.Exit(EXIT_PEER if isinstance(exc, (ConnectionError, TimeoutError)) else EXIT_USAGE) from exc
