@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Serve, cli_env, mpcomm, start_serve
+from newcomer_support import Serve, cli_env, mpcomm, start_serve
 
 import mpcomm as mp
 from mpcomm.memory import check_allocatable

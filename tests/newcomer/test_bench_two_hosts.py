@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from conftest import cli_env, start_serve
+from newcomer_support import cli_env, start_serve
 
 NET = "10.232.{n}.{h}"
 

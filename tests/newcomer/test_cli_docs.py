@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, cli_env
+from newcomer_support import ROOT, cli_env
 
 DOC = ROOT / "docs" / "cli.md"
 
