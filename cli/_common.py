@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,6 +252,14 @@ def env_flag(name: str) -> bool:
 # -- progress -------------------------------------------------------------------------
 
 
+def stop_clock(progress: Any, task: Any) -> float:
+    """Stop a task's clock (its ``t0`` field); returns the seconds that the bar's rate and the summary share."""
+    t1 = time.perf_counter()
+    fields = progress.tasks[[t.id for t in progress.tasks].index(task)].fields
+    progress.update(task, t1=t1)
+    return t1 - fields["t0"]
+
+
 def progress_bar(*, transient: bool = False) -> Any:
     """A progress bar on stderr whose sizes and rate use the CLI's units (see records):
     the rate is bytes so far over time so far, the same figure the summary prints."""
@@ -264,7 +273,11 @@ def progress_bar(*, transient: bool = False) -> Any:
 
     class _Rate(ProgressColumn):
         def render(self, task: Any) -> Text:
-            elapsed = task.elapsed or 0.0
+            t0 = task.fields.get("t0")
+            if t0 is None:
+                elapsed = task.elapsed or 0.0
+            else:
+                elapsed = task.fields.get("t1", time.perf_counter()) - t0
             return Text(format_rate(task.completed / elapsed) if elapsed > 0 else "-", style="progress.data.speed")
 
     return Progress(TextColumn("{task.description}"), BarColumn(), _Bytes(), _Rate(), TimeRemainingColumn(),

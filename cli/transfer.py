@@ -46,6 +46,7 @@ from ._common import (
     parse_size,
     print_json,
     progress_bar,
+    stop_clock,
 )
 
 app = typer.Typer()
@@ -158,7 +159,7 @@ def _summary(what: str, nbytes: int, seconds: float, remote: mpcomm.RemoteRegion
     arrow = "->" if what == "put" else "<-"
     extra = "" if verified is None else (" verified" if verified else " VERIFY MISMATCH")
     err_console.print(escape(f"{what}: {file} {arrow} {remote.name}@{remote.address}+{offset}: {format_size(nbytes)} in "
-                      f"{seconds:.3f}s ({format_rate(rate)}){extra}"), highlight=False)
+                      f"{seconds:.3f}s ({format_rate(rate)}){extra}"), highlight=False, soft_wrap=True)
 
 
 @app.command("put")
@@ -204,12 +205,11 @@ def put(
                                         region=remote.name, peer=remote.address)
         _check_range(remote, off, size)
         src = engine.register(mm, name=f"put:{file.name}")
-        t0 = time.perf_counter()
         with progress_bar() as progress, operation_span("mpcomm.put", _span_attrs(remote, off, size)):
-            task = progress.add_task(f"put {file.name}", total=size)
+            task = progress.add_task(f"put {file.name}", total=size, t0=time.perf_counter())
             move(engine, "write", src, remote, off, size, chunk=chunk_n, inflight=inflight, timeout=timeout,
                  advance=lambda n: progress.advance(task, n))
-        elapsed = time.perf_counter() - t0
+            elapsed = stop_clock(progress, task)
         digest = hashlib.sha256(mm).hexdigest()
         verified = None
         if verify:
@@ -314,13 +314,12 @@ def _get_into(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, path: Path, of
         os.close(fd)
     try:
         dst = engine.register(mm, name=f"get:{label}")
-        t0 = time.perf_counter()
         try:
             with progress_bar() as progress, operation_span("mpcomm.get", _span_attrs(remote, off, n)):
-                task = progress.add_task(f"get {label}", total=n)
+                task = progress.add_task(f"get {label}", total=n, t0=time.perf_counter())
                 move(engine, "read", dst, remote, off, n, chunk=chunk, inflight=inflight, timeout=timeout,
                      advance=lambda k: progress.advance(task, k))
-            elapsed = time.perf_counter() - t0
+                elapsed = stop_clock(progress, task)
         finally:
             engine.unregister(dst, timeout=5.0)
         mm.flush()
