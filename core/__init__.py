@@ -21,6 +21,7 @@ from .engine import CompletionQueue, Engine, Notification, TransportStatus
 from .errors import (
     AccessError,
     AlignmentError,
+    AllocationError,
     AuthenticationError,
     BackPressureError,
     ConfigError,
@@ -57,6 +58,7 @@ from .transport import (
 __all__ = [
     "AccessError",
     "AlignmentError",
+    "AllocationError",
     "AuthenticationError",
     "Availability",
     "BackPressureError",
