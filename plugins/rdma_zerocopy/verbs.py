@@ -26,10 +26,12 @@ logger's handlers and level afterwards.
 ``SendWR`` ``__dealloc`` (not ``__dealloc__``), so their ``malloc``'d
 scatter-gather buffers are never freed: 64 bytes per post when a new pair is
 built for every post. Each :class:`QueuePair` posts through one
-:class:`_WrSlot` (one SGE, one SendWR whose ``sg_list`` points at that SGE),
-updating fields per post; slots go back to a process-wide pool when the QP is
-closed and are never deallocated (see :class:`_WrSlot` for why that is the
-only layout that is safe with both the broken and a fixed destructor).
+:class:`_Chain` of :class:`_WrSlot` (one SGE, one SendWR whose ``sg_list``
+points at that SGE), updating fields per post; a list of work requests goes
+out in one ``ibv_post_send`` through the chain's linked SendWRs. Chains go
+back to a process-wide pool when the QP is closed and are never deallocated
+(see :class:`_WrSlot` for why that is the only layout that is safe with both
+the broken and a fixed destructor).
 
 **Waiting without spinning.** ``CompChannel.get_cq_event`` holds the GIL while
 it blocks in ``ibv_get_cq_event``. :class:`Device` waits on the channel's file
@@ -517,22 +519,70 @@ class _WrSlot:
         return swr
 
 
-class _SlotPool:
+class _Chain:
+    """Slots linked ``slots[0] → slots[1] → … → slots[-1]`` (whose ``next`` stays NULL).
+
+    A list of k work requests is written into the last k slots and posted
+    from ``slots[-k]``: one ``ibv_post_send`` for the whole list. The chain
+    only grows, at its head (a SendWR's ``next`` cannot be reset to NULL from
+    Python), up to :data:`MAX_CHAIN`. ``bad`` receives the failing request
+    from ``ibv_post_send`` (a copy: it is as immortal as the slots).
+    """
+
     def __init__(self) -> None:
-        self._free: list[_WrSlot] = []
+        import pyverbs.enums as e
+        from pyverbs.wr import SGE, SendWR
+
+        self.slots = [_WrSlot()]
+        sge = SGE(0, 0, 0)
+        self.bad = SendWR(wr_id=0, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge])
+        _immortal(sge)
+        _immortal(self.bad)
+
+    def ensure(self, k: int) -> None:
+        while len(self.slots) < k:
+            head = _WrSlot()
+            head.swr.next_wr = self.slots[0].swr
+            self.slots.insert(0, head)
+
+    def post(self, qp: Any, wrs: list[WorkRequest]) -> None:
+        k = len(wrs)
+        self.ensure(k)
+        tail = self.slots[-k:]
+        for slot, wr in zip(tail, wrs):
+            slot.fill(wr)
+        self.bad.wr_id = 0
+        try:
+            qp.post_send(tail[0].swr, self.bad)
+        except Exception as exc:
+            bad = int(self.bad.wr_id)
+            ids = [w.wr_id for w in wrs]
+            exc.posted = ids.index(bad) if bad in ids else 0  # type: ignore[attr-defined]
+            raise
+
+
+#: Most work requests one ``ibv_post_send`` carries (the transport posts longer runs in parts).
+MAX_CHAIN = 256
+
+
+class _SlotPool:
+    """Chains of QPs that were closed, for the next QP (they are never freed: see :class:`_WrSlot`)."""
+
+    def __init__(self) -> None:
+        self._free: list[_Chain] = []
         self._lock = threading.Lock()
         self.created = 0
 
-    def take(self) -> _WrSlot:
+    def take(self) -> _Chain:
         with self._lock:
             if self._free:
                 return self._free.pop()
             self.created += 1
-        return _WrSlot()
+        return _Chain()
 
-    def give(self, slot: _WrSlot) -> None:
+    def give(self, chain: _Chain) -> None:
         with self._lock:
-            self._free.append(slot)
+            self._free.append(chain)
 
 
 _SLOTS = _SlotPool()
@@ -552,7 +602,7 @@ class QueuePair:
         with _verbs("ibv_create_qp"):
             self._qp = QP(dev.pd, init)
         self.qpn = int(self._qp.qp_num)
-        self._slot: _WrSlot | None = None
+        self._chain: _Chain | None = None
         self._post_lock = threading.Lock()
 
     def local_info(self) -> dict[str, Any]:
@@ -600,14 +650,28 @@ class QueuePair:
 
     def post(self, wr: WorkRequest) -> None:
         """``ibv_post_send`` of one RDMA WRITE/READ through this QP's reused SGE/SendWR."""
+        self.post_list([wr])
+
+    def post_list(self, wrs: list[WorkRequest]) -> None:
+        """One ``ibv_post_send`` of a linked list of RDMA WRITEs/READs (at most :data:`MAX_CHAIN`).
+
+        On failure the VerbsError's ``posted`` says how many of ``wrs`` (the
+        first ones) are on the send queue.
+        """
+        if not 0 < len(wrs) <= MAX_CHAIN:
+            raise ValueError(f"a work-request list holds 1 to {MAX_CHAIN} requests, not {len(wrs)}")
         with self._post_lock:
             if self._qp is None:
                 raise VerbsError(f"QP {self.qpn} is closed", errno.EBADF)
-            if self._slot is None:
-                self._slot = _SLOTS.take()
-            swr = self._slot.fill(wr)
-            with _verbs("ibv_post_send"):
-                self._qp.post_send(swr)
+            if self._chain is None:
+                self._chain = _SLOTS.take()
+            try:
+                with _verbs("ibv_post_send"):
+                    self._chain.post(self._qp, wrs)
+            except VerbsError as exc:
+                cause = exc.__cause__
+                exc.posted = int(getattr(cause, "posted", 0))  # type: ignore[attr-defined]
+                raise
 
     def to_error(self) -> None:
         """Move to ERROR: outstanding work requests complete with IBV_WC_WR_FLUSH_ERR."""
@@ -620,9 +684,9 @@ class QueuePair:
     def close(self) -> None:
         with self._post_lock:
             qp, self._qp = self._qp, None
-            slot, self._slot = self._slot, None
-        if slot is not None:
-            _SLOTS.give(slot)
+            chain, self._chain = self._chain, None
+        if chain is not None:
+            _SLOTS.give(chain)
         if qp is not None:
             with _verbs("ibv_destroy_qp"):
                 qp.close()
