@@ -89,7 +89,8 @@ class FakeQP:
     def post_list(self, wrs: list[WorkRequest]) -> None:
         if self.state not in ("rts", "err"):
             raise VerbsError(f"post on a QP in state {self.state}", 22)
-        self.dev.post_calls.append([(w.wr_id, w.signaled) for w in wrs])
+        if self.dev.record:
+            self.dev.post_calls.append([(w.wr_id, w.signaled) for w in wrs])
         for wr in wrs:
             self.dev._submit(self, wr)
 
@@ -115,6 +116,8 @@ class FakeDevice:
     max_msg_sz: ClassVar[int] = 1 << 30
     #: ``port_active()`` answers this (a PORT_ERR test turns it off).
     port_up: ClassVar[bool] = True
+    #: Keep ``executed`` and ``post_calls`` (off for RSS measurements: they grow per post).
+    record: ClassVar[bool] = True
     instances: ClassVar[list[FakeDevice]] = []
 
     def __init__(self, device: str = "", port: int = 0, gid_index: int = -1, cq_depth: int = 4096) -> None:
@@ -134,13 +137,16 @@ class FakeDevice:
         self.async_queue: list[str] = []
         self.armed = 0
         self.event_mode = True
+        self.event_fd_source = "simulated"
+        self.skipped: tuple[str, ...] = ()
         self.worker = threading.Thread(target=self._run, daemon=True, name="fake-hca")
         self.worker.start()
         FakeDevice.instances.append(self)
 
     def info(self) -> dict[str, Any]:
         return {"device": self.name, "port": self.port, "link_layer": self.link_layer, "lid": self.lid,
-                "gid": self.gid, "gid_index": 0, "mtu": 5, "max_msg_sz": self.max_msg_sz}
+                "gid": self.gid, "gid_index": 0, "mtu": 5, "max_msg_sz": self.max_msg_sz,
+                "completion_wait": "event", "async_events": True}
 
     def reg_mr(self, addr: int, length: int, access: str, remote: bool = True) -> FakeMR:
         return FakeMR(addr, length, access, remote)
@@ -217,7 +223,8 @@ class FakeDevice:
         else:
             ctypes.memmove(wr.local_addr, wr.remote_addr, wr.length)
         self.bytes_moved += wr.length
-        self.executed.append(wr)
+        if self.record:
+            self.executed.append(wr)
         return SUCCESS
 
     # -- completion queue ------------------------------------------------------------
