@@ -37,6 +37,8 @@ OPTION_RANGES: dict[str, tuple[int, int, str]] = {
     "traffic_class": (0, 255, "the 8-bit GRH traffic class"),
     "service_level": (0, 15, "a 4-bit service level"),
     "max_reposts": (0, 1000, "times a flushed chunk of an innocent request is reposted"),
+    "staging_bytes": (0, 1 << 30, "the pre-registered slab for per-request buffers; 0 = none"),
+    "staging_slot": (4096, 16 << 20, "the largest per-request buffer that goes through the slab"),
 }
 
 

@@ -53,6 +53,8 @@ also puts the QP into ERROR; recovery is the same.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import itertools
 import logging
 import os
@@ -162,6 +164,8 @@ class _OpState:
     rkey: int
     info: dict[str, Any]
     batch: int = 0  # id of the OperationGroup it belongs to (0: a lone request)
+    laddr: int = 0  # local address of byte 0 of the request (the caller's buffer or a staging slot)
+    staged: int = 0  # the staging slot it uses (0: none)
     posted: int = 0  # chunks on a QP without a completion yet
     ever_posted: bool = False
     last_conn: int = 0  # the QP (conn id) its chunks were last posted on
@@ -191,6 +195,51 @@ def _unconfirmed(op: Operation, err: BaseException, fence_error: BaseException) 
     return out
 
 
+class _Staging:
+    """A slab registered once at start (local access only), cut into slots for per-request buffers.
+
+    A buffer passed for one request would otherwise cost an ``ibv_reg_mr`` and
+    an ``ibv_dereg_mr`` on the request path, both holding the GIL (pyverbs). A
+    write copies the caller's bytes into a slot and posts from it; a read
+    lands in a slot and is copied out before it completes. A slot is given
+    back only once the request is finished, i.e. once no work request of it
+    is left on a QP (the adapter no longer touches the slot).
+    """
+
+    def __init__(self, dev: Any, size: int, slot: int) -> None:
+        import mmap
+
+        self.slot = slot
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._buf = ctypes.c_char.from_buffer(self._map)
+        self.addr = ctypes.addressof(self._buf)
+        self.mr = dev.reg_mr(self.addr, size, "rw", remote=False)
+        self.lkey = int(self.mr.lkey)
+        self._free = [self.addr + i * slot for i in range(size // slot)]
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def give(self, addr: int) -> None:
+        with self._lock:
+            self._free.append(addr)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def close(self) -> None:
+        try:
+            self.mr.close()
+        except Exception:  # noqa: BLE001
+            pass
+        del self._buf
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
 class RdmaZeroCopyTransport(Transport):
     """RDMA WRITE/READ between registered memory, the target CPU untouched."""
 
@@ -217,6 +266,8 @@ class RdmaZeroCopyTransport(Transport):
         "traffic_class": 0,
         "service_level": 0,
         "max_reposts": 3,  # times a flushed chunk of an innocent request is reposted
+        "staging_bytes": 4 << 20,  # pre-registered slab for per-request buffers (0 = register each one)
+        "staging_slot": 64 << 10,  # per-request buffers up to this size use a slot of the slab
     }
     #: Opens the adapter: ``factory(device=, port=, gid_index=, cq_depth=)``; tests substitute a double.
     device_factory: ClassVar[Callable[..., Any] | None] = None
@@ -239,6 +290,7 @@ class RdmaZeroCopyTransport(Transport):
         self._conn_ids = itertools.count(1)
         self._cq_free = 0
         self._thread: threading.Thread | None = None
+        self._staging: _Staging | None = None
         #: Why the port cannot be used right now (an async event said so), or "".
         self._down = ""
         self._fatal = ""
@@ -291,6 +343,12 @@ class RdmaZeroCopyTransport(Transport):
         self._sq_depth = device_cap(o["sq_depth"], int(self.dev.max_qp_wr))
         self._cq_free = int(self.dev.cq_depth)
         self._local_wr_bytes = wr_bytes(o["chunk"], int(self.dev.max_msg_sz), 0)
+        if o["staging_bytes"] >= o["staging_slot"]:
+            try:
+                self._staging = _Staging(self.dev, o["staging_bytes"] - o["staging_bytes"] % o["staging_slot"],
+                                         o["staging_slot"])
+            except Exception as exc:  # noqa: BLE001 - per-request buffers are then registered one by one
+                self.log.warning("rdma: cannot register the staging slab (%d bytes): %s", o["staging_bytes"], exc)
         self._qp_opts = {"timeout": o["ack_timeout"], "retry_cnt": o["retry_count"], "rnr_retry": 7,
                          "traffic_class": o["traffic_class"], "service_level": o["service_level"]}
         self._thread = threading.Thread(target=self._cq_loop, name=f"mpcomm-rdma-cq-{self.dev.name}", daemon=True)
@@ -337,6 +395,8 @@ class RdmaZeroCopyTransport(Transport):
                 mr.close()
             except Exception:  # noqa: BLE001
                 pass
+        if self._staging is not None:
+            self._staging.close()
         try:
             dev.close()
         except Exception:  # noqa: BLE001
@@ -362,6 +422,8 @@ class RdmaZeroCopyTransport(Transport):
         if region.kind != "host":
             return None
         remote = self._published(region)
+        if not remote and self._staging is not None and region.size <= self._staging.slot:
+            return {"local_only": True, "staged": True}  # copied through the staging slab: no ibv_reg_mr
         try:
             mr = self.dev.reg_mr(region.address, region.size, region.access, remote=remote)
         except Exception as exc:  # noqa: BLE001 - the region stays usable through other transports
@@ -410,16 +472,54 @@ class RdmaZeroCopyTransport(Transport):
         if not info or "rkey" not in info:
             raise TransportUnavailable(f"region {op.remote.name!r} is not registered with rdma_zerocopy on the peer",
                                        peer=op.remote.address, region=op.remote.name)
+        mine = op.local.transport_info.get(self.name) or {}
         mr = self._mrs.get(op.local.id)
+        if mr is None and mine.get("staged") and self._staging is not None:
+            slot = self._staging.take()
+            if slot is not None:
+                if op.kind == "write":
+                    ctypes.memmove(slot, op.local.address + op.local_offset, op.length)
+                return _OpState(None, op.length, self._staging.lkey, int(info["addr"]) + op.remote_offset,  # type: ignore[arg-type]
+                                int(info["rkey"]), dict(info), batch, laddr=slot, staged=slot)
+            # every slot is busy: register this buffer after all
         if mr is None:
-            got = self.register(op.local)
+            got = self.register(op.local) if not mine.get("staged") else self._register_now(op.local)
             if got is None:
                 raise TransportUnavailable(f"local buffer {op.local.name!r} cannot be registered for RDMA",
                                            region=op.local.name)
             op.local.transport_info[self.name] = got
             mr = self._mrs[op.local.id]
         return _OpState(None, op.length, mr.lkey, int(info["addr"]) + op.remote_offset,  # type: ignore[arg-type]
-                        int(info["rkey"]), dict(info), batch)
+                        int(info["rkey"]), dict(info), batch, laddr=op.local.address + op.local_offset)
+
+    def _register_now(self, region: Any) -> dict[str, Any] | None:
+        """``register`` without the staging shortcut (all slots busy)."""
+        staging, self._staging = self._staging, None
+        try:
+            return self.register(region)
+        finally:
+            self._staging = staging
+
+    def _release(self, op: Operation) -> None:
+        """Give back the request's staging slot (it is finished: no work request of it is on a QP)."""
+        if isinstance(op.state, _OpState):
+            self._release_state(op.state)
+
+    def _release_state(self, st: _OpState) -> None:
+        if st.staged and self._staging is not None:
+            slot, st.staged = st.staged, 0
+            self._staging.give(slot)
+
+    def _fail(self, op: Operation, err: BaseException) -> None:
+        self._release(op)
+        op.fail(err)
+
+    def _complete(self, op: Operation) -> None:
+        st = op.state
+        if isinstance(st, _OpState) and st.staged and op.kind == "read":
+            ctypes.memmove(op.local.address + op.local_offset, st.staged, op.length)
+        self._release(op)
+        op.complete(op.length)
 
     def post(self, op: Operation) -> None:
         if op.length == 0:
@@ -459,11 +559,20 @@ class RdmaZeroCopyTransport(Transport):
             raise TransportUnavailable(f"rdma_zerocopy: {self._fatal}")
         if self._down:
             raise PeerConnectionError(f"rdma_zerocopy: {self._down}", retryable=True)
-        states = [self._prepare(op, batch) for op in ops]
+        states: list[_OpState] = []
+        try:
+            for op in ops:
+                states.append(self._prepare(op, batch))
+        except BaseException:
+            for st in states:
+                self._release_state(st)
+            raise
         connect = False
         aborted = []
         with self._lock:
             if self._closed:
+                for st in states:
+                    self._release_state(st)
                 raise MpcommError("rdma_zerocopy transport is closed")
             link = self._link(ops[0].peer)
             for op, st in zip(ops, states):
@@ -478,7 +587,7 @@ class RdmaZeroCopyTransport(Transport):
                 link.state = "connecting"
                 connect = True
         for op in aborted:
-            op.fail(op.abort_exc or MpcommError("aborted"))
+            self._fail(op, op.abort_exc or MpcommError("aborted"))
         if connect:
             self.ctx.executor.submit(self._connect, link)
         else:
@@ -555,8 +664,7 @@ class RdmaZeroCopyTransport(Transport):
                     nxt = run[i + 1] if i + 1 < len(run) else None
                     # Signal a lone request's last chunk and a batch's last request in the run.
                     signaled = nxt is None or (nxt.op is not op and (st.batch == 0 or nxt.op.state.batch != st.batch))
-                    wrs.append(WorkRequest(next(self._wr_ids), op.kind,
-                                           op.local.address + op.local_offset + chunk.offset, chunk.length,
+                    wrs.append(WorkRequest(next(self._wr_ids), op.kind, st.laddr + chunk.offset, chunk.length,
                                            st.lkey, st.raddr + chunk.offset, st.rkey, signaled))
                 try:
                     posted = self._post_list(link.qp, wrs)
@@ -785,6 +893,7 @@ class RdmaZeroCopyTransport(Transport):
                     st: _OpState = op.state
                     st.posted = 0
                     st.finished = True
+                    # Its staging slot (if any) is not given back: the dead adapter's DMA state is unknown.
                     done.append(lambda op=op, e=st.error or err: op.fail(e))
                 link.fence = []
             if forget_posted:
@@ -822,13 +931,13 @@ class RdmaZeroCopyTransport(Transport):
                 return self._drain(link)
             st.finished = True
             err = st.error or op.abort_exc or MpcommError("aborted")
-            return [lambda: op.fail(err)]
+            return [lambda: self._fail(op, err)]
         if st.left > 0 or st.posted:
             return []
         st.finished = True
         if getattr(op, "before_complete", None) is not None:  # first contract: sends a notification
-            return [lambda: self.ctx.executor.submit(op.complete, op.length)]
-        return [lambda: op.complete(op.length)]
+            return [lambda: self.ctx.executor.submit(self._complete, op)]
+        return [lambda: self._complete(op)]
 
     def _drain(self, link: _Link) -> list[Callable[[], None]]:
         """Under the lock: put the link's QP into ERROR (once); recover when nothing is outstanding."""
@@ -895,8 +1004,7 @@ class RdmaZeroCopyTransport(Transport):
         if reconnect:
             self._connect(link)
 
-    @staticmethod
-    def _fail_fenced(ops: list[Operation], fence_error: BaseException | None = None) -> None:
+    def _fail_fenced(self, ops: list[Operation], fence_error: BaseException | None = None) -> None:
         """Fail writes held back by the fence; unconfirmed (bytes may land) when the fence failed."""
         for op in ops:
             st: _OpState = op.state
@@ -905,7 +1013,7 @@ class RdmaZeroCopyTransport(Transport):
                 err = _unconfirmed(op, err, fence_error)
                 if op.abort_exc is not None:
                     op.abort_exc = err  # Operation.fail reports the abort reason: make it this one
-            op.fail(err)
+            self._fail(op, err)
 
     @staticmethod
     def _run(actions: list[Callable[[], None]]) -> None:

@@ -133,9 +133,24 @@ def test_request_buffer_has_no_remote_rights(pair: tuple[Engine, Engine], monkey
         return mr
 
     monkeypatch.setattr(dev, "reg_mr", spy)
-    assert init.write(bytearray(b"e" * 4096), remote).result(10) == 4096  # a buffer for this request only
-    assert bytes(region.view[:4096]) == b"e" * 4096
+    n = 128 << 10  # above staging_slot: registered for this request only
+    assert init.write(bytearray(b"e" * n), remote).result(10) == n
+    assert bytes(region.view[:n]) == b"e" * n
     assert made and not made[0] & (e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ)
+    made.clear()
+    assert init.write(b"s" * 4096, remote).result(10) == 4096  # through the staging slab: no ibv_reg_mr
+    dst = bytearray(4096)
+    assert init.read(dst, remote).result(10) == 4096 and dst == b"s" * 4096
+    assert made == []
+
+
+def test_register_1gib_against_mmap_and_touch() -> None:
+    """Prints the figure (no timed assertion: the verdict is informational)."""
+    from mpcomm.plugins.rdma_zerocopy import validate
+
+    (res,) = validate.run_steps(validate.Validation(), only=["register"])
+    print(res.line())
+    assert res.verdict == "PASS", res.line()
 
 
 def test_stale_rkey_is_refused(pair: tuple[Engine, Engine]) -> None:

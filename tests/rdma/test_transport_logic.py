@@ -228,24 +228,74 @@ def test_post_many_with_the_engines_operation_group(pair: tuple[Engine, Engine])
 # -- 8. per-request buffers get no remote rights ----------------------------------------------------
 
 
-def test_request_buffers_are_registered_without_remote_access(pair: tuple[Engine, Engine],
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    target, init = pair
-    target.allocate(1 << 16, "kv")
-    remote = init.open(target.address, "kv")
-    published = init.allocate(4096, "mine")
-    assert init.regions()[0].transport_info["rdma_fake"].keys() == {"rkey", "addr", "length"}
-    assert _t(init)._mrs[published.id].remote is True
-    seen = []
+def _spy_reg_mr(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    seen: list[tuple[int, bool]] = []
     real = FakeDevice.reg_mr
 
     def spy(self: FakeDevice, addr: int, length: int, access: str, remote: bool = True) -> Any:
-        seen.append(remote)
+        seen.append((length, remote))
         return real(self, addr, length, access, remote)
 
     monkeypatch.setattr(FakeDevice, "reg_mr", spy)
-    assert init.write(bytearray(b"e" * 100), remote).result(5) == 100  # an ephemeral buffer
-    assert seen == [False]
+    return seen
+
+
+def test_request_buffers_are_registered_without_remote_access(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _engine(staging_bytes=0) as target, _engine(staging_bytes=0) as init:
+        region = target.allocate(1 << 16, "kv")
+        remote = init.open(target.address, "kv")
+        published = init.allocate(4096, "mine")
+        assert init.regions()[0].transport_info["rdma_fake"].keys() == {"rkey", "addr", "length"}
+        assert _t(init)._mrs[published.id].remote is True
+        seen = _spy_reg_mr(monkeypatch)
+        assert init.write(bytearray(b"e" * 100), remote).result(5) == 100  # a buffer for this request only
+        assert seen == [(100, False)]
+        assert bytes(region.view[:100]) == b"e" * 100
+
+
+def test_small_request_buffers_go_through_the_staging_slab(pair: tuple[Engine, Engine],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    target, init = pair
+    region = target.allocate(1 << 20, "kv")
+    remote = init.open(target.address, "kv")
+    staging = _t(init)._staging
+    assert staging is not None and staging.free == 64 and staging.mr.remote is False
+    seen = _spy_reg_mr(monkeypatch)
+    assert init.write(b"w" * 5000, remote, 10).result(5) == 5000  # copied into a slot: no ibv_reg_mr
+    assert bytes(region.view[10:5010]) == b"w" * 5000
+    region.view[100:200] = b"r" * 100
+    dst = bytearray(100)
+    assert init.read(dst, remote, 100).result(5) == 100  # lands in a slot, copied out before completing
+    assert dst == b"r" * 100
+    assert seen == [] and staging.free == 64  # every slot is back
+    big = bytearray(b"B" * (128 << 10))  # above staging_slot: registered (local access only)
+    assert init.write(big, remote).result(5) == len(big)
+    assert seen == [(128 << 10, False)]
+
+
+def test_staging_slots_run_out_and_come_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FakeDevice, "delay", 0.02)
+    with _engine() as target, _engine(staging_bytes=4 * 4096, staging_slot=4096) as init:
+        region = target.allocate(1 << 16, "kv")
+        remote = init.open(target.address, "kv")
+        seen = _spy_reg_mr(monkeypatch)
+        ts = [init.write(bytes([i]) * 1000, remote, i * 1000) for i in range(10)]  # 4 slots for 10 requests
+        assert all(t.result(10) == 1000 for t in ts)
+        assert all(region.view[i * 1000] == i for i in range(10))
+        assert len(seen) >= 6 and all(not remote for _, remote in seen)  # the rest registered, local-only
+        assert _t(init)._staging.free == 4
+
+
+def test_a_slot_is_not_reused_before_its_request_flushed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FakeDevice, "delay", 0.3)
+    with _engine() as target, _engine(staging_bytes=4096, staging_slot=4096) as init:
+        target.allocate(1 << 16, "kv")
+        remote = init.open(target.address, "kv")
+        t = init.write(b"\x01" * 1000, remote, timeout=30)
+        time.sleep(0.05)
+        assert _t(init)._staging.free == 0
+        assert t.cancel(timeout=5) is True
+        assert _t(init)._staging.free == 1  # given back with the (flushed) request, not before
 
 
 # -- 8. option ranges, peer input, limits of 0 ----------------------------------------------------------
