@@ -411,7 +411,7 @@ class RdmaZeroCopyTransport(Transport):
         """
         by_name = getattr(self.ctx.regions, "by_name", None)
         if by_name is None:
-            return not str(region.name).startswith("ephemeral-")
+            return not str(region.name).startswith("ephemeral")
         try:
             return by_name(region.name) is region
         except Exception:  # noqa: BLE001 - UnknownRegionError: not published
