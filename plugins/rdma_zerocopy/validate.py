@@ -321,6 +321,9 @@ def step_killed_peer(v: Validation) -> tuple[str, str]:
 
 def step_cancel(v: Validation) -> tuple[str, str]:
     size = v.cancel_size
+    why = _pin_limit(2 * size) if v.transport == "rdma_zerocopy" else ""
+    if why:
+        raise _Skip(why)
     with v.pair() as (target, init):
         region = target.allocate(size, "big")
         remote = init.open(target.address, "big")
@@ -379,9 +382,24 @@ def step_idle(v: Validation) -> tuple[str, str]:
     return verdict, detail
 
 
+def _pin_limit(size: int) -> str:
+    """Why ``size`` bytes cannot be pinned here ("" when they can)."""
+    import resource
+
+    from .transport import _has_ipc_lock
+
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    if soft == resource.RLIM_INFINITY or soft >= size or _has_ipc_lock():
+        return ""
+    return f"RLIMIT_MEMLOCK is {soft} bytes, below the {size} to register (ulimit -l unlimited)"
+
+
 def step_register(v: Validation) -> tuple[str, str]:
     size = v.register_size
     page = mmap.PAGESIZE
+    why = _pin_limit(size) if v.transport == "rdma_zerocopy" else ""
+    if why:
+        raise _Skip(why)
     e = v.engine()
     try:
         dev = e.transports[v.transport].dev
