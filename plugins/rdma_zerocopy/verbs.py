@@ -855,7 +855,11 @@ class Device:
             return []
         out = []
         for _ in range(limit):
-            r, _, _ = select.select([self.async_fd], [], [], 0)
+            try:
+                r, _, _ = select.select([self.async_fd], [], [], 0)
+            except (OSError, ValueError) as exc:
+                self._lose_async_fd(exc)
+                break
             if not r:
                 break
             try:
@@ -898,7 +902,13 @@ class Device:
             timeout = min(self._idle_sleep, 1.0 if timeout is None else timeout)
         else:
             fds.append(self.event_fd)
-        r, _, _ = select.select(fds, [], [], timeout)
+        try:
+            r, _, _ = select.select(fds, [], [], timeout)
+        except (OSError, ValueError) as exc:  # only the async descriptor can be foreign: stop watching it
+            if self.async_fd is None:
+                raise
+            self._lose_async_fd(exc)
+            return False
         if self._wake_r in r:
             self._drain_wake()
         if self.event_fd is not None and self.event_fd in r:
@@ -908,6 +918,12 @@ class Device:
             except Exception:  # noqa: BLE001 - EAGAIN on a spurious wake-up (the fd is non-blocking)
                 pass
         return self.async_fd is not None and self.async_fd in r
+
+    def _lose_async_fd(self, exc: BaseException) -> None:
+        logging.getLogger("mpcomm.transport.rdma_zerocopy").warning(
+            "rdma: cannot watch the async-event descriptor %s any more (%s); async events are not read", self.async_fd,
+            exc)
+        self.async_fd = None
 
     def busy(self) -> None:
         """Reset the back-off after completions arrived."""

@@ -351,3 +351,20 @@ def test_a_failed_list_post_says_how_many_went_out() -> None:
     with pytest.raises(PyverbsRDMAError) as info:
         chain.post(QP(), [WorkRequest(10 + i, "write", 1, 1, 1, 1, 1) for i in range(4)])
     assert info.value.posted == 2
+
+
+def test_a_broken_async_descriptor_is_dropped_not_spun_on(caplog: pytest.LogCaptureFixture) -> None:
+    r, w = os.pipe()
+    dev = _bare_device(r)
+    os.close(w)
+    os.close(r)
+    dev.async_fd = 10_000 + r  # not an open descriptor: select() raises EBADF
+    try:
+        assert dev.read_async_events() == [] and dev.async_fd is None
+        dev.async_fd = 10_001 + r
+        dev.event_fd = None
+        assert dev.wait(0.01) is False and dev.async_fd is None
+        assert "async events are not read" in caplog.text
+    finally:
+        os.close(dev._wake_r)
+        os.close(dev._wake_w)
