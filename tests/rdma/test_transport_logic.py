@@ -97,16 +97,23 @@ def test_one_request_in_chunks_is_one_list_signalling_its_last(monkeypatch: pyte
 
 
 def test_lone_requests_queued_together_each_signal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(FakeDevice, "delay", 0.05)
     with _engine(sq_depth=64) as target, _engine(sq_depth=64) as init:
         region = target.allocate(1 << 16, "kv")
         remote = init.open(target.address, "kv")
+        tr = _t(target)
+        orig = tr.handle_control
+
+        def slow_connect(peer: Any, body: dict[str, Any]) -> dict[str, Any]:
+            if body.get("op") == "connect":
+                time.sleep(0.3)  # every request below is queued before the QP exists
+            return orig(peer, body)
+
+        tr.handle_control = slow_connect  # type: ignore[method-assign]
         ts = [init.write(bytes([i]) * 100, remote, i * 100) for i in range(20)]
         assert all(t.result(10) == 100 for t in ts)
         assert all(region.view[i * 100] == i for i in range(20))
-        flat = [s for c in _t(init).dev.post_calls for _, s in c]
-        assert len(flat) == 20 and all(flat)  # a lone request's only WR is always signaled
-        assert any(len(c) > 1 for c in _t(init).dev.post_calls)  # queued ones went out as one list
+        calls = _t(init).dev.post_calls
+        assert [[s for _, s in c] for c in calls] == [[True] * 20]  # one list; a lone request's WR is signaled
 
 
 class _Group:
