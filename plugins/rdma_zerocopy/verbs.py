@@ -37,8 +37,8 @@ the broken and a fixed destructor).
 it blocks in ``ibv_get_cq_event``. :class:`Device` waits on the channel's file
 descriptor with ``select`` (which releases the GIL) and calls
 ``get_cq_event`` only once it is readable (the descriptor is non-blocking).
-The descriptor is ``CompChannel.fd`` where pyverbs has it (added upstream in
-2025); pyverbs 44 does not expose it, and then the one
+The descriptor is ``CompChannel.fd`` where pyverbs has it (rdma-core 57 and
+later); pyverbs 44 does not expose it, and then the one
 ``anon_inode:[infinibandevent]`` descriptor that appeared while the channel was
 created is taken — only if exactly one appeared and none vanished, with every
 context and channel this module opens or closes serialised by one lock (the
