@@ -207,6 +207,7 @@ class Engine:
             _default_advertise(bind_host) if is_wildcard(bind_host) else bind_host
         )
         self.plugin_set: PluginSet = load_plugins(plugins, autoload=autoload)
+        cfg.check_plugin_sections(self.plugin_set.transports)
         self._transports: dict[str, Transport] = {}
         self._unavailable: dict[str, str] = {}
         self._server = ControlServer(
@@ -216,6 +217,7 @@ class Engine:
             secret=cfg.transport.secret,
             handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
             handler=self._handle_control,
+            config=cfg,
         )
         try:
             self._start_transports()
@@ -277,7 +279,8 @@ class Engine:
             if t.mode not in entry.cls.capabilities.modes:
                 self._unavailable[name] = f"does not support mode {t.mode!r}"
                 continue
-            options = self.config.plugin_options(name, dict(entry.cls.default_options))
+            options = self.config.plugin_options(name, dict(entry.cls.default_options),
+                                                 getattr(entry.cls, "option_ranges", None))
             ctx = TransportContext(
                 config=self.config,
                 options=options,
@@ -420,6 +423,7 @@ class Engine:
                 secret=self.config.transport.secret,
                 timeout=min(timeout or 1e9, self.config.transport.handshake_timeout_ms / 1000),
                 on_lost=self._on_link_lost,
+                config=self.config,
             )
             old_epoch = self._known_epochs.get(link.info.node_id)
             self._links[address] = link
