@@ -618,6 +618,9 @@ class PeerLink:
             if self.alive:
                 reason = PeerConnectionError(f"connection to {self.address} lost: {exc}", peer=self.address)
         except BaseException as exc:  # noqa: BLE001 - whatever breaks the reader, the link is dead, not silent
+            if not self.alive:  # close() pulled the socket from under select(): not the peer's doing
+                self._die(reason)
+                return
             log.warning("closing control connection to %s: unexpected reply broke the reader: %r", self.address, exc)
             reason = ProtocolError(f"{self.address} sent a reply this node cannot handle: {exc!r}", peer=self.address)
         self._die(reason)
