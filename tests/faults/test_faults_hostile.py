@@ -11,6 +11,7 @@ target registered — a write the target accepted is exactly where it says.
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -181,6 +182,7 @@ def test_connection_flood_then_a_good_peer(target: Target, keeper: PeerLink) -> 
     The first limits.max_connections_per_peer hold handshake slots until the
     handshake deadline cuts them; the rest are closed at accept.
     """
+    base = resources(target.pid)
     socks = []
     for _ in range(200):
         try:
@@ -196,3 +198,13 @@ def test_connection_flood_then_a_good_peer(target: Target, keeper: PeerLink) -> 
         for s in socks:
             s.close()
     assert len(socks) >= 64
+    # Threads and descriptors go back to where they were once the flood is gone.
+    deadline = time.monotonic() + 10
+    while (now := resources(target.pid)) != base:
+        assert time.monotonic() < deadline, f"target did not return to baseline: {base} -> {now}"
+        time.sleep(0.1)
+
+
+def resources(pid: int) -> tuple[int, int]:
+    """(threads, open descriptors) of process ``pid``."""
+    return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))

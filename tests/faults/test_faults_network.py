@@ -174,3 +174,44 @@ def test_a_partitioned_host_does_not_hold_up_the_others(clean: dict[str, Any]) -
     assert not out["ok"]
     net.clear(2)
     outside_untouched(t2, [(0, 4096), (MiB, MiB)])
+
+
+def test_target_killed_mid_transfer_and_restarted(net: dict[str, Any]) -> None:
+    """SIGKILL on h2's target under a write: a clean error in time; its restart (new epoch) serves again."""
+    network, d = net["net"], net["d"]
+    victim = network.target(2, {"kv": [SIZE, "buffer"]})
+    try:
+        run(d, victim, "write", 0, 4096, 1, 10)
+        network.rate(0, "16mbit")
+        started = d.call(op="start", kind="write", addr=victim.address, region="kv", offset=MiB, length=8 * MiB,
+                         seed=41, timeout=4.0)
+        time.sleep(0.5)
+        victim.kill()
+        out = d.call(wait=60, op="wait", id=started["id"])
+        check_outcome(out, 4.0, "write to a killed target")
+        assert not out["ok"]
+    finally:
+        network.clear(0)
+        victim.kill()
+    reborn = network.target(2, {"kv": [SIZE, "buffer"]})
+    out = run(d, reborn, "write", MiB, MiB, 42, 10)
+    assert out["ok"] and reborn.sha("kv", MiB, MiB) == out["sha"]
+    reborn.close()
+
+
+def test_target_stopped_past_the_deadline(net: dict[str, Any]) -> None:
+    """SIGSTOP on h1's target: the request ends at its deadline; after SIGCONT nothing lands outside its range."""
+    d, t = net["d"], net["t1"]
+    t.cmd(f"fill kv {FILL}")
+    run(d, t, "write", 0, 4096, 1, 10)
+    t.stop()
+    try:
+        out = run(d, t, "write", 4 * MiB, 2 * MiB, 51, 1.0)
+    finally:
+        t.cont()
+    check_outcome(out, 1.0, "write to a stopped target")
+    assert not out["ok"] and out["error"] == "TransferTimeout", out
+    time.sleep(0.5)  # whatever was still queued to the target lands now, if anywhere
+    outside_untouched(t, [(0, 4096), (4 * MiB, 2 * MiB)])
+    again = run(d, t, "write", 8 * MiB, MiB, 52, 10)
+    assert again["ok"] and t.sha("kv", 8 * MiB, MiB) == again["sha"]
