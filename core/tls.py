@@ -99,13 +99,27 @@ def _handshake(tsock: ssl.SSLSocket, deadline: float, what: str) -> ssl.SSLSocke
 
 
 def tls_server(sock: socket.socket, ctx: ssl.SSLContext, deadline: float, peer: str = "the peer") -> ssl.SSLSocket:
-    """Wrap an accepted socket and run the TLS handshake by ``deadline`` (monotonic)."""
+    """Wrap an accepted socket and run the TLS handshake by ``deadline`` (monotonic).
+
+    ``sock`` is consumed: on success use the returned socket; on failure the
+    connection is closed.
+    """
     tsock = ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-    return _handshake(tsock, deadline, peer)
+    return _closing_on_error(tsock, deadline, peer)
 
 
 def tls_client(sock: socket.socket, ctx: ssl.SSLContext, host: str, deadline: float) -> ssl.SSLSocket:
     """Wrap a connected socket to ``host`` and run the TLS handshake by ``deadline`` (monotonic)."""
     tsock = ctx.wrap_socket(sock, server_side=False, do_handshake_on_connect=False,
                             server_hostname=host if ctx.check_hostname else None)
-    return _handshake(tsock, deadline, host)
+    return _closing_on_error(tsock, deadline, host)
+
+
+def _closing_on_error(tsock: ssl.SSLSocket, deadline: float, what: str) -> ssl.SSLSocket:
+    # wrap_socket took the descriptor over from the plain socket: closing that one no
+    # longer closes the connection, so a failed handshake must close the TLS socket itself.
+    try:
+        return _handshake(tsock, deadline, what)
+    except BaseException:
+        tsock.close()
+        raise

@@ -692,3 +692,15 @@ def test_tls_config_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(mpcomm.ConfigError, match="no such file"):
         mpcomm.Engine({"transport": {"tls": True}, "tls": {"cert": str(tmp_path / "x.pem"), "key": "k", "ca": "c"}},
                       transports=["tcp"])
+
+
+def test_tls_handshake_has_one_deadline_too(make_engine: Any, tmp_path: Path) -> None:
+    """A client that opens TCP to a TLS node and never sends a ClientHello is cut at the handshake deadline."""
+    files = _pki(tmp_path)
+    cfg = _tls_config(files, "a", handshake_timeout_ms=400)
+    target = make_engine(cfg)
+    with RawPeer(target.address) as p:
+        start = time.monotonic()
+        assert p.expect_closed(5) == b""  # TLS first: the server says nothing until the client speaks
+        assert 0.3 <= time.monotonic() - start < 2.0
+    round_trip(target, make_engine(_tls_config(files, "b")))
