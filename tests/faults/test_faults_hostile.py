@@ -1,4 +1,4 @@
-"""Generated hostile input against a serving engine in another process.
+"""Generated hostile input: against a serving engine in another process, and as config files.
 
 Hypothesis builds control frames (raw bytes, frames with forged headers, and
 JSON messages of every shape, sent before authentication, in place of the
@@ -208,3 +208,51 @@ def test_connection_flood_then_a_good_peer(target: Target, keeper: PeerLink) -> 
 def resources(pid: int) -> tuple[int, int]:
     """(threads, open descriptors) of process ``pid``."""
     return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# -- config files -------------------------------------------------------------------------------
+
+_SECTION_KEYS = {
+    "transport": ["name", "order", "mode", "endpoint", "advertise", "secret", "handshake_timeout_ms", "tls", "bogus"],
+    "memory": ["types", "registration", "alignment"],
+    "runtime": ["worker_threads", "queue_depth", "request_timeout_ms", "backpressure", "abort_grace_ms"],
+    "limits": list(mpcomm.Config().limits.__dataclass_fields__),
+    "tls": ["cert", "key", "ca", "require_client_cert", "check_hostname"],
+    "observability": ["metrics", "trace_transfers"],
+    "bogus": ["x"],
+}
+config_values = st.one_of(
+    st.integers(-(2**64), 2**64), st.sampled_from([0, 1, -1, 2**63 - 1, 2**31]), st.booleans(),
+    st.floats(allow_nan=True), st.text(max_size=40), st.lists(st.text(max_size=8), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+configs = st.dictionaries(
+    st.sampled_from(sorted(_SECTION_KEYS)),
+    st.just(None), max_size=4,
+).flatmap(lambda secs: st.fixed_dictionaries({
+    s: st.dictionaries(st.sampled_from(_SECTION_KEYS[s]), config_values, max_size=4) for s in secs}))
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(cfg=configs)
+def test_generated_configs_are_accepted_in_range_or_refused_with_config_error(cfg: dict[str, Any]) -> None:
+    try:
+        c = mpcomm.Config.from_dict(cfg)
+    except mpcomm.ConfigError as exc:
+        assert str(exc).startswith("<dict>: "), exc  # names the source, and the key after it
+        return
+    from mpcomm.config import RANGES
+
+    for (section, key), (lo, hi) in RANGES.items():
+        assert lo <= getattr(getattr(c, section), key) <= hi
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(text=st.text(max_size=200))
+def test_generated_toml_text_never_escapes_as_anything_but_config_error(text: str, tmp_path_factory: Any) -> None:
+    p = tmp_path_factory.mktemp("cfg") / "mpcomm.toml"
+    p.write_bytes(text.encode("utf-8", "surrogatepass"))  # invalid UTF-8 included
+    try:
+        mpcomm.Config.load(p)
+    except mpcomm.ConfigError:
+        pass
