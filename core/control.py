@@ -54,7 +54,7 @@ from .errors import (
     TransferTimeout,
     error_from_code,
 )
-from .peer import PeerInfo, format_endpoint, parse_endpoint
+from .peer import PeerInfo, parse_endpoint
 
 __all__ = ["CONTROL_CONTEXT", "ControlServer", "NotificationQueue", "PeerLink", "listen"]
 
