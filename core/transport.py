@@ -487,6 +487,9 @@ class Transport:
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: Accepted ``[plugins.<name>]`` keys and their defaults; others are config errors.
     default_options: ClassVar[dict[str, Any]] = {}
+    #: Allowed ranges of numeric options, ``{"chunk": (4096, 1 << 30)}``; the core
+    #: refuses a value outside with a ConfigError naming the option.
+    option_ranges: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

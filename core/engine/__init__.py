@@ -21,7 +21,7 @@ counts as one, staged ones included) are held by an engine. Beyond that,
 ``write``/``read``/``submit`` wait until a slot frees or the request's
 deadline passes (then :class:`~mpcomm.BackPressureError`), or raise
 BackPressureError at once with ``runtime.backpressure = "raise"``. Nothing
-queues without limit: notifications are bounded by ``runtime.notify_queue``.
+queues without limit: notifications are bounded by ``limits.max_queued_notifications``\nand ``limits.max_queued_notify_bytes`` (when full the sender is refused).
 """
 
 from __future__ import annotations
@@ -131,10 +131,11 @@ class Engine:
         self._timer = DeadlineTimer()
         self._completions = CompletionThread()
         self._executor = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-worker")
-        self._notifications = Notifications(getattr(cfg.runtime, "notify_queue", 1024))
+        self._notifications = Notifications(cfg.limits.max_queued_notifications, cfg.limits.max_queued_notify_bytes)
         self.telemetry = Telemetry(cfg)
         self._pipeline = Pipeline(self)
         self._peers = PeerTable(
+            config=cfg,
             local_info=self.info,
             secret=cfg.transport.secret,
             handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
@@ -148,6 +149,7 @@ class Engine:
             _default_advertise(bind_host) if is_wildcard(bind_host) else bind_host
         )
         self.plugin_set: PluginSet = load_plugins(plugins, autoload=autoload)
+        cfg.check_plugin_sections(self.plugin_set.transports)
         self._server = ControlServer(
             bind_host,
             port,
@@ -155,6 +157,7 @@ class Engine:
             secret=cfg.transport.secret,
             handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
             handler=self._handle_control,
+            config=cfg,
         )
         try:
             self._start_transports()
@@ -219,7 +222,8 @@ class Engine:
             if t.mode not in entry.cls.capabilities.modes:
                 self._unavailable[name] = f"does not support mode {t.mode!r}"
                 continue
-            options = self.config.plugin_options(name, dict(entry.cls.default_options))
+            options = self.config.plugin_options(name, dict(entry.cls.default_options),
+                                                 getattr(entry.cls, "option_ranges", None))
             ctx = TransportContext(
                 config=self.config,
                 options=options,
@@ -450,7 +454,7 @@ class Engine:
     def wait_notification(self, timeout: float | None = None) -> Notification:
         """Next notification received; raises TimeoutError after ``timeout`` seconds.
 
-        At most ``runtime.notify_queue`` wait here; beyond that the oldest is dropped.
+        At most ``limits.max_queued_notifications`` wait here; beyond that senders are refused.
         """
         return self._notifications.wait(timeout)
 
@@ -552,7 +556,6 @@ class Engine:
             "requests_held": self._pipeline.slots.in_use,
             "queue_depth": self._pipeline.slots.capacity,
             "notifications_queued": len(self._notifications),
-            "notifications_dropped": self._notifications.dropped,
             "peers": len(self._peers.links()),
         }
 
