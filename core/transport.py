@@ -62,9 +62,20 @@ class Availability:
         return cls(False, reason)
 
 
+#: Bandwidth classes a transport may declare, slowest first (route policy, issue 10).
+BANDWIDTH_CLASSES = ("low", "medium", "high", "memory")
+
+
 @dataclass(frozen=True)
 class Capabilities:
-    """What a transport can do; shown by ``mpcomm plugins`` and used for routing."""
+    """What a transport can do; shown by ``mpcomm plugins`` and used for routing.
+
+    ``bandwidth_class`` (one of :data:`BANDWIDTH_CLASSES`) ranks transports in
+    the default route when no ``[[route]]`` rule matches: ``"memory"`` for
+    memory-to-memory copies on one host, ``"high"`` for RDMA-class NICs,
+    ``"medium"`` for transports that pick the best fabric at run time,
+    ``"low"`` (the default) for kernel sockets.
+    """
 
     memory_kinds: frozenset[str] = frozenset({"host"})
     intra_node: bool = True
@@ -73,6 +84,7 @@ class Capabilities:
     zero_copy: bool = True
     inflight_cancel: bool = False
     modes: frozenset[str] = frozenset({"zero-copy"})
+    bandwidth_class: str = "low"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +95,7 @@ class Capabilities:
             "zero_copy": self.zero_copy,
             "inflight_cancel": self.inflight_cancel,
             "modes": sorted(self.modes),
+            "bandwidth_class": self.bandwidth_class,
         }
 
 
