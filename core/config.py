@@ -30,6 +30,15 @@
     [plugins.tcp]              # per-transport options (each transport lists its keys)
     connections = 4
 
+    [cluster]                  # issue 10: cluster metadata
+    metadata = ""              # "" = peer-to-peer; "etcd://127.0.0.1:2379[,host:port][/prefix]"
+    lease_ttl_s = 10           # a killed engine's published regions vanish after this
+
+    [[route]]                  # issue 10: route rules, matched in order (see mpcomm.routing)
+    name = "same-host"
+    same_host = true
+    transports = ["shm", "ucx", "tcp"]
+
 Unknown keys and bad values raise :class:`~mpcomm.ConfigError` naming the key
 and the file. ``Config()`` is the embedded default: loopback endpoint on a free
 port, no metadata service, no secret.
@@ -88,11 +97,18 @@ class ObservabilitySection:
     trace_transfers: bool = False
 
 
+@dataclass(frozen=True)
+class ClusterSection:  # issue 10
+    metadata: str = ""
+    lease_ttl_s: int = 10
+
+
 _SECTIONS = {
     "transport": TransportSection,
     "memory": MemorySection,
     "runtime": RuntimeSection,
     "observability": ObservabilitySection,
+    "cluster": ClusterSection,  # issue 10
 }
 
 _CHOICES = {
@@ -111,6 +127,10 @@ class Config:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     observability: ObservabilitySection = field(default_factory=ObservabilitySection)
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    #: ``[[route]]`` tables as written (shape-checked here; transport names are
+    #: checked against the installed plugins when an engine builds its RoutePolicy).
+    route: tuple[dict[str, Any], ...] = ()
     source: str = "<defaults>"
 
     @classmethod
@@ -137,9 +157,12 @@ class Config:
                     raise ConfigError(f"{source}: [plugins] must hold one table per transport")
                 kwargs["plugins"] = {k: dict(v) for k, v in value.items()}
                 continue
+            if key == "route":  # issue 10: an array of tables
+                kwargs["route"] = _route_rules(value, source)
+                continue
             section_cls = _SECTIONS.get(key)
             if section_cls is None:
-                raise ConfigError(f"{source}: unknown section [{key}] (known: {', '.join([*_SECTIONS, 'plugins'])})")
+                raise ConfigError(f"{source}: unknown section [{key}] (known: {', '.join([*_SECTIONS, 'plugins', 'route'])})")
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: [{key}] must be a table")
             kwargs[key] = _build_section(key, section_cls, value, source)
@@ -154,6 +177,9 @@ class Config:
                 for name, opts in values.items():
                     merged.setdefault(name, {}).update(opts)
                 new = replace(new, plugins=merged)
+                continue
+            if key == "route":  # issue 10: replaces the whole rule list
+                new = replace(new, route=_route_rules(values, self.source))
                 continue
             section_cls = _SECTIONS.get(key)
             if section_cls is None:
@@ -229,7 +255,24 @@ def _build_section(key: str, section_cls: type, values: dict[str, Any], source: 
             parse_endpoint(out["endpoint"])
         except ValueError as exc:
             raise ConfigError(f"{source}: transport.endpoint: {exc}") from exc
+    if key == "cluster" and "metadata" in out:  # issue 10
+        from .metadata import parse_metadata_url
+
+        try:
+            parse_metadata_url(out["metadata"])
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: cluster.{exc}") from exc
+    if key == "cluster" and out.get("lease_ttl_s", 10) < 2:
+        raise ConfigError(f"{source}: cluster.lease_ttl_s must be at least 2, not {out['lease_ttl_s']}")
     return section_cls(**out)
+
+
+def _route_rules(value: Any, source: str) -> tuple[dict[str, Any], ...]:
+    """Shape-check ``[[route]]`` (issue 10); names are checked against plugins later."""
+    from .routing import parse_rules
+
+    parse_rules(value, None, source=source)
+    return tuple(dict(r) for r in value)
 
 
 def load_config(config: Config | str | os.PathLike[str] | dict[str, Any] | None) -> Config:
