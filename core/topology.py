@@ -47,6 +47,7 @@ __all__ = [
     "Topology",
     "TopologyError",
     "discover",
+    "memlock_limits",
     "numa_node_of",
     "parse_cpulist",
     "parse_meminfo",
@@ -440,8 +441,9 @@ def _device_numa(dev_dir: str) -> int:
     return _read_int(os.path.join(dev_dir, "device", "numa_node"))
 
 
-def discover_interfaces(root: str = _SYS_NET) -> tuple[tuple[NetInterface, ...], int]:
-    """Interfaces, physical first; and how many were dropped past the cap."""
+def discover_interfaces(root: str = _SYS_NET, limit: int | None = MAX_INTERFACES) -> tuple[tuple[NetInterface, ...], int]:
+    """Interfaces, physical first; and how many were dropped past ``limit``
+    (None: keep all, for local reports that are never sent to a peer)."""
     found = []
     try:
         names = sorted(os.listdir(root))
@@ -464,7 +466,9 @@ def discover_interfaces(root: str = _SYS_NET) -> tuple[tuple[NetInterface, ...],
             loopback=bool(flags & 0x8),
         ))
     found.sort(key=lambda i: (i.virtual, i.loopback, i.name))
-    return tuple(found[:MAX_INTERFACES]), max(0, len(found) - MAX_INTERFACES)
+    if limit is None:
+        return tuple(found), 0
+    return tuple(found[:limit]), max(0, len(found) - limit)
 
 
 def discover_rdma(root: str = _SYS_IB) -> tuple[RdmaDevice, ...]:
@@ -531,7 +535,8 @@ def _shm(path: str) -> tuple[int, int]:
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
-def _memlock() -> tuple[int, int]:
+def memlock_limits() -> tuple[int, int]:
+    """RLIMIT_MEMLOCK (soft, hard) in bytes, -1 for unlimited."""
     try:
         import resource
     except ImportError:  # pragma: no cover - not POSIX
@@ -545,7 +550,7 @@ def discover(*, shm_path: str = "/dev/shm") -> Topology:
     """Read the local node's topology (cheap: a few hundred small file reads)."""
     interfaces, dropped = discover_interfaces()
     shm_size, shm_free = _shm(shm_path)
-    soft, hard = _memlock()
+    soft, hard = memlock_limits()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
     return Topology(
         hostname=socket.gethostname()[:MAX_STR],
