@@ -45,10 +45,13 @@ from .errors import (
     UnknownRegionError,
 )
 from .memory import Region, allocate_host, as_byte_view
-from .peer import PeerInfo, format_endpoint, host_identity, is_wildcard, parse_endpoint
+from .metadata import MetadataStore, NodeRecord, PeerToPeerMetadata, RegionRecord, open_metadata  # issue 10
+from .peer import PeerInfo, format_endpoint, host_identity, is_wildcard, parse_endpoint, same_host
 from .registry import PluginSet, load_plugins
 from .remote import RemoteRegion
+from .routing import RoutePolicy, RouteQuery  # issue 10
 from .telemetry import Telemetry
+from .topology import discover as discover_topology  # issue 10
 from .transfer import Batch, Operation, Request, Transfer, timeout_error
 from .transport import Availability, Transport, TransportContext
 
@@ -157,6 +160,8 @@ class Engine:
         plugins: extra plugin objects (modules with hookimpls) to load.
         autoload: load entry-point plugins (default: unless
             ``MPCOMM_DISABLE_PLUGIN_AUTOLOAD`` is set).
+        metadata: overrides ``cluster.metadata``: ``"etcd://host:2379"`` or
+            a :class:`~mpcomm.metadata.MetadataStore` (issue 10).
     """
 
     def __init__(
@@ -168,6 +173,7 @@ class Engine:
         secret: str | None = None,
         plugins: Iterable[Any] = (),
         autoload: bool | None = None,
+        metadata: str | MetadataStore | None = None,
     ) -> None:
         import os
 
@@ -186,6 +192,8 @@ class Engine:
         self.node_id = uuid.uuid4().hex[:16]
         self.epoch = secrets.token_hex(8)
         self.host = host_identity()
+        self.topology = discover_topology()  # issue 10: sent in the handshake
+        self._metadata: MetadataStore = PeerToPeerMetadata()  # issue 10
         self._closed = False
         self._lock = threading.Lock()
         self._regions = RegionTable(self)
@@ -198,7 +206,7 @@ class Engine:
         self._executor = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-worker")
         self._notifications: queue.Queue[Notification] = queue.Queue()
         self._notify_callbacks: list[Callable[[Notification], None]] = []
-        self._route_cache: dict[tuple[str, str, str], Transport] = {}
+        self._route_cache: dict[tuple[Any, ...], Transport] = {}
         self.telemetry = Telemetry(cfg)
 
         bind_host, port = parse_endpoint(cfg.transport.endpoint)
@@ -219,9 +227,38 @@ class Engine:
         )
         try:
             self._start_transports()
+            self._start_routing_and_metadata(metadata)  # issue 10
         except BaseException:
             self.close()
             raise
+
+    # -- issue 10: route policy and cluster metadata (integration points) ----------
+
+    def _start_routing_and_metadata(self, metadata: str | MetadataStore | None) -> None:
+        order = [n for n in self._transport_order() if n in self.plugin_set.transports]
+        order += [n for n in self.plugin_set.transports if n not in order]
+        installed = {n: self.plugin_set.transports[n].cls.capabilities for n in order}
+        from .config import DEFAULT_ORDER
+
+        ranked = self._exact_order is None and self.config.transport.name == "auto" and \
+            list(self.config.transport.order) == DEFAULT_ORDER
+        self.route_policy = RoutePolicy.from_config(list(self.config.route), installed, self._transports,
+                                                    ranked=ranked, source=self.config.source)
+        self._metadata = open_metadata(metadata if metadata is not None else self.config.cluster.metadata,
+                                       ttl=self.config.cluster.lease_ttl_s)
+        self._metadata.start(NodeRecord(node_id=self.node_id, address=self.address, epoch=self.epoch,
+                                        hostname=self.host.get("hostname", ""), transports=tuple(self._transports),
+                                        published_at=time.time()))
+
+    @property
+    def metadata(self) -> MetadataStore:
+        """Where this engine publishes its regions (peer-to-peer unless configured)."""
+        return self._metadata
+
+    def _region_record(self, region: Region) -> RegionRecord:
+        # No token, id or base address: finding a region must not grant access to it.
+        return RegionRecord(name=region.name, node_id=self.node_id, address=self.address, epoch=self.epoch,
+                            size=region.size, access=region.access, kind=region.kind, published_at=time.time())
 
     # -- identity ----------------------------------------------------------
 
@@ -237,6 +274,7 @@ class Engine:
             address=self.address,
             host=self.host,
             transports={name: t._mpcomm_info for name, t in self._transports.items()},  # type: ignore[attr-defined]
+            topology=self.topology,  # issue 10
         )
 
     def __repr__(self) -> str:
@@ -376,6 +414,7 @@ class Engine:
                 self._regions.remove(region)
                 raise
         self.telemetry.on_register(1)
+        self._metadata.publish_region(self._region_record(region))  # issue 10
         return region
 
     def _register_with_transports(self, region: Region) -> None:
@@ -393,6 +432,7 @@ class Engine:
         """
         region.close(timeout)
         self._regions.remove(region)
+        self._metadata.unpublish_region(region.name)  # issue 10
         for name, t in self._transports.items():
             if name in region.transport_info:
                 try:
@@ -446,14 +486,36 @@ class Engine:
             for key in [k for k in self._route_cache if k[0] == address]:
                 del self._route_cache[key]
 
-    def open(self, address: str, name: str, timeout: float | None = None) -> RemoteRegion:
-        """Look up the region ``name`` on the peer at ``address`` (through the peer itself)."""
+    def open(self, address: str, name: str | None = None, timeout: float | None = None) -> RemoteRegion:
+        """Look up the region ``name`` on the peer at ``address`` (through the peer itself).
+
+        ``open(name)`` (issue 10) finds the owner in the cluster metadata
+        (``cluster.metadata``) and then asks the owner, through its handshake,
+        exactly as ``open(owner_address, name)`` does.
+        """
         timeout = self.config.request_timeout if timeout is None else timeout
+        if name is None:
+            name, address = address, self._find_owner(address)
         link = self._peer(address, timeout)
         reply = link.request({"t": "lookup", "name": name}, timeout)
         desc = dict(reply["region"])
         desc["address"] = address
         return RemoteRegion.from_dict(desc)
+
+    def _find_owner(self, name: str) -> str:
+        """issue 10: the owner's address of region ``name`` from the cluster metadata."""
+        if isinstance(self._metadata, PeerToPeerMetadata):
+            raise UnknownRegionError(
+                f"open({name!r}) without an address needs cluster metadata (cluster.metadata = \"etcd://...\"); "
+                "with peer-to-peer look-up give the owner's address: open(address, name)", region=name)
+        records = self._metadata.lookup(name)
+        if not records:
+            raise UnknownRegionError(f"no region named {name!r} is published in {self._metadata.url}", region=name)
+        owners = sorted({r.address for r in records})
+        if len(owners) > 1:
+            raise UnknownRegionError(f"region name {name!r} is published by {len(owners)} nodes ({', '.join(owners)}); "
+                                     "open it with the owner's address", region=name)
+        return owners[0]
 
     def _transport_request(self, peer: PeerInfo, transport: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         link = self._peer(peer.address, timeout)
@@ -685,23 +747,28 @@ class Engine:
             )
 
     def _route(self, link: PeerLink, op: Operation) -> Transport:
+        # issue 10: the route policy orders the candidates; the first that
+        # reaches the peer carries the request (failover is the lead's retry loop).
         remote = op.remote
-        key = (remote.address, remote.name, op.local.kind)
+        query = RouteQuery(
+            same_host=same_host(self.host, link.info.host, need=("net_ns",)),
+            local_kind=op.local.kind, remote_kind=remote.kind, size=op.length,
+            peer_transports=frozenset(n for n in remote.transports if n in link.info.transports),
+        )
+        try:
+            route = self.route_policy.choose(query)
+        except TransportUnavailable as exc:
+            raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: {exc}",
+                                       peer=remote.address, region=remote.name) from None
+        op.transfer.route, op.transfer.route_rule = route.transports, route.rule
+        key = (remote.address, remote.name, op.local.kind, route.transports)
         with self._lock:
             cached = self._route_cache.get(key)
-        if cached is not None and cached.name in remote.transports:
+        if cached is not None:
             return cached
         reasons = []
-        for name, t in self._transports.items():
-            if name not in link.info.transports:
-                reasons.append(f"{name}: peer does not run it")
-                continue
-            if name not in remote.transports:
-                reasons.append(f"{name}: region not registered with it on the peer")
-                continue
-            if op.local.kind not in t.capabilities.memory_kinds or remote.kind not in t.capabilities.memory_kinds:
-                reasons.append(f"{name}: no {op.local.kind}/{remote.kind} memory support")
-                continue
+        for name in route.transports:
+            t = self._transports[name]
             avail = t.reach(link.info)
             if not avail:
                 reasons.append(f"{name}: {avail.reason}")
@@ -709,7 +776,8 @@ class Engine:
             with self._lock:
                 self._route_cache[key] = t
             return t
-        raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: " + "; ".join(reasons),
+        raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r} "
+                                   f"(route {route.rule!r}): " + "; ".join(reasons),
                                    peer=remote.address, region=remote.name)
 
     def _launch(self, op: Operation) -> None:
@@ -838,6 +906,10 @@ class Engine:
                 op.transfer.exception(max(0.0, deadline - time.monotonic()))
             except BaseException:  # noqa: BLE001
                 pass
+        try:
+            self._metadata.close()  # issue 10: withdraw what this node published
+        except Exception:  # noqa: BLE001
+            log.exception("metadata close failed")
         server = getattr(self, "_server", None)
         if server is not None:
             server.close()

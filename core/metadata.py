@@ -464,6 +464,7 @@ class EtcdMetadata(MetadataStore):
             self._thread.join(self.timeout * 2 + 1)
         with self._lock:
             lease, self._lease = self._lease, None
+            self._node = None  # later publish/unpublish calls are no-ops
         if lease is not None:
             try:
                 self._call(lambda c: self._bind(lease, c).revoke(), "lease revoke")

@@ -8,6 +8,8 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .topology import Topology
+
 __all__ = ["PeerInfo", "host_identity", "parse_endpoint", "format_endpoint", "same_host"]
 
 
@@ -96,6 +98,9 @@ class PeerInfo:
     host: dict[str, Any] = field(default_factory=dict)
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
     protocol: int = 1
+    #: The peer's hardware (issue 10); validated and size-bounded on receipt,
+    #: None for peers that do not send it.
+    topology: Topology | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,4 +114,6 @@ class PeerInfo:
             host=dict(d.get("host") or {}),
             transports={str(k): dict(v) for k, v in (d.get("transports") or {}).items()},
             protocol=int(d.get("protocol", 1)),
+            # TopologyError is a ValueError: the handshake turns it into a ProtocolError.
+            topology=Topology.from_dict(d["topology"]) if d.get("topology") is not None else None,
         )

@@ -34,7 +34,9 @@ handling the memory kinds. A rule left with nothing is skipped.
 With no rule matching, the default is derived from capabilities alone (no
 plugin names in the core): usable transports ranked by declared
 ``bandwidth_class`` (memory > high > medium > low), then zero-copy, then
-one-sided, then the engine's configured preference order.
+one-sided, then the engine's configured preference order. (When the user
+gave an explicit order, ``transport.order`` or ``Engine(transports=...)``,
+the default keeps that order instead: ``ranked=False``.)
 
 A rule naming a transport no installed plugin provides is a
 :class:`~mpcomm.ConfigError` that says so (a transport that is installed but
@@ -259,25 +261,32 @@ class RoutePolicy:
         installed: every transport a plugin provides, with its capabilities,
             in the engine's preference order (the last tie-breaker).
         running: the transports running on this engine (default: all installed).
+        ranked: rank the default route by capabilities (True), or keep the
+            ``installed`` order (False: the user gave an explicit preference,
+            ``transport.order`` or ``Engine(transports=...)``).
     """
 
     def __init__(self, rules: Sequence[RouteRule], installed: Mapping[str, Capabilities],
-                 running: Iterable[str] | None = None) -> None:
+                 running: Iterable[str] | None = None, *, ranked: bool = True) -> None:
         self.rules = tuple(rules)
         self.installed = dict(installed)
         self.running = tuple(self.installed if running is None else (n for n in running if n in self.installed))
         order = {name: i for i, name in enumerate(self.installed)}
-        self._default_order = tuple(sorted(
-            self.running,
-            key=lambda n: (-_rank(self.installed[n]), not self.installed[n].zero_copy,
-                           not self.installed[n].one_sided, order[n]),
-        ))
+        if ranked:
+            self._default_order = tuple(sorted(
+                self.running,
+                key=lambda n: (-_rank(self.installed[n]), not self.installed[n].zero_copy,
+                               not self.installed[n].one_sided, order[n]),
+            ))
+        else:
+            self._default_order = tuple(sorted(self.running, key=order.__getitem__))
 
     @classmethod
     def from_config(cls, raw_rules: Any, installed: Mapping[str, Capabilities],
-                    running: Iterable[str] | None = None, *, source: str = "<config>") -> RoutePolicy:
+                    running: Iterable[str] | None = None, *, ranked: bool = True,
+                    source: str = "<config>") -> RoutePolicy:
         """Validate ``raw_rules`` (the config's ``route`` array) against ``installed``."""
-        return cls(parse_rules(raw_rules, installed, source=source), installed, running)
+        return cls(parse_rules(raw_rules, installed, source=source), installed, running, ranked=ranked)
 
     def usable(self, name: str, q: RouteQuery) -> bool:
         """Can ``name`` carry this request at all (capabilities and both sides)?"""

@@ -94,6 +94,10 @@ class Transfer(Future):  # type: ignore[type-arg]
         self.status = TransferStatus.PENDING
         #: Name of the transport that carried it (None until posted).
         self.transport: str | None = None
+        #: issue 10: the ordered transport list the route policy chose, and the
+        #: name of the rule that chose it ("default", "hint" or a [[route]] name).
+        self.route: tuple[str, ...] = ()
+        self.route_rule: str | None = None
         self.bytes_moved = 0
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None
