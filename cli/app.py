@@ -18,6 +18,7 @@ import typer
 from mpcomm import __version__
 
 from . import bench, demo, doctor, plugins_cmd, serve, transfer
+from . import regions, topology  # issue 10
 from ._common import EXIT_CODES_EPILOG, State, err_console, handle_errors
 from .otel import setup as setup_otel
 
@@ -46,6 +47,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 for _module in (plugins_cmd, demo, doctor, serve, transfer, bench):
+    app.add_typer(_module.app)
+for _module in (topology, regions):  # issue 10
     app.add_typer(_module.app)
 
 

@@ -235,15 +235,9 @@ class Engine:
     # -- issue 10: route policy and cluster metadata (integration points) ----------
 
     def _start_routing_and_metadata(self, metadata: str | MetadataStore | None) -> None:
-        order = [n for n in self._transport_order() if n in self.plugin_set.transports]
-        order += [n for n in self.plugin_set.transports if n not in order]
-        installed = {n: self.plugin_set.transports[n].cls.capabilities for n in order}
-        from .config import DEFAULT_ORDER
-
-        ranked = self._exact_order is None and self.config.transport.name == "auto" and \
-            list(self.config.transport.order) == DEFAULT_ORDER
-        self.route_policy = RoutePolicy.from_config(list(self.config.route), installed, self._transports,
-                                                    ranked=ranked, source=self.config.source)
+        installed = {n: e.cls.capabilities for n, e in self.plugin_set.transports.items()}
+        self.route_policy = RoutePolicy.for_config(self.config, installed, self._transports,
+                                                   exact_order=self._exact_order)
         self._metadata = open_metadata(metadata if metadata is not None else self.config.cluster.metadata,
                                        ttl=self.config.cluster.lease_ttl_s)
         self._metadata.start(NodeRecord(node_id=self.node_id, address=self.address, epoch=self.epoch,

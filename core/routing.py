@@ -288,6 +288,27 @@ class RoutePolicy:
         """Validate ``raw_rules`` (the config's ``route`` array) against ``installed``."""
         return cls(parse_rules(raw_rules, installed, source=source), installed, running, ranked=ranked)
 
+    @classmethod
+    def for_config(cls, config: Any, installed: Mapping[str, Capabilities], running: Iterable[str] | None = None,
+                   *, exact_order: Sequence[str] | None = None) -> RoutePolicy:
+        """The policy an engine with ``config`` uses: its ``[[route]]`` rules,
+        ``installed`` reordered by the configured preference (``exact_order``
+        = ``Engine(transports=...)``), and the capability ranking unless the
+        user gave an order of their own."""
+        from .config import DEFAULT_ORDER
+
+        t = config.transport
+        if exact_order is not None:
+            preferred = list(exact_order)
+        elif t.name != "auto":
+            preferred = [t.name]
+        else:
+            preferred = list(t.order)
+        order = [n for n in preferred if n in installed] + [n for n in installed if n not in preferred]
+        ranked = exact_order is None and t.name == "auto" and list(t.order) == list(DEFAULT_ORDER)
+        return cls.from_config(list(config.route), {n: installed[n] for n in order}, running,
+                               ranked=ranked, source=config.source)
+
     def usable(self, name: str, q: RouteQuery) -> bool:
         """Can ``name`` carry this request at all (capabilities and both sides)?"""
         caps = self.installed.get(name)
