@@ -24,6 +24,12 @@ retried nor counted.
 restarted): whatever the number of callers, one runs the reconnect and the
 rest wait for its result (single-flight).
 
+:class:`FailoverPlan` walks one request down its route: which transport to try
+next (skipping paused paths, within the deadline and ``max_attempts``), what
+to record after each attempt, and when to give up with which error. It is a
+state machine, so a synchronous caller and a completion callback drive it the
+same way.
+
 :class:`HealthMetrics` counts retries, failovers and quarantines and keeps the
 queue backlog and connection count per peer; :meth:`HealthMetrics.snapshot`
 is a plain dict for telemetry.
@@ -45,6 +51,7 @@ from .errors import (
     AccessError,
     MpcommError,
     OutOfBoundsError,
+    PeerConnectionError,
     PermissionDeniedError,
     StaleRegionError,
     TransferTimeout,
@@ -52,6 +59,7 @@ from .errors import (
 
 __all__ = [
     "EpochWatch",
+    "FailoverPlan",
     "HealthMetrics",
     "HealthPolicy",
     "HealthTracker",
@@ -250,6 +258,94 @@ class HealthTracker:
             for key in [k for k in self._paths if k[0] == peer]:
                 del self._paths[key]
             self._peers.pop(peer, None)
+
+
+class FailoverPlan:
+    """One request's walk down its route (see the module docstring).
+
+    ::
+
+        plan = FailoverPlan(route.transports, peer, tracker, deadline)
+        while (t := plan.next()) is not None:
+            try:
+                result = attempt(t, plan.time_left())   # the whole range, every time
+            except MpcommError as exc:
+                plan.failed(t, exc)
+                continue
+            plan.succeeded(t)
+            break
+        else:
+            raise plan.error()
+
+    ``deadline`` is on ``tracker.clock``. A transport is tried at most once
+    per request; paused paths are skipped (a probe slot is taken only when
+    the transport is actually tried).
+    """
+
+    def __init__(self, transports: Iterable[str], peer: str, tracker: HealthTracker, deadline: float,
+                 max_attempts: int | None = None) -> None:
+        self.transports = tuple(transports)
+        self.peer = peer
+        self.tracker = tracker
+        self.deadline = deadline
+        self.max_attempts = tracker.policy.max_attempts if max_attempts is None else max_attempts
+        self.attempts: list[tuple[str, BaseException | None]] = []
+        self._index = 0
+        self._last_error: BaseException | None = None
+        self._stopped = False
+        self._skipped: list[str] = []
+
+    def time_left(self) -> float:
+        return self.deadline - self.tracker.clock.now()
+
+    def next(self) -> str | None:
+        """The transport to try now, or None: done, out of attempts or time, or nothing admitted."""
+        if self._stopped or len(self.attempts) >= self.max_attempts or self.time_left() <= 0:
+            return None
+        while self._index < len(self.transports):
+            t = self.transports[self._index]
+            self._index += 1
+            if self.tracker.admit(self.peer, t) == "paused":
+                self._skipped.append(t)
+                continue
+            if self.attempts:
+                self.tracker.metrics.retry(self.peer)
+                self.tracker.metrics.failover(self.peer, self.attempts[-1][0], t)
+            return t
+        return None
+
+    def failed(self, transport: str, exc: BaseException) -> bool:
+        """Record a failed attempt; True when the request may go on to the next transport."""
+        self.attempts.append((transport, exc))
+        self._last_error = exc
+        self.tracker.failure(self.peer, transport, exc)
+        if not is_retryable(exc):
+            self._stopped = True
+            return False
+        return True
+
+    def succeeded(self, transport: str) -> None:
+        self.attempts.append((transport, None))
+        self._stopped = True
+        self.tracker.success(self.peer, transport)
+
+    def error(self) -> BaseException:
+        """What to fail the request with when :meth:`next` returned None without success."""
+        if self._last_error is not None and (self._stopped or not is_retryable(self._last_error)):
+            return self._last_error
+        tried = ", ".join(f"{t}: {type(e).__name__}: {e}" for t, e in self.attempts if e is not None)
+        skipped = f"; paused: {', '.join(self._skipped)}" if self._skipped else ""
+        if self.time_left() <= 0:
+            why = "the deadline passed"
+        elif len(self.attempts) >= self.max_attempts:
+            why = f"{self.max_attempts} attempts failed"
+        else:
+            why = "no transport of the route is usable now"
+        cls = TransferTimeout if self.time_left() <= 0 else PeerConnectionError
+        err = cls(f"{why} for peer {self.peer} (route {', '.join(self.transports)}; tried {tried or 'none'}{skipped})",
+                  peer=self.peer)
+        err.__cause__ = self._last_error
+        return err
 
 
 class EpochWatch(Generic[T]):

@@ -207,3 +207,71 @@ def test_manual_clock_refuses_to_go_back() -> None:
     assert c.now() == 6.5
     with pytest.raises(ValueError):
         c.advance(-1)
+
+
+# -- FailoverPlan: one request down its route ------------------------------------------
+
+from mpcomm.health import FailoverPlan  # noqa: E402
+
+
+def run(plan: FailoverPlan, outcomes: dict, clock: ManualClock | None = None, cost: float = 0.0):
+    """Drive ``plan`` as the engine would; ``outcomes[t]`` is an exception to raise or a result."""
+    while (t := plan.next()) is not None:
+        if clock is not None:
+            clock.advance(cost)
+        out = outcomes[t]
+        if isinstance(out, BaseException):
+            plan.failed(t, out)
+            continue
+        plan.succeeded(t)
+        return t, out
+    raise plan.error()
+
+
+def test_failover_to_the_next_transport() -> None:
+    h, clock = tracker()
+    plan = FailoverPlan(["rdma", "ucx", "tcp"], "p", h, deadline=clock.now() + 5)
+    used, result = run(plan, {"rdma": PeerConnectionError("QP error"), "ucx": PeerConnectionError("ep closed"),
+                              "tcp": 4096})
+    assert (used, result) == ("tcp", 4096)
+    assert [t for t, _ in plan.attempts] == ["rdma", "ucx", "tcp"]
+    snap = h.metrics.snapshot()
+    assert snap["retries"]["total"] == 2 and snap["failovers"]["total"] == 2
+    assert snap["failover_paths"] == {"rdma->ucx": 1, "ucx->tcp": 1}
+    assert h.paused("p", "rdma") and not h.paused("p", "tcp")
+    # the next request skips the paused paths and goes straight to tcp
+    plan2 = FailoverPlan(["rdma", "ucx", "tcp"], "p", h, deadline=clock.now() + 5)
+    assert plan2.next() == "tcp"
+
+
+def test_no_retry_for_request_faults() -> None:
+    h, clock = tracker()
+    plan = FailoverPlan(["rdma", "tcp"], "p", h, deadline=clock.now() + 5)
+    with pytest.raises(OutOfBoundsError):
+        run(plan, {"rdma": OutOfBoundsError("past the end"), "tcp": 1})
+    assert [t for t, _ in plan.attempts] == ["rdma"]
+    assert h.metrics.snapshot()["retries"]["total"] == 0
+    assert not h.paused("p", "rdma")  # the path is fine; the request was wrong
+
+
+def test_attempts_and_deadline_bound_the_walk() -> None:
+    h, clock = tracker(max_attempts=2)
+    plan = FailoverPlan(["a", "b", "c"], "p", h, deadline=clock.now() + 5)
+    with pytest.raises(PeerConnectionError, match="2 attempts failed") as ei:
+        run(plan, {t: PeerConnectionError(f"{t} down") for t in "abc"})
+    assert isinstance(ei.value.__cause__, PeerConnectionError) and "b down" in str(ei.value)
+    h2, clock2 = tracker()
+    plan = FailoverPlan(["a", "b", "c"], "q", h2, deadline=clock2.now() + 1.0)
+    with pytest.raises(TransferTimeout, match="the deadline passed"):
+        run(plan, {t: PeerConnectionError("slow death") for t in "abc"}, clock2, cost=0.6)
+    assert len(plan.attempts) == 2  # the third never started: no time left
+
+
+def test_everything_paused_says_so() -> None:
+    h, clock = tracker()
+    for t in ("a", "b"):
+        h.failure("p", t, CONN)
+    plan = FailoverPlan(["a", "b"], "p", h, deadline=clock.now() + 5)
+    assert plan.next() is None
+    err = plan.error()
+    assert isinstance(err, PeerConnectionError) and "paused: a, b" in str(err)
