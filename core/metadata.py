@@ -430,7 +430,9 @@ class EtcdMetadata(MetadataStore):
 
     def keepalive(self) -> None:
         with self._lock:
-            lease = self._lease
+            lease, node = self._lease, self._node
+        if node is None:
+            return  # not started, or closed
         if lease is None:
             self._grant()
             self.lease_renewals += 1
