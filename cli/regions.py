@@ -59,10 +59,11 @@ def regions(
                                          _ago(n.published_at))))
     out.print(nt)
     rt = Table(title="regions", title_justify="left")
-    for col in ("name", "size", "access", "kind", "owner", "node", "epoch", "published"):
+    for col in ("name", "size", "access", "kind", "numa", "owner", "node", "epoch", "published"):
         rt.add_column(col, overflow="fold")
     for r in regs:
-        rt.add_row(*(escape(v) for v in (r.name, format_size(r.size), r.access, r.kind, r.address, r.node_id,
+        numa = str(r.numa_node) if r.numa_node >= 0 else "?"
+        rt.add_row(*(escape(v) for v in (r.name, format_size(r.size), r.access, r.kind, numa, r.address, r.node_id,
                                          r.epoch, _ago(r.published_at))))
     out.print(rt)
     if not regs:

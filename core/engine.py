@@ -51,7 +51,7 @@ from .registry import PluginSet, load_plugins
 from .remote import RemoteRegion
 from .routing import RoutePolicy, RouteQuery  # issue 10
 from .telemetry import Telemetry
-from .topology import discover as discover_topology  # issue 10
+from .topology import discover as discover_topology, numa_node_of  # issue 10
 from .transfer import Batch, Operation, Request, Transfer, timeout_error
 from .transport import Availability, Transport, TransportContext
 
@@ -251,8 +251,10 @@ class Engine:
 
     def _region_record(self, region: Region) -> RegionRecord:
         # No token, id or base address: finding a region must not grant access to it.
+        node = numa_node_of(region.address) if region.kind == "host" else None
         return RegionRecord(name=region.name, node_id=self.node_id, address=self.address, epoch=self.epoch,
-                            size=region.size, access=region.access, kind=region.kind, published_at=time.time())
+                            size=region.size, access=region.access, kind=region.kind, published_at=time.time(),
+                            numa_node=-1 if node is None else node)
 
     # -- identity ----------------------------------------------------------
 

@@ -14,7 +14,7 @@ Two implementations of :class:`MetadataStore`:
   gateway on its client port).
 
 **No secret in etcd.** A published :class:`RegionRecord` holds the name, the
-owner's control address, node id, epoch, size, access and memory kind, and
+owner's control address, node id, epoch, size, access, memory kind and NUMA node, and
 nothing that grants access: no region token, no id, no address in the owner's
 process, no transport keys. A reader must still open the region through the
 owner's handshake (and shared secret) to get a usable descriptor. Records read
@@ -131,6 +131,8 @@ class RegionRecord:
     access: str
     kind: str = "host"
     published_at: float = 0.0
+    #: NUMA node of the region's first page on the owner (-1: unknown), for placement.
+    numa_node: int = -1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
@@ -150,7 +152,8 @@ class RegionRecord:
         pa = d.get("published_at", 0.0)
         return cls(name=_s(d, "name", where), node_id=_s(d, "node_id", where), address=_address(d, where),
                    epoch=_s(d, "epoch", where), size=_i(d, "size", where), access=access, kind=kind,
-                   published_at=float(pa) if isinstance(pa, (int, float)) else 0.0)
+                   published_at=float(pa) if isinstance(pa, (int, float)) else 0.0,
+                   numa_node=_i(d, "numa_node", where, -1, 4095) if "numa_node" in d else -1)
 
 
 def _address(d: dict[str, Any], where: str) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import mpcomm
+from mpcomm import topology
 from mpcomm.metadata import EtcdMetadata, NodeRecord, RegionRecord, open_metadata
 
 from etcd_support import EtcdServer, etcd_binary
@@ -108,7 +109,9 @@ def test_etcd_holds_no_secret(url: str, etcd: EtcdServer) -> None:
             assert not {"token", "region_id", "base_address"} & set(d), d
             assert all(isinstance(t, str) for t in d.get("transports", []))  # node records: names only, no keys
         region = next(json.loads(v) for v in values if json.loads(v).get("name") == "kv")
-        assert set(region) == {"name", "node_id", "address", "epoch", "size", "access", "kind", "published_at"}
+        assert set(region) == {"name", "node_id", "address", "epoch", "size", "access", "kind", "published_at",
+                               "numa_node"}
+        assert region["numa_node"] in {n.id for n in topology.discover().numa_nodes} | {-1}
     finally:
         stop(proc)
 
