@@ -206,8 +206,8 @@ class Topology:
             raise TopologyError(f"topology must be an object, not {type(d).__name__}")
         try:
             size = len(json.dumps(d, separators=(",", ":")))
-        except (TypeError, ValueError) as exc:
-            raise TopologyError(f"topology is not JSON-able: {exc}") from None
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise TopologyError(f"topology is not JSON-able: {type(exc).__name__}: {exc}") from None
         if size > MAX_ENCODED:
             raise TopologyError(f"topology of {size} bytes exceeds {MAX_ENCODED}")
         v = _Validator(d, "topology")

@@ -88,6 +88,13 @@ def test_from_dict_rejects_non_objects_and_oversize() -> None:
     huge = {"hostname": "h", "truncated": {}, "numa_nodes": [{"id": i, "cpus": list(range(100000, 101000))} for i in range(60)]}
     with pytest.raises(topo.TopologyError, match="exceeds"):
         topo.Topology.from_dict(huge)
+    deep: dict = {}
+    cur = deep
+    for _ in range(100_000):
+        cur["x"] = {}
+        cur = cur["x"]
+    with pytest.raises(topo.TopologyError, match="not JSON-able"):
+        topo.Topology.from_dict({"gpus": [deep]})
     assert issubclass(topo.TopologyError, ValueError)  # the handshake maps ValueError to ProtocolError
 
 
