@@ -1,6 +1,6 @@
 """``mpcomm doctor``: the seed's node check, plus what matters to mpcomm.
 
-Read-only: it changes nothing on the system (see :mod:`mpcomm.nodecheck`).
+Read-only: it changes nothing on the system (see :mod:`mpcomm.cli.nodecheck`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mpcomm import nodecheck
-from mpcomm.nodecheck import Check, Status
-
-from . import plugins_cmd
+from . import nodecheck, plugins_cmd
+from .nodecheck import Check, Status
 from ._common import EXIT_FAILURE, JsonOption, err_console, handle_errors, parse_size, print_json
 
 app = typer.Typer()

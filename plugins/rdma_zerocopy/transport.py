@@ -252,6 +252,7 @@ class RdmaZeroCopyTransport(Transport):
         zero_copy=True,
         inflight_cancel=True,  # QP → ERROR flushes what is posted
         modes=frozenset({"zero-copy"}),
+        bandwidth_class="high",
     )
     default_options: ClassVar[dict[str, Any]] = {
         "device": "",  # adapter name (ibv_devices); "" = the first with an ACTIVE port
