@@ -101,6 +101,7 @@ from . import _copyloop, _native
 
 if TYPE_CHECKING:
     from mpcomm import Operation
+    from mpcomm.transport import OperationGroup
 
 PAGE = mmap.PAGESIZE
 _MAX_MSG = 4096
@@ -796,6 +797,98 @@ class ShmTransport(Transport):
                 return
         if inline_first:
             self._piece(op, st, write, local, remote, min(step, n))
+
+    # -- vectorised batches ------------------------------------------------------------
+
+    def post_many(self, group: OperationGroup) -> None:
+        """N requests against one remote region: one bounds pass and one native call per ``chunk`` bytes."""
+        r = group.remote
+        m = self._maps.get((r.epoch, r.region_id))
+        if m is None:
+            self._off_thread(self._attach_then_many, group)
+            return
+        self._start_many(group, m, True)
+
+    def _attach_then_many(self, g: OperationGroup) -> None:
+        try:
+            if g.abort_exc is not None:
+                raise g.abort_exc
+            self._start_many(g, self._mapping(g.remote, g.peer, g.deadline), False)
+        except BaseException as exc:  # noqa: BLE001 - reported through the group
+            g.fail(exc)
+
+    def _start_many(self, g: OperationGroup, m: _Mapping, posting: bool) -> None:
+        r = g.remote
+        n = g.count
+        write = g.kind == "write"
+        if r.token != m.token or not (m.can_write if write else m.can_read):
+            raise PermissionDeniedError(f"region {r.name!r} on {r.address} may not be "
+                                        f"{'written' if write else 'read'} with this descriptor (target grants "
+                                        f"{m.access!r})", region=r.name, peer=r.address)
+        ro, lo, ln = g.remote_offsets, g.local_offsets, g.lengths
+        # The target's size, not the descriptor's: one pass over the arrays, no Python loop per index.
+        bad, total = self._loop.check(ro, ln, n, m.size)
+        if bad >= 0:
+            raise OutOfBoundsError(f"request {bad} of the batch, [{ro[bad]}, {ro[bad] + ln[bad]}), is outside "
+                                   f"region {r.name!r} of {m.size} bytes on {r.address}", region=r.name,
+                                   peer=r.address)
+        bad, _ = self._loop.check(lo, ln, n, g.local.size)
+        if bad >= 0:
+            raise OutOfBoundsError(f"request {bad} of the batch, [{lo[bad]}, {lo[bad] + ln[bad]}), is outside the "
+                                   f"local region {g.local.name!r} of {g.local.size} bytes", region=g.local.name)
+        err = m.enter()
+        if err is not None:
+            raise type(err)(f"{err}: {r.name!r} on {r.address}", region=r.name, peer=r.address)
+        if total <= self._inline or not posting:
+            self._run_many(g, m, write)
+            return
+        try:
+            self.ctx.executor.submit(self._run_many, g, m, write)
+        except RuntimeError as exc:  # the executor is shut down
+            m.exit()
+            raise EngineClosedError(f"cannot schedule the shm batch: {exc}") from exc
+
+    def _run_many(self, g: OperationGroup, m: _Mapping, write: bool) -> None:
+        """Copy the group ``chunk`` bytes per native call; indices done before a failure complete."""
+        n = g.count
+        ro, lo, ln = g.remote_offsets, g.local_offsets, g.lengths
+        la = g.local.address
+        loop, chunk = self._loop, self._chunk
+        i = 0
+        err: BaseException | None = None
+        try:
+            while i < n:
+                if g.abort_exc is not None:
+                    err = g.abort_exc
+                    break
+                if m.error is not None:
+                    err = m.error
+                    break
+                if i and time.monotonic() > g.deadline:
+                    err = TransferTimeout(f"shm batch of {n} passed its deadline after {i} requests",
+                                          region=g.remote.name, peer=g.remote.address)
+                    break
+                if self.copy_mode:
+                    rc = self._copy(m, write, la + lo[i], m.base + ro[i], ln[i])
+                    nxt = rc if rc else i + 1
+                elif m.kind == "map":
+                    nxt = loop.copy_many(m.base, ro, la, lo, ln, i, n, chunk, m.pidfd) if write else \
+                        loop.copy_many(la, lo, m.base, ro, ln, i, n, chunk, m.pidfd)
+                else:
+                    nxt = loop.cma_many(m.pid, write, la, lo, m.base, ro, ln, i, n, chunk, m.pidfd)
+                if nxt < 0:
+                    err = self._rc_error(nxt, g.kind, g.remote, m)
+                    break
+                i = nxt
+        except BaseException as exc:  # noqa: BLE001 - reported through the group
+            err = self._map_error(exc, g, m)
+        m.exit()
+        if err is None:
+            g.complete()
+            return
+        if i:
+            g.complete(range(i))
+        g.fail(err)
 
     def _chunks(self, op: Operation, m: _Mapping, write: bool, local: int, remote: int, length: int) -> None:
         """Copy ``length`` bytes a chunk at a time, stopping for abort, deadline or revocation."""
