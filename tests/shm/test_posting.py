@@ -11,11 +11,25 @@ import pytest
 import mpcomm
 
 
+def _wait_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # every thread, not just the leader
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not stop")
+
+
 @pytest.mark.parametrize("name", ["mem", "buf"])
 def test_first_request_to_a_stopped_peer_returns_at_once(spawn, initiator: mpcomm.Engine, name: str) -> None:
     target = spawn({"mem": [1 << 20, "allocate"], "buf": [1 << 20, "buffer"]})
     remote = initiator.open(target.address, name)
     os.kill(target.pid, signal.SIGSTOP)  # the attach round trip cannot be answered now
+    _wait_stopped(target.pid)
     try:
         t0 = time.monotonic()
         t = initiator.write(b"x" * 4096, remote, timeout=1.0)
