@@ -77,8 +77,10 @@ int64_t mp_copy_many(char *dst, const int64_t *doff, const char *src, const int6
  * (len[i] each) in process `pid`, up to MP_IOV pieces per system call, resuming
  * partial transfers, until `budget` bytes moved or n is reached. Returns the
  * next index or -errno (ESRCH: gone, EPERM: ptrace policy, EFAULT: unmapped).
- * The owner's pidfd is checked before (the pid still names that process) and
- * after the copies. */
+ * The owner's pidfd is checked before the copies, so the pid still names that
+ * process (not a reused pid). No check after: a copy that succeeded found the
+ * process's memory in place, i.e. it had not exited (unlike a memfd mapping,
+ * which outlives its owner). */
 int64_t mp_cma_many(int pid, int wr, char *local, const int64_t *loff, char *remote, const int64_t *roff,
                     const int64_t *len, int64_t start, int64_t n, int64_t budget, int pidfd) {
     struct iovec lv[MP_IOV], rv[MP_IOV];
@@ -148,8 +150,7 @@ int64_t mp_cma_many(int pid, int wr, char *local, const int64_t *loff, char *rem
         }
         i++;
     }
-    a = mp_alive(pidfd);
-    return a < 0 ? a : i;
+    return i;
 }
 
 /* One contiguous CMA range (the single-request path). 0 or -errno. */

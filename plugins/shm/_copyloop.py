@@ -17,7 +17,10 @@ plugins`` / doctor).
 
 Return conventions (both implementations): copy functions return 0 or the
 next piece index on success and ``-errno`` on failure; ``-ESRCH`` means the
-process owning the target memory has exited (its pidfd polled readable).
+process owning the target memory has exited (its pidfd polled readable:
+after a memfd copy, whose pages outlive their owner; before a CMA copy, so a
+reused pid is never written — a CMA copy that succeeds found the process's
+memory in place).
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ class CopyLoop:
             _native.cma_one(bool(write), pid, local, remote, n)
         except OSError as exc:
             return -(exc.errno or errno.EIO)
-        return self.alive(pidfd)
+        return 0  # it found the memory in place: the process had not exited
 
     def cma_many(self, pid: int, write: int, local: int, loffs: Any, remote: int, roffs: Any, lens: Any,
                  start: int, n: int, budget: int, pidfd: int) -> int:
@@ -143,8 +146,7 @@ class CopyLoop:
             _native.cma_transfer(bool(write), pid, lv, rv)
         except OSError as exc:
             return -(exc.errno or errno.EIO)
-        a = self.alive(pidfd)
-        return a if a < 0 else i
+        return i
 
 
 class NativeLoop(CopyLoop):

@@ -258,6 +258,7 @@ class ShmTransport(Transport):
         self._bounce_size = max(int(o["bounce_size"]), PAGE)
         self._use_cma = bool(o["cma"]) and not _native.cma_available()
         self._loop = _copyloop.get() if o["native"] else _copyloop.fallback()
+        self._copy1, self._cma1 = self._loop.copy, self._loop.cma  # bound once: the small-request path
         self._serve_cma = False
         self._serve_cma_reason = ""
         self._closed = False
@@ -701,10 +702,10 @@ class ShmTransport(Transport):
                 err = m.error
                 if err is None:
                     if m.kind == "map":
-                        rc = self._loop.copy(remote, local, n, m.pidfd) if write else \
-                            self._loop.copy(local, remote, n, m.pidfd)
+                        rc = self._copy1(remote, local, n, m.pidfd) if write else \
+                            self._copy1(local, remote, n, m.pidfd)
                     else:
-                        rc = self._loop.cma(m.pid, write, local, remote, n, m.pidfd)
+                        rc = self._cma1(m.pid, write, local, remote, n, m.pidfd)
             finally:
                 lock.release()
             if err is not None:
