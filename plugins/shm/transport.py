@@ -221,8 +221,6 @@ class ShmTransport(Transport):
     """Same-host transfers through shared memory (memfd) or cross-memory attach."""
 
     name: ClassVar[str] = "shm"
-    # post() never waits on the peer: the first attach runs on a worker.
-    post_may_block: ClassVar[bool] = False
     capabilities: ClassVar[Capabilities] = Capabilities(
         memory_kinds=frozenset({"host"}),
         intra_node=True,
@@ -231,6 +229,8 @@ class ShmTransport(Transport):
         zero_copy=True,
         inflight_cancel=True,
         modes=frozenset({"zero-copy", "copy"}),
+        revocation="fence",  # unregister returns once every attached initiator dropped its mapping
+        bandwidth_class=40,  # memory bandwidth: the fastest route wherever it reaches (same host only)
     )
     default_options: ClassVar[dict[str, Any]] = {
         "cma": True,  # use (initiator) and offer (target) cross-memory attach for non-memfd buffers
