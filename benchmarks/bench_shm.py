@@ -126,7 +126,7 @@ class Route:
         except ImportError:
             return None
         lo, ro, ln = self.pieces[n]
-        peer = self.e._peers.link(self.remote.address).info if hasattr(self.e, "_peers") else None
+        peer = None  # the region is attached already: post_many needs no peer
 
         def one() -> None:
             g = OperationGroup("write", self.local, self.remote, lo, ro, ln, time.monotonic() + 30,
