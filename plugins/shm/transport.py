@@ -769,7 +769,18 @@ class ShmTransport(Transport):
         if n <= self._inline or not posting and n < self._stripe_threshold:
             # On the caller's thread (or the worker that attached): no hop.
             try:
-                self._chunks(op, m, write, local, remote, n)
+                if n <= self._chunk and not self.copy_mode:
+                    # One native call, few frames: after a copy this large the
+                    # caches are cold and every Python step costs a miss.
+                    if m.kind == "map":
+                        rc = self._copy1(remote, local, n, m.pidfd) if write else \
+                            self._copy1(local, remote, n, m.pidfd)
+                    else:
+                        rc = self._cma1(m.pid, write, local, remote, n, m.pidfd)
+                    if rc:
+                        raise self._rc_error(rc, op.kind, r, m)
+                else:
+                    self._chunks(op, m, write, local, remote, n)
             except BaseException as exc:  # noqa: BLE001 - reported through the operation
                 m.exit()
                 op.fail(self._map_error(exc, op, m))
