@@ -56,6 +56,17 @@ int64_t mp_check(const int64_t *off, const int64_t *len, int64_t n, int64_t size
     return -1 - sum;
 }
 
+/* Both sides of a batch in one pass: the first bad remote index i (returned as
+ * i), else the first bad local index i (returned as n + i), else -1 - total. */
+int64_t mp_check2(const int64_t *roff, const int64_t *loff, const int64_t *len, int64_t n, int64_t rsize,
+                  int64_t lsize) {
+    int64_t r = mp_check(roff, len, n, rsize);
+    if (r >= 0)
+        return r;
+    int64_t l = mp_check(loff, len, n, lsize);
+    return l >= 0 ? n + l : r;
+}
+
 /* Copy pieces start.. (dst + doff[i] <- src + soff[i], len[i]) until at least
  * `budget` bytes moved or n is reached; returns the next index, or -ESRCH when
  * the owner died (checked once, after the copies). */

@@ -101,6 +101,16 @@ class CopyLoop:
                 return i, 0
         return -1, sum(lens)  # pragma: no cover - unreachable
 
+    def check2(self, roffs: Any, loffs: Any, lens: Any, n: int, rsize: int, lsize: int) -> tuple[str, int, int]:
+        """Both sides of a batch: ("", -1, total), or ("remote"|"local", first bad index, 0)."""
+        bad, total = self.check(roffs, lens, n, rsize)
+        if bad >= 0:
+            return "remote", bad, 0
+        bad, _ = self.check(loffs, lens, n, lsize)
+        if bad >= 0:
+            return "local", bad, 0
+        return "", -1, total
+
     def copy_many(self, dst: int, doffs: Any, src: int, soffs: Any, lens: Any, start: int, n: int, budget: int,
                   pidfd: int) -> int:
         mc = _native.memcpy
@@ -169,12 +179,19 @@ class NativeLoop(CopyLoop):
         self.copy = fn("mp_copy", vp, vp, i64, ci)  # type: ignore[method-assign]
         self.cma = fn("mp_cma", ci, ci, vp, vp, i64, ci)  # type: ignore[method-assign]
         self._check = fn("mp_check", vp, vp, i64, i64)
+        self._check2 = fn("mp_check2", vp, vp, vp, i64, i64, i64)
         self._copy_many = fn("mp_copy_many", vp, vp, vp, vp, vp, i64, i64, i64, ci)
         self._cma_many = fn("mp_cma_many", ci, ci, vp, vp, vp, vp, vp, i64, i64, i64, ci)
 
     def check(self, offs: Any, lens: Any, n: int, size: int) -> tuple[int, int]:  # type: ignore[override]
         r = self._check(_addr(offs), _addr(lens), n, size)
         return (r, 0) if r >= 0 else (-1, -1 - r)
+
+    def check2(self, roffs: Any, loffs: Any, lens: Any, n: int, rsize: int, lsize: int) -> tuple[str, int, int]:
+        r = self._check2(_addr(roffs), _addr(loffs), _addr(lens), n, rsize, lsize)
+        if r < 0:
+            return "", -1, -1 - r
+        return ("remote", r, 0) if r < n else ("local", r - n, 0)
 
     def copy_many(self, dst: int, doffs: Any, src: int, soffs: Any, lens: Any, start: int, n: int, budget: int,
                   pidfd: int) -> int:

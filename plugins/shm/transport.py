@@ -839,13 +839,12 @@ class ShmTransport(Transport):
                                         f"{m.access!r})", region=r.name, peer=r.address)
         ro, lo, ln = g.remote_offsets, g.local_offsets, g.lengths
         # The target's size, not the descriptor's: one pass over the arrays, no Python loop per index.
-        bad, total = self._loop.check(ro, ln, n, m.size)
-        if bad >= 0:
+        side, bad, total = self._loop.check2(ro, lo, ln, n, m.size, g.local.size)
+        if side == "remote":
             raise OutOfBoundsError(f"request {bad} of the batch, [{ro[bad]}, {ro[bad] + ln[bad]}), is outside "
                                    f"region {r.name!r} of {m.size} bytes on {r.address}", region=r.name,
                                    peer=r.address)
-        bad, _ = self._loop.check(lo, ln, n, g.local.size)
-        if bad >= 0:
+        if side == "local":
             raise OutOfBoundsError(f"request {bad} of the batch, [{lo[bad]}, {lo[bad] + ln[bad]}), is outside the "
                                    f"local region {g.local.name!r} of {g.local.size} bytes", region=g.local.name)
         err = m.enter()

@@ -160,3 +160,13 @@ def test_cma_many_into_another_process(loop: _copyloop.CopyLoop, target: Target)
         assert loop.cma(target.pid, 1, _addr(src), 8, 16, pidfd) == -14  # EFAULT: nothing mapped at 8
     finally:
         os.close(pidfd)
+
+
+def test_check2_names_the_side(loop: _copyloop.CopyLoop) -> None:
+    ro = array("q", [0, 8192])
+    lo = array("q", [0, 4096])
+    ln = array("q", [4096, 4096])
+    assert loop.check2(ro, lo, ln, 2, 12288, 8192) == ("", -1, 8192)
+    assert loop.check2(ro, lo, ln, 2, 12287, 8192) == ("remote", 1, 0)
+    assert loop.check2(ro, lo, ln, 2, 12288, 8191) == ("local", 1, 0)
+    assert loop.check2(array("q", [-1]), array("q", [0]), array("q", [1]), 1, 10, 10) == ("remote", 0, 0)
