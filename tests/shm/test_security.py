@@ -70,4 +70,4 @@ def test_revocation_holds_for_plain_buffers(spawn, initiator: mpcomm.Engine) -> 
         with pytest.raises(mpcomm.AccessError):
             initiator.write(b"2" * size, remote).result(10)
     assert target.cmd("raw", "buf", 0, 8192) == hashlib.sha256(b"1" * 8192).hexdigest()
-    assert initiator.transports["shm"].capabilities.to_dict()  # declared (revocation="fence" once the core has it)
+    assert initiator.transports["shm"].capabilities.revocation == "fence"
