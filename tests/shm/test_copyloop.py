@@ -27,9 +27,14 @@ print(json.dumps({"native": loop.native, "reason": loop.reason, "path": getattr(
 """
 
 
+def _env(**extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("MPCOMM_SHM_NATIVE", "CC", "MPCOMM_CACHE_DIR")}
+    return {**base, **extra}
+
+
 def _probe(env: dict[str, str]) -> dict:
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, **env})
+                          env=_env(**env))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -44,7 +49,7 @@ def test_builds_into_a_private_cache_not_the_package(tmp_path: Path) -> None:
     pkg = _copyloop.SOURCE.parent
     before = _listing(pkg)
     # Two processes building at once into a fresh cache: the rename makes it safe.
-    env = {**os.environ, "MPCOMM_CACHE_DIR": str(tmp_path)}
+    env = _env(MPCOMM_CACHE_DIR=str(tmp_path))
     procs = [subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     outs = [json.loads(p.communicate(timeout=180)[0].strip().splitlines()[-1]) for p in procs]
