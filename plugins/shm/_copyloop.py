@@ -39,7 +39,6 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from array import array
 from operator import add
 from pathlib import Path
 from typing import Any
@@ -319,8 +318,3 @@ def _load() -> CopyLoop:
     if lib.mp_abi() != ABI:
         return CopyLoop(f"python fallback: {path} has another ABI")
     return NativeLoop(lib, str(path))
-
-
-def int64s(values: Any) -> array:
-    """An array('q') of ``values`` (what the loops take)."""
-    return values if isinstance(values, array) and values.typecode == "q" else array("q", values)
