@@ -691,11 +691,12 @@ class ShmTransport(Transport):
             self._off_thread(self._attach_then, op)
             return
         write = op.kind == "write"
-        if r.token != m.token or not (m.can_write if write else m.can_read) or op.remote_offset + n > m.size:
+        off = op.remote_offset
+        if r.token != m.token or not (m.can_write if write else m.can_read) or off < 0 or off + n > m.size:
             raise self._refusal(op, m, write)
         if n <= _SMALL and not self.copy_mode:
             local = op.local.address + op.local_offset
-            remote = m.base + op.remote_offset
+            remote = m.base + off
             lock = m.lock
             lock.acquire()
             try:
@@ -731,7 +732,7 @@ class ShmTransport(Transport):
             m = self._mapping(op.remote, op.peer, op.deadline)
             write = op.kind == "write"
             if op.remote.token != m.token or not (m.can_write if write else m.can_read) or \
-                    op.remote_offset + op.length > m.size:
+                    not 0 <= op.remote_offset <= m.size - op.length:
                 raise self._refusal(op, m, write)
             self._start(op, m, write, False)
         except BaseException as exc:  # noqa: BLE001 - reported through the operation
