@@ -108,6 +108,8 @@ _MAX_MSG = 4096
 _MAX_ATTACH = 4096  # attachments one served region records (each costs a dict entry until unregister)
 _MAX_KEYS = 4096  # revoke keys accepted in one revoke request
 _MAX_REVOKED = 4096  # revoked (epoch, region id) pairs remembered for a clear error without a round trip
+_FD_CLIENTS = 64  # fd-socket clients served at once
+_FD_TIMEOUT = 1.0  # seconds an fd-socket client gets per step (one recv, one send: an initiator sends at once)
 _SMALL = 64 << 10  # single requests up to this size copy under the mapping's lock (one lock, no counter)
 
 
@@ -267,6 +269,7 @@ class ShmTransport(Transport):
         self._served: dict[int, _Served] = {}
         self._quarantine: list[Any] = []
         self._listener: socket.socket | None = None
+        self._fd_slots = threading.BoundedSemaphore(_FD_CLIENTS)
         self._sock_name = ""
         self._cookie = ctypes.c_uint64(secrets.randbits(63))
         # initiator side
@@ -380,20 +383,45 @@ class ShmTransport(Transport):
             self._quarantine.append(region.view)
 
     def _fd_loop(self) -> None:
+        """Hand out memfds; any local process can connect, so each client gets a thread and a deadline.
+
+        At most ``_FD_CLIENTS`` are served at once (more are closed at once: a
+        flood, not initiators, which connect once per attach); out of file
+        descriptors the loop backs off and goes on instead of dying.
+        """
         sock = self._listener
         assert sock is not None
+        backoff = 0.01
         while not self._closed:
             try:
                 conn, _ = sock.accept()
-            except OSError:
-                return
-            try:
-                conn.settimeout(2.0)
-                self._send_fd(conn)
-            except Exception as exc:  # noqa: BLE001 - a bad client must not stop the listener
-                self.log.debug("shm: fd request failed: %s", exc)
-            finally:
+            except OSError as exc:
+                if self._closed or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.log.warning("shm: fd listener: %s; retrying in %.2fs", exc.strerror, backoff)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.01
+            if not self._fd_slots.acquire(blocking=False):
                 conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve_fd, args=(conn,), name="mpcomm-shm-fd", daemon=True).start()
+            except RuntimeError:
+                self._fd_slots.release()
+                conn.close()
+
+    def _serve_fd(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(_FD_TIMEOUT)
+            self._send_fd(conn)
+        except Exception as exc:  # noqa: BLE001 - a bad client must not stop the listener
+            self.log.debug("shm: fd request failed: %s", exc)
+        finally:
+            conn.close()
+            self._fd_slots.release()
 
     def _send_fd(self, conn: socket.socket) -> None:
         try:

@@ -71,3 +71,31 @@ def test_revocation_holds_for_plain_buffers(spawn, initiator: mpcomm.Engine) -> 
             initiator.write(b"2" * size, remote).result(10)
     assert target.cmd("raw", "buf", 0, 8192) == hashlib.sha256(b"1" * 8192).hexdigest()
     assert initiator.transports["shm"].capabilities.revocation == "fence"
+
+
+def test_stalled_fd_clients_do_not_block_attaching(spawn, initiator: mpcomm.Engine) -> None:
+    """Any local process can connect to the fd socket; clients that never speak cost a slot, not the listener."""
+    import socket
+    import time
+
+    from mpcomm.control import PeerLink
+    from mpcomm.peer import PeerInfo, host_identity
+
+    target = spawn({"mem": [1 << 20, "allocate"]})
+    me = PeerInfo(node_id="x", epoch="y", address="127.0.0.1:1", host=host_identity(), transports={})
+    link = PeerLink(target.address, local_info=me, secret="", timeout=5, on_lost=lambda link: None)
+    name = link.info.transports["shm"]["socket"]
+    link.close()
+    stalled = []
+    try:
+        for _ in range(40):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + name)
+            stalled.append(s)
+        t0 = time.monotonic()
+        initiator.write(b"q" * 4096, initiator.open(target.address, "mem"), timeout=5).result(10)
+        assert time.monotonic() - t0 < 2.5
+        assert target.cmd("sha", "mem", 0, 4096) == hashlib.sha256(b"q" * 4096).hexdigest()
+    finally:
+        for s in stalled:
+            s.close()
