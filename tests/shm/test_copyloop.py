@@ -175,3 +175,20 @@ def test_check2_names_the_side(loop: _copyloop.CopyLoop) -> None:
     assert loop.check2(ro, lo, ln, 2, 12287, 8192) == ("remote", 1, 0)
     assert loop.check2(ro, lo, ln, 2, 12288, 8191) == ("local", 1, 0)
     assert loop.check2(array("q", [-1]), array("q", [0]), array("q", [1]), 1, 10, 10) == ("remote", 0, 0)
+
+
+def test_cma_many_stops_at_an_unmapped_piece(loop: _copyloop.CopyLoop, target: Target) -> None:
+    import mpcomm
+
+    with mpcomm.Engine(transports=["tcp"]) as e:
+        base = e.open(target.address, "buf").base_address
+    src = bytearray(b"\x77" * 3 * 4096)
+    # piece 1 points at address 8 in the target: nothing is mapped there
+    roffs = array("q", [0, 8 - base, 8192])
+    loffs = array("q", [0, 4096, 8192])
+    lens = array("q", [4096, 4096, 4096])
+    pidfd = os.pidfd_open(target.pid)
+    try:
+        assert loop.cma_many(target.pid, 1, _addr(src), loffs, base, roffs, lens, 0, 3, 1 << 40, pidfd) == -14
+    finally:
+        os.close(pidfd)
