@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 import mpcomm
-from mpcomm.records import format_seconds, format_size
+from mpcomm.cli.records import format_seconds, format_size
 
 MiB = 1 << 20
 KiB = 1 << 10

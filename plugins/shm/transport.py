@@ -95,6 +95,7 @@ from mpcomm.errors import (
     TransportUnavailable,
     UnknownRegionError,
 )
+from mpcomm.memory import check_allocatable
 from mpcomm.peer import PeerInfo, same_host
 
 from . import _copyloop, _native
@@ -232,7 +233,7 @@ class ShmTransport(Transport):
         inflight_cancel=True,
         modes=frozenset({"zero-copy", "copy"}),
         revocation="fence",  # unregister returns once every attached initiator dropped its mapping
-        bandwidth_class=40,  # memory bandwidth: the fastest route wherever it reaches (same host only)
+        bandwidth_class="memory",
     )
     default_options: ClassVar[dict[str, Any]] = {
         "cma": True,  # use (initiator) and offer (target) cross-memory attach for non-memfd buffers
@@ -330,6 +331,7 @@ class ShmTransport(Transport):
     def allocate(self, size: int, alignment: int) -> tuple[memoryview, Any] | None:
         extra = alignment if alignment > PAGE else 0
         total = -(-(size + extra) // PAGE) * PAGE
+        check_allocatable(total, shm=True)  # before MAP_POPULATE: an oversized memfd summons the OOM killer
         fd, mm = _native.memfd_segment(total, f"mpcomm-{size}")
         base = _native.map_address(mm)
         skip = (-base) % alignment if extra else 0
