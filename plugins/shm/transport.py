@@ -740,7 +740,7 @@ class ShmTransport(Transport):
             finally:
                 lock.release()
             if err is not None:
-                raise type(err)(f"{err}: {r.name!r} on {r.address}", region=r.name, peer=r.address)
+                raise _again(err, r)
             if rc:
                 op.fail(self._rc_error(rc, op.kind, r, m))
             else:
@@ -790,7 +790,7 @@ class ShmTransport(Transport):
         r = op.remote
         err = m.enter()
         if err is not None:
-            e = type(err)(f"{err}: {r.name!r} on {r.address}", region=r.name, peer=r.address)
+            e = _again(err, r)
             if posting:
                 raise e
             op.fail(e)
@@ -880,7 +880,7 @@ class ShmTransport(Transport):
                                    f"local region {g.local.name!r} of {g.local.size} bytes", region=g.local.name)
         err = m.enter()
         if err is not None:
-            raise type(err)(f"{err}: {r.name!r} on {r.address}", region=r.name, peer=r.address)
+            raise _again(err, r)
         if total <= self._inline or not posting:
             self._run_many(g, m, write)
             return
@@ -1007,8 +1007,11 @@ class ShmTransport(Transport):
         """A copy-loop error code as an mpcomm error; a dead owner also ends the mapping."""
         code = -rc
         if code == errno.ESRCH:
+            # Not retryable: no transport reaches a process that exited (a
+            # restarted peer has a new epoch, and the descriptor is stale).
             err = PeerConnectionError(f"shm: the process owning region {r.name!r} on {r.address} (pid {m.pid}) has "
-                                      "exited; nobody will read these bytes", peer=r.address, region=r.name)
+                                      "exited; nobody will read these bytes", peer=r.address, region=r.name,
+                                      retryable=False)
             m.revoke(err)  # later requests fail at once; unmapped when no copy runs
             return err
         if code in (errno.EPERM, errno.EACCES):
@@ -1065,6 +1068,11 @@ class ShmTransport(Transport):
                 if s.seg is not None and s.seg.fd >= 0:
                     os.close(s.seg.fd)
                     s.seg.fd = -1
+
+
+def _again(err: MpcommError, r: Any) -> MpcommError:
+    """A mapping's stored error, raised anew for one request (same class and retryability)."""
+    return type(err)(f"{err}: {r.name!r} on {r.address}", region=r.name, peer=r.address, retryable=err.retryable)
 
 
 def _pidfd_open(pid: int) -> int:
