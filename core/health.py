@@ -122,11 +122,15 @@ class HealthPolicy:
     max_cooldown: float = 30.0
     quarantine_after: int = 5
     max_attempts: int = 3
+    #: Consecutive failures before a path is paused: one failed request (a
+    #: blip, a restarted peer) does not make the next ones fail fast.
+    pause_after: int = 3
 
     def cooldown(self, failures: int) -> float:
-        if failures <= 0:
+        n = failures - self.pause_after + 1
+        if n <= 0:
             return 0.0
-        return min(self.max_cooldown, self.base_cooldown * (2 ** min(failures - 1, 62)))
+        return min(self.max_cooldown, self.base_cooldown * (2 ** min(n - 1, 62)))
 
 
 class _Backoff:
@@ -159,7 +163,7 @@ class HealthTracker:
     # -- queries ---------------------------------------------------------------------
 
     def _admit(self, b: _Backoff | None, now: float) -> str:
-        if b is None or b.failures == 0:
+        if b is None or b.failures < self.policy.pause_after:
             return "ok"
         if now < b.until or b.probing:
             return "paused"

@@ -27,7 +27,7 @@ CONN = PeerConnectionError("reset")
 
 def tracker(**kw) -> tuple[HealthTracker, ManualClock]:
     clock = ManualClock()
-    return HealthTracker(HealthPolicy(**{"base_cooldown": 1.0, "max_cooldown": 8.0, "quarantine_after": 4, **kw}),
+    return HealthTracker(HealthPolicy(**{"base_cooldown": 1.0, "max_cooldown": 8.0, "quarantine_after": 4, "pause_after": 1, **kw}),
                          clock), clock
 
 
@@ -71,7 +71,7 @@ def test_cooldown_is_capped() -> None:
     for _ in range(20):
         h.failure("p", "rdma", CONN)
     assert h.path_state("p", "rdma")["paused_for"] == pytest.approx(8.0)
-    assert HealthPolicy(base_cooldown=0.05, max_cooldown=30).cooldown(10_000) == 30
+    assert HealthPolicy(base_cooldown=0.05, max_cooldown=30, pause_after=1).cooldown(10_000) == 30
 
 
 def test_usable_skips_paused_paths_in_order() -> None:

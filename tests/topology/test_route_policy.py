@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
 from mpcomm import Capabilities, ConfigError, TransportUnavailable
 from mpcomm.routing import DEFAULT_RULE, HINT_RULE, RoutePolicy, RouteQuery, parse_rules
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from mpcomm.config import tomllib  # the TOML parser the config itself uses (tomli before 3.11)
 
 # Capabilities as the in-tree plugins declare them (names here are only labels:
 # the default order must come from the capabilities, which the last test checks).
