@@ -283,6 +283,10 @@ class Transfer(Future):  # type: ignore[type-arg]
             if self._settled:
                 return False
             self._settled = True
+        self._apply()
+        return True
+
+    def _apply(self) -> None:
         error, nbytes = self._outcome  # type: ignore[misc]
         self.finished_at = time.monotonic()
         if isinstance(error, CancelledError):
@@ -296,7 +300,6 @@ class Transfer(Future):  # type: ignore[type-arg]
         else:
             self.status = TransferStatus.TIMED_OUT if isinstance(error, TimeoutError) else TransferStatus.FAILED
             Future.set_exception(self, error)
-        return True
 
     def _run_callbacks(self) -> None:
         while True:
@@ -310,6 +313,17 @@ class Transfer(Future):  # type: ignore[type-arg]
 
     def _finish_inline(self) -> None:
         """Settle on the posting thread; callbacks (only the engine's own can exist yet) run here."""
+        if not self._callbacks:
+            # Nobody else holds the handle yet: settle and close the callback
+            # list in one step (the common path of a request finished in write()).
+            with self._lock:
+                if self._callbacks or self._settled:
+                    pass
+                else:
+                    self._settled = True
+                    self._cbs_ran = True
+                    self._apply()
+                    return
         self._settle()
         self._run_callbacks()
 

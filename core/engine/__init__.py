@@ -385,9 +385,15 @@ class Engine:
         if not self._regions.remove(region):
             return
         self._metadata.unpublish_region(region.name)
-        RegionTable.unregister_from(region, self._transports)
-        release_view(region)
+        failed = RegionTable.unregister_from(region, self._transports)
         self.telemetry.on_register(-1)
+        if failed:
+            # A transport could not confirm that peers lost access: keep the
+            # buffer referenced (it is not handed back) and say so.
+            raise RegionError(f"region {region.name!r} is unregistered, but revocation was not confirmed "
+                              f"({'; '.join(failed)}); peers may still reach the memory, so the buffer stays "
+                              "referenced until the engine closes", region=region.name)
+        release_view(region)
 
     def regions(self) -> list[Region]:
         """The regions registered here."""
@@ -672,8 +678,8 @@ class Engine:
         for region in self._regions.all():
             try:
                 self.unregister(region, timeout=0.0)
-            except MpcommError:
-                pass
+            except MpcommError as exc:
+                log.warning("closing: %s", exc)
 
 
 def _default_advertise(bind_host: str) -> str:

@@ -221,6 +221,8 @@ class Pipeline:
         op._posting = False
         op._batch = None
         op._dl = None
+        op._tracked = False
+        op._released = False
         return op
 
     # -- public entry points -----------------------------------------------------------
@@ -283,17 +285,22 @@ class Pipeline:
             if got is None:
                 got = locals_[id(req.local)] = self._local(req.local, f"ephemeral-{i}")
             local = got[0]
-            self._check_access(req.op, local, req.remote, req)
-            length = self._check_bounds(local, req.remote, req.local_offset, req.remote_offset, req.length, req)
+            length = req.length
+            if length is None:
+                length = local.size - req.local_offset
             if req.notify is not None:
+                self._check_access(req.op, local, req.remote, req)
+                length = self._check_bounds(local, req.remote, req.local_offset, req.remote_offset, length, req)
                 if len(req.notify) > MAX_NOTIFY:
                     raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
                 parts.append((i, ("single", req, local, length)))
                 continue
             r = req.remote
-            key = (req.op, id(local), r.address, r.region_id, r.epoch, req.timeout)
+            key = (req.op, id(local), id(r), req.timeout)
             g = groups.get(key)
             if g is None:
+                # Access is checked once per group, bounds vectorised per group below.
+                self._check_access(req.op, local, r, req)
                 g = groups[key] = ([], [], [], [])
             g[0].append(i)
             g[1].append(req.local_offset)
@@ -317,6 +324,7 @@ class Pipeline:
                 base = idx[s0]
                 g = OperationGroup(key[0], local, req.remote, lo[s0:s1], ro[s0:s1], ln[s0:s1], now + t, wall + t,
                                    sink=self._group_reported)
+                self._check_group(g, idx[s0:s1], requests)
                 self._adopt(g, batch, base, ephemeral)
                 units.append(g)
         for i, (kind_, req, local, length) in ((i, p) for i, p in parts):
@@ -371,10 +379,13 @@ class Pipeline:
         group._posting = False
         group._dl = None
         group._notify = None
+        group._tracked = False
+        group._released = False
         batch._parts.append((start, group))
         batch._op = group if not batch._op else batch._op
 
-    def _check_group(self, g: OperationGroup) -> None:
+    def _check_group(self, g: OperationGroup, index: list[int] | None = None,
+                     requests: Sequence[Request] | None = None) -> None:
         n = g.count
         if n == 0:
             return
@@ -388,8 +399,10 @@ class Pipeline:
             try:
                 self._check_bounds(g.local, g.remote, lo[i], ro[i], ln[i])
             except OutOfBoundsError as exc:
-                raise OutOfBoundsError(f"request {i} of the batch: {exc}; nothing was transferred",
-                                       region=exc.region, peer=exc.peer) from None
+                k = i if index is None else index[i]
+                raise OutOfBoundsError(f"request {k} of the batch: {exc}; nothing was transferred",
+                                       region=exc.region, peer=exc.peer,
+                                       request=requests[k] if requests is not None else None) from None
 
     def _hold(self, unit: Any) -> None:
         """Lease the local region and take a queue_depth slot; raise (holding nothing) if either fails."""
@@ -414,8 +427,7 @@ class Pipeline:
 
     def _stage(self, unit: Any) -> None:
         self._arm(unit)
-        with self._inflight_lock:
-            self._inflight.add(unit)
+        self._track(unit)
 
     # -- posting -----------------------------------------------------------------------
 
@@ -439,8 +451,7 @@ class Pipeline:
         remote = unit.remote
         link = self.e._peers.ready(remote.address)
         if link is None:
-            with self._inflight_lock:
-                self._inflight.add(unit)
+            self._track(unit)
             self._arm(unit)
             try:
                 self.e._peers.when_ready(remote.address, unit.deadline,
@@ -491,12 +502,11 @@ class Pipeline:
             unit._batch.status = TransferStatus.POSTED
         if self.e.telemetry.enabled and isinstance(unit, Operation):
             self.e.telemetry.on_post(unit, transport.name)
-        with self._inflight_lock:
-            self._inflight.add(unit)
         unit._posting = inline
         if getattr(transport, "post_may_block", False):
             # A transport written for the first contract may wait on the peer
-            # inside post(): its deadline must be able to interrupt it.
+            # inside post(): its deadline and close() must be able to interrupt it.
+            self._track(unit)
             self._arm(unit)
         try:
             if isinstance(unit, Operation):
@@ -517,7 +527,20 @@ class Pipeline:
                 transfer._finish_inline()
                 return
         if not unit.done:
+            # Tracked (for close() and peer loss) only when it outlives post():
+            # requests finished inline never touch the table or the timer.
+            self._track(unit)
             self._arm(unit)
+
+    def _track(self, unit: Any) -> None:
+        if unit._tracked:
+            return
+        with self._inflight_lock:
+            self._inflight.add(unit)
+        unit._tracked = True
+        if unit.done and unit._released:  # finished between post() and here
+            with self._inflight_lock:
+                self._inflight.discard(unit)
 
     def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
         unit._stage = FINISHED
@@ -776,9 +799,10 @@ class Pipeline:
         dl = unit._dl
         if dl is not None:
             self.e._timer.cancel(dl)
-        with self._inflight_lock:
-            self._inflight.discard(unit)
-        if not getattr(unit, "_released", False):
+        if unit._tracked:
+            with self._inflight_lock:
+                self._inflight.discard(unit)
+        if not unit._released:
             unit._released = True
             self._unhold(unit)
             if unit._ephemeral:
@@ -828,10 +852,25 @@ class Pipeline:
         op.transfer._dispatch.push(op.transfer)
 
     def _batch_done(self, batch: Batch) -> None:
-        _statuses, errors, lengths = batch._index_state()
-        error = errors[min(errors)] if errors else None
+        total = 0
+        clean = True
+        for _, part in batch._parts:
+            if isinstance(part, OperationGroup):
+                if part.errors:
+                    clean = False
+                    break
+                total += part.total_bytes
+            else:
+                clean = False
+                break
+        if clean:
+            error = None
+        else:
+            _statuses, errors, lengths = batch._index_state()
+            error = errors[min(errors)] if errors else None
+            total = sum(lengths)
         batch._on_settled = _settle_members
-        if not batch._record(error, sum(lengths)):
+        if not batch._record(error, total):
             return
         with batch._lock:
             if batch._posting:
