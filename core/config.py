@@ -4,7 +4,7 @@
 
     [transport]
     name = "auto"              # or one transport's name ("tcp", "shm", ...)
-    order = ["shm", "rdma_zerocopy", "ucx", "tcp"]   # preference when name = "auto"
+    order = ["shm", "rdma_zerocopy", "ucx", "tcp"]   # preference when name = "auto" (default: by capabilities)
     mode = "zero-copy"         # or "copy" (bounce buffers; for comparison)
     endpoint = "0.0.0.0:18400" # control endpoint; port 0 picks a free one
     advertise = ""             # host peers dial, when endpoint binds a wildcard
@@ -86,7 +86,8 @@ __all__ = ["Config", "load_config"]
 
 DAY_MS = 86_400_000
 
-DEFAULT_ORDER = ["shm", "rdma_zerocopy", "ucx", "tcp"]
+#: No plugin names in the core: an empty order means "rank by capabilities" (mpcomm.routing).
+DEFAULT_ORDER: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

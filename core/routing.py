@@ -307,7 +307,7 @@ class RoutePolicy:
         else:
             preferred = list(t.order)
         order = [n for n in preferred if n in installed] + [n for n in installed if n not in preferred]
-        ranked = exact_order is None and t.name == "auto" and list(t.order) == list(DEFAULT_ORDER)
+        ranked = exact_order is None and t.name == "auto" and tuple(t.order) == tuple(DEFAULT_ORDER)
         return cls.from_config(list(config.route), {n: installed[n] for n in order}, running,
                                ranked=ranked, source=config.source)
 

@@ -300,10 +300,12 @@ class ExamplePipeTransport(Transport):
                     self._write(sock, op, header)
                 else:
                     self._read(sock, op, header)
-        except _Unfenced:
-            # Do NOT call op.fail(): it would claim that nothing more can land.
+        except _Unfenced as exc:
+            # We are done with the local buffer, but the target never said it
+            # stopped: report it unconfirmed (a plain fail would claim nothing more can land).
             self.ctx.log.warning("example_pipe: %s to %s aborted but the target did not confirm it stopped",
                                  op.kind, op.remote.address)
+            op.fail(MpcommError(f"example_pipe {op.kind}: {exc}"), confirmed=False)
             return
         except BaseException as exc:  # noqa: BLE001 - everything is reported through the operation
             # If an abort was requested, op.fail reports its reason (timeout, cancel) instead.
