@@ -66,9 +66,9 @@ from .deadlines import DeadlineTimer
 from .notify import MAX_NOTIFY, Notification, Notifications
 from .peers import PeerTable
 from .regions import RegionTable, release_view
-from .requests import Pipeline
+from .requests import Pipeline, PreparedBatch
 
-__all__ = ["CompletionQueue", "Engine", "MAX_NOTIFY", "Notification", "TransportStatus"]
+__all__ = ["CompletionQueue", "Engine", "MAX_NOTIFY", "Notification", "PreparedBatch", "TransportStatus"]
 
 log = logging.getLogger("mpcomm.engine")
 
@@ -607,6 +607,20 @@ class Engine:
         step of a prepare-then-submit caller.
         """
         return self._pipeline.submit(requests, timeout, completion_queue, post)
+
+    def prepare(self, requests: Sequence[Request], timeout: float | None = None) -> PreparedBatch:
+        """Check and group ``requests`` once; ``prepared.post()`` then posts them again and again.
+
+        For loops that move the same pieces repeatedly (KV-cache pages, weight
+        shards): each posting skips the per-request checks and grouping. The
+        requests must be between registered Regions, without ``notify``.
+        """
+        return self._pipeline.prepare(requests, timeout)
+
+    def prepare_many(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any,
+                     remote_offsets: Any, lengths: Any, *, timeout: float | None = None) -> PreparedBatch:
+        """:meth:`prepare` for one vectorised group given as arrays (see :meth:`write_many`)."""
+        return self._pipeline.prepare_many(kind, local, remote, local_offsets, remote_offsets, lengths, timeout)
 
     def post(self, batch: Batch) -> Batch:
         """Post a ``submit(..., post=False)`` batch (the parts not cancelled meanwhile)."""

@@ -56,7 +56,7 @@ from ..peer import same_host
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _resolve_members
 from ..routing import RouteQuery
-from ..transport import DONE, FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, timeout_error
+from ..transport import FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, _int64, timeout_error
 from .notify import MAX_NOTIFY
 from .regions import release_view
 
@@ -270,21 +270,29 @@ class Pipeline:
             self._stage(group)
         return batch
 
-    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool) -> Batch:
-        """Group the requests (same kind, local buffer, remote region and timeout) into vectorised parts."""
-        if self.e._closed:
-            raise EngineClosedError("the engine is closed")
-        dispatch = self._dispatch_for(cq)
-        parts: list[tuple[int, Any]] = []
+    def _plan(self, requests: Sequence[Request], timeout: float | None) -> _Plan:
+        """Check and group requests (same kind, local buffer, remote descriptor and timeout).
+
+        Every request is checked before anything is held: access once per group,
+        bounds vectorised per group.
+        """
+        plan = _Plan(requests)
         groups: dict[tuple[Any, ...], tuple[list[int], list[int], list[int], list[int]]] = {}
-        locals_: dict[int, tuple[Region, bool]] = {}
+        locals_ = plan.locals
+        # Consecutive requests usually share local buffer and group: remember the last ones.
+        last_obj: Any = _NONE
+        last_key: Any = _NONE
+        local: Region = None  # type: ignore[assignment]
+        g: Any = None
         for i, req in enumerate(requests):
-            if not isinstance(req, Request):
+            if type(req) is not Request and not isinstance(req, Request):
                 raise MpcommError(f"submit() takes Request objects, not {type(req).__name__} (index {i})")
-            got = locals_.get(id(req.local))
-            if got is None:
-                got = locals_[id(req.local)] = self._local(req.local, f"ephemeral-{i}")
-            local = got[0]
+            obj = req.local
+            if obj is not last_obj:
+                got = locals_.get(id(obj))
+                if got is None:
+                    got = locals_[id(obj)] = self._local(obj, f"ephemeral-{i}")
+                local, last_obj = got[0], obj
             length = req.length
             if length is None:
                 length = local.size - req.local_offset
@@ -293,50 +301,103 @@ class Pipeline:
                 length = self._check_bounds(local, req.remote, req.local_offset, req.remote_offset, length, req)
                 if len(req.notify) > MAX_NOTIFY:
                     raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
-                parts.append((i, ("single", req, local, length)))
+                plan.singles.append((i, req, local, length,
+                                     self._timeout(req.timeout if req.timeout is not None else timeout),
+                                     locals_[id(obj)][1]))
+                last_key = _NONE
                 continue
-            r = req.remote
-            key = (req.op, id(local), id(r), req.timeout)
-            g = groups.get(key)
-            if g is None:
-                # Access is checked once per group, bounds vectorised per group below.
-                self._check_access(req.op, local, r, req)
-                g = groups[key] = ([], [], [], [])
+            key = (req.op, id(local), id(req.remote), req.timeout)
+            if key != last_key:
+                g = groups.get(key)
+                if g is None:
+                    # Access is checked once per group, bounds vectorised per group below.
+                    self._check_access(req.op, local, req.remote, req)
+                    g = groups[key] = ([], [], [], [])
+                last_key = key
             g[0].append(i)
             g[1].append(req.local_offset)
             g[2].append(req.remote_offset)
             g[3].append(length)
-        batch = Batch(len(requests), _dispatch=dispatch)
-        batch._requests = requests
+        for key, (idx, lo, ro, ln) in groups.items():
+            req = requests[idx[0]]
+            local, ephemeral = locals_[id(req.local)]
+            t = self._timeout(req.timeout if req.timeout is not None else timeout)
+            # A group covers consecutive indices only; runs keep the index mapping exact.
+            for s0, s1 in _runs(idx):
+                spec = _GroupSpec(key[0], local, req.remote, _int64(lo[s0:s1], None, "local_offsets"),
+                                  _int64(ro[s0:s1], None, "remote_offsets"), _int64(ln[s0:s1], None, "lengths"),
+                                  t, ephemeral, idx[s0])
+                self._check_spec(spec, idx[s0:s1], requests)
+                plan.groups.append(spec)
+        return plan
+
+    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool) -> Batch:
+        """Group the requests into vectorised parts and post (or stage) them."""
+        if self.e._closed:
+            raise EngineClosedError("the engine is closed")
+        return self._start_plan(self._plan(requests, timeout), cq, post)
+
+    def prepare(self, requests: Sequence[Request], timeout: float | None) -> PreparedBatch:
+        if self.e._closed:
+            raise EngineClosedError("the engine is closed")
+        plan = self._plan(requests, timeout)
+        if plan.singles or any(g.ephemeral for g in plan.groups):
+            raise MpcommError("prepare() takes requests between registered Regions without notify; "
+                              "register the buffers first (or use submit())")
+        return PreparedBatch(self, plan)
+
+    def prepare_many(self, kind: str, local: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+                     lengths: Any, timeout: float | None) -> PreparedBatch:
+        if self.e._closed:
+            raise EngineClosedError("the engine is closed")
+        if not isinstance(local, Region):
+            raise MpcommError("prepare_many() needs a registered Region as the local buffer")
+        region, _ = self._local(local, "")
+        self._check_access(kind, region, remote)
+        spec = _GroupSpec(kind, region, remote, _int64(local_offsets, None, "local_offsets"), None, None,
+                          self._timeout(timeout), False, 0)
+        spec.lengths = _int64(lengths, None, "lengths")
+        spec.remote_offsets = _int64(remote_offsets, len(spec.lengths), "remote_offsets")
+        if len(spec.local_offsets) != len(spec.lengths):
+            raise MpcommError(f"local_offsets has {len(spec.local_offsets)} entries, expected {len(spec.lengths)}")
+        self._check_spec(spec)
+        plan = _Plan(None)
+        plan.groups.append(spec)
+        plan.count = len(spec.lengths)
+        return PreparedBatch(self, plan)
+
+    def _check_spec(self, spec: _GroupSpec, index: list[int] | None = None,
+                    requests: Sequence[Request] | None = None) -> None:
+        g = OperationGroup(spec.kind, spec.local, spec.remote, spec.local_offsets, spec.remote_offsets,
+                           spec.lengths, 0.0, 0.0)
+        self._check_group(g, index, requests)
+
+    def _start_plan(self, plan: _Plan, cq: Any, post: bool) -> Batch:
+        batch = Batch(plan.count, _dispatch=self._dispatch_for(cq))
+        batch._requests = plan.requests
         batch._posting = False
         batch._staged = not post
         units: list[Any] = []
         now = time.monotonic()
         wall = time.time()
-        for key, (idx, lo, ro, ln) in groups.items():
-            req = requests[idx[0]]
-            local, ephemeral = locals_[id(req.local)]
-            t = self._timeout(req.timeout if req.timeout is not None else timeout)
-            # A group covers consecutive indices only when they were; keep the
-            # mapping exact by splitting runs.
-            for start, stop in _runs(idx):
-                s0, s1 = start, stop
-                base = idx[s0]
-                g = OperationGroup(key[0], local, req.remote, lo[s0:s1], ro[s0:s1], ln[s0:s1], now + t, wall + t,
-                                   sink=self._group_reported)
-                self._check_group(g, idx[s0:s1], requests)
-                self._adopt(g, batch, base, ephemeral)
-                units.append(g)
-        for i, (kind_, req, local, length) in ((i, p) for i, p in parts):
-            ephemeral = locals_[id(req.local)][1]
-            op = self._op(req.op, local, req.local_offset, req.remote, req.remote_offset, length,
-                          self._timeout(req.timeout if req.timeout is not None else timeout), dispatch, req)
+        for spec in plan.groups:
+            local = spec.local
+            if local.closed:
+                raise RegionClosedError(f"region {local.name!r} is unregistered", region=local.name)
+            g = OperationGroup(spec.kind, local, spec.remote, spec.local_offsets, spec.remote_offsets,
+                               spec.lengths, now + spec.timeout, wall + spec.timeout, sink=self._group_reported)
+            self._adopt(g, batch, spec.start, spec.ephemeral)
+            units.append(g)
+        dispatch = batch._dispatch
+        for i, req, local, length, t, ephemeral in plan.singles:
+            op = self._op(req.op, local, req.local_offset, req.remote, req.remote_offset, length, t, dispatch, req)
             op._notify = req.notify
             op._ephemeral = ephemeral
             op._batch = batch
             batch._parts.append((i, op))
             units.append(op)
-        batch._parts.sort(key=lambda p: p[0])
+        if plan.singles:
+            batch._parts.sort(key=lambda p: p[0])
         batch._left = len(units)
         if not units:
             batch._record(None, 0)
@@ -955,6 +1016,66 @@ class Pipeline:
             unit.fail(EngineClosedError("the engine was closed; the transport did not confirm the request "
                                         "stopped before it was shut down"))
         return left
+
+
+_NONE = object()
+
+
+class _GroupSpec:
+    """One vectorised part of a plan: checked once, made into an OperationGroup per posting."""
+
+    __slots__ = ("kind", "local", "remote", "local_offsets", "remote_offsets", "lengths", "timeout", "ephemeral",
+                 "start")
+
+    def __init__(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+                 lengths: Any, timeout: float, ephemeral: bool, start: int) -> None:
+        self.kind = kind
+        self.local = local
+        self.remote = remote
+        self.local_offsets = local_offsets
+        self.remote_offsets = remote_offsets
+        self.lengths = lengths
+        self.timeout = timeout
+        self.ephemeral = ephemeral
+        self.start = start
+
+
+class _Plan:
+    """Checked, grouped requests: what submit() posts once and a PreparedBatch posts many times."""
+
+    def __init__(self, requests: Sequence[Request] | None) -> None:
+        self.requests = requests
+        self.count = len(requests) if requests is not None else 0
+        self.groups: list[_GroupSpec] = []
+        self.singles: list[tuple[int, Request, Region, int, float, bool]] = []
+        self.locals: dict[int, tuple[Region, bool]] = {}
+
+
+class PreparedBatch:
+    """Requests checked and grouped once, posted as often as needed (``Engine.prepare``).
+
+    The model is NIXL's ``initialize_xfer`` + ``transfer`` or a re-posted
+    work-request list: each :meth:`post` returns a new :class:`~mpcomm.Batch`
+    and costs one group per (local region, remote region) pair, with no
+    per-request Python work. The regions must stay registered; a descriptor
+    of a restarted peer fails the posting with StaleRegionError as usual.
+    """
+
+    def __init__(self, pipeline: Pipeline, plan: _Plan) -> None:
+        self._pipeline = pipeline
+        self._plan = plan
+        #: Number of requests each posting carries.
+        self.count = plan.count
+
+    def __repr__(self) -> str:
+        return f"<PreparedBatch x{self.count} in {len(self._plan.groups)} group(s)>"
+
+    def post(self, *, completion_queue: Any = None) -> Batch:
+        """Post every request once more; returns the new handle at once."""
+        p = self._pipeline
+        if p.e._closed:
+            raise EngineClosedError("the engine is closed")
+        return p._start_plan(self._plan, completion_queue, True)
 
 
 def _runs(idx: list[int]) -> list[tuple[int, int]]:
