@@ -187,22 +187,25 @@ class Transfer(Future):  # type: ignore[type-arg]
         self._sync()
         return super().cancelled()
 
-    def _await_outcome(self, timeout: float | None) -> None:
+    def _await_outcome(self, timeout: float | None) -> float | None:
+        """Wait for the report (not for the completion thread); returns what is left of ``timeout``."""
         if self._settled or self._outcome is not None:
             self._sync()
-            return
+            return 0
         got = self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0))
         if got:
             self._wake.release()  # pass it on to the next waiter
             self._sync()
+            return 0
+        # No report in time. A handle no engine owns (or one settled another
+        # way, e.g. cancel()) may still be resolved through the Future itself.
+        return 0 if self._dispatch is not None else timeout
 
     def result(self, timeout: float | None = None) -> Any:
-        self._await_outcome(timeout)
-        return super().result(0 if self._settled else timeout)
+        return super().result(self._await_outcome(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._await_outcome(timeout)
-        return super().exception(0 if self._settled else timeout)
+        return super().exception(self._await_outcome(timeout))
 
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:  # type: ignore[override]
         """Run ``fn(transfer)`` once done: on the engine's completion thread, or
