@@ -40,6 +40,17 @@ def plugin_checks(found: dict[str, Any]) -> list[Check]:
     return checks
 
 
+def native_provider_check() -> Check:
+    """The MPComm provider (libmpcomm.so for Mooncake TENT): present, or why not."""
+    from mpcomm.tent.build import native_status
+
+    st = native_status()
+    if st["built"]:
+        return Check("plugins", "mpcomm_provider", Status.PASS, f"libmpcomm.so {st['version']} (MPCOMM_ROOT={st['root']})")
+    return Check("plugins", "mpcomm_provider", Status.INFO, f"not built: {st['reason']}",
+                 "only Mooncake TENT's MPCOMM transport needs it; `python -m mpcomm.tent.build` builds it")
+
+
 def manifest_extra(found: dict[str, Any]) -> dict[str, str]:
     extra: dict[str, str] = {}
     for t in found["transports"]:
@@ -72,6 +83,7 @@ def doctor(
         return
     checks = nodecheck.run_checks(min_shm_bytes=parse_size(min_shm), min_memlock_bytes=parse_size(min_memlock))
     checks += plugin_checks(found)
+    checks.append(native_provider_check())
     worst = nodecheck.worst_status(checks)
     if json_:
         print_json({"status": worst.value, "checks": [c.to_dict() for c in checks]})
