@@ -135,8 +135,12 @@ def native_status(pkg_dir: str | os.PathLike[str] | None = None) -> dict[str, An
 
 
 def compile_host(source: str | os.PathLike[str], out: str | os.PathLike[str],
-                 pkg_dir: str | os.PathLike[str] | None = None) -> tuple[Path | None, str]:
+                 pkg_dir: str | os.PathLike[str] | None = None, *,
+                 embed_python: bool = False) -> tuple[Path | None, str]:
     """Compile a C++ program against the installed include/ and lib/ (tests, benchmarks).
+
+    ``embed_python`` also links the program with libpython and defines
+    TENT_HOST_EMBEDS_PYTHON (a host that already runs Python).
 
     Returns (executable, "") or (None, the reason it could not be built).
     """
@@ -147,8 +151,14 @@ def compile_host(source: str | os.PathLike[str], out: str | os.PathLike[str],
     if cxx is None:
         return None, "no C++ compiler (set CXX, or install g++)"
     root = Path(st["root"])
-    cmd = [cxx, "-std=c++17", "-O2", "-g", "-Wall", f"-I{root / 'include'}", str(source), "-o", str(out),
-           f"-L{root / 'lib'}", "-lmpcomm", f"-Wl,-rpath,{root / 'lib'}", "-pthread"]
+    extra: list[str] = []
+    if embed_python:
+        link, why = python_link_info()
+        if why:
+            return None, why
+        extra = ["-DTENT_HOST_EMBEDS_PYTHON", f"-I{sysconfig.get_paths()['include']}", *link]
+    cmd = [cxx, "-std=c++17", "-O2", "-g", "-Wall", f"-I{root / 'include'}", *extra[:2], str(source), "-o",
+           str(out), f"-L{root / 'lib'}", "-lmpcomm", f"-Wl,-rpath,{root / 'lib'}", *extra[2:], "-pthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         return None, f"compiling {source} failed: {proc.stderr.strip()[-2000:]}"

@@ -13,6 +13,10 @@
 //       (answered on stdin) and prints "STEP name ok" / "FAIL ..." / "DONE".
 //   tent_host bench A_ID A_PORT A_ADDR LEN ITERS
 //       prints "BENCH us_per_op=..." for putAsync + poll + release.
+#ifdef TENT_HOST_EMBEDS_PYTHON
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#endif
 #include <mpcomm.h>
 
 #include <atomic>
@@ -351,6 +355,56 @@ int bench(int argc, char **argv) {
     return 0;
 }
 
+#ifdef TENT_HOST_EMBEDS_PYTHON
+// A host that runs Python itself before touching the provider, and holds the
+// GIL while it waits: the library must use this interpreter and let go of the
+// GIL in waitTransfer, or the completion it waits for could never run.
+int pyhost(int argc, char **argv) {
+    if (argc < 3) return 2;
+    PyConfig config;
+    PyConfig_InitPythonConfig(&config);
+    config.install_signal_handlers = 0;
+    PyConfig_SetBytesString(&config, &config.program_name, argv[2]);
+    PyStatus st = Py_InitializeFromConfig(&config);
+    PyConfig_Clear(&config);
+    if (PyStatus_Exception(st)) fail("host Py_Initialize");
+    CHECK(PyRun_SimpleString("import mpcomm, sys; sys.host_marker = 42") == 0, "host runs Python");
+    PyThreadState *main_state = PyEval_SaveThread();
+
+    const size_t S = 1 << 20;
+    MPComm a, b;
+    CHECK(a.init("127.0.0.1:pa", "", 0) == MPCOMM_SUCCESS && a.startAcceptThread() == MPCOMM_SUCCESS, "a init");
+    CHECK(b.init("127.0.0.1:pb", "", 0) == MPCOMM_SUCCESS, "b init");
+    uint8_t *ta = alloc(S), *src = alloc(S);
+    CHECK(a.registerMemory(ta, S) == MPCOMM_SUCCESS && a.publishBuffer(ta, S, -1) == MPCOMM_SUCCESS, "a register");
+    CHECK(b.registerMemory(src, S) == MPCOMM_SUCCESS, "b register");
+    RemoteBufferInfo info;
+    CHECK(b.connect("A", "127.0.0.1", a.getTcpPort()) == MPCOMM_SUCCESS, "connect");
+    CHECK(b.queryRemoteBuffer("A", "127.0.0.1", a.getTcpPort(), info) == MPCOMM_SUCCESS, "query");
+    fill(src, S, 9);
+    TransferHandle h = b.putAsync(reinterpret_cast<uintptr_t>(src), "A", reinterpret_cast<uintptr_t>(ta), S);
+    CHECK(h != INVALID_TRANSFER_HANDLE, "put");
+    {
+        PyGILState_STATE g = PyGILState_Ensure();  // wait with the GIL held
+        int code = b.waitTransfer(h, 20000);
+        CHECK(code == MPCOMM_SUCCESS, "wait with the GIL held -> " + std::to_string(code));
+        PyObject *sys = PyImport_ImportModule("sys");
+        PyObject *marker = sys ? PyObject_GetAttrString(sys, "host_marker") : nullptr;
+        CHECK(marker && PyLong_AsLong(marker) == 42, "the library used the host's interpreter");
+        Py_XDECREF(marker);
+        Py_XDECREF(sys);
+        PyGILState_Release(g);
+    }
+    b.releaseTransfer(h);
+    CHECK(firstBad(ta, S, 9, 0) < 0, "bytes landed");
+    b.shutdown();
+    a.shutdown();
+    PyEval_RestoreThread(main_state);
+    say("DONE");
+    return 0;
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -359,6 +413,9 @@ int main(int argc, char **argv) {
     if (role == "target") return target(argc, argv);
     if (role == "initiator") return initiator(argc, argv);
     if (role == "bench") return bench(argc, argv);
+#ifdef TENT_HOST_EMBEDS_PYTHON
+    if (role == "pyhost") return pyhost(argc, argv);
+#endif
     std::fprintf(stderr, "usage: tent_host target|initiator|bench ...\n");
     return 2;
 }

@@ -151,3 +151,25 @@ def test_installed_root_is_a_valid_mpcomm_root() -> None:
     if out.returncode == 0:
         assert "Library soname: [libmpcomm.so.1]" in out.stdout
     assert (root / "lib" / "cmake" / "mpcomm" / "mpcommConfigVersion.cmake").is_file()
+
+
+def test_host_that_already_runs_python(tmp_path: Path) -> None:
+    """The library uses the host's interpreter and releases the GIL the host holds while waiting."""
+    import sys
+
+    exe, reason = compile_host(HERE / "tent_host.cpp", tmp_path / "tent_pyhost", embed_python=True)
+    if exe is None:
+        pytest.skip(reason)
+    env = dict(_env(), MPCOMM_TRANSPORTS="tcp")  # completion on another thread, not inline
+    proc = subprocess.run([str(exe), "pyhost", sys.executable], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("DONE"), proc.stdout + proc.stderr
+
+
+def test_doctor_reports_the_provider() -> None:
+    from mpcomm.cli.doctor import native_provider_check
+
+    check = native_provider_check()
+    st = native_status()
+    assert (check.status.value == "pass") == st["built"]
+    if not st["built"]:
+        assert st["reason"] in check.value
