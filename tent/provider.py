@@ -33,6 +33,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -384,9 +385,11 @@ class Provider:
             head, tail = bytes(buf[0:8]), bytes(buf[DIRECTORY_SIZE - 8:])
             n = int.from_bytes(buf[8:12], "little")
             if head != tail or int.from_bytes(head, "little") % 2 or n > _MAX_PAYLOAD:
+                time.sleep(0.001)
                 continue
             payload = bytes(buf[_HEADER:_HEADER + n])
             if zlib.crc32(payload) != int.from_bytes(buf[12:16], "little"):
+                time.sleep(0.001)
                 continue
             try:
                 doc = json.loads(payload)
@@ -438,7 +441,14 @@ class Provider:
         host = self._host(host_id)
         fn = eng.write if kind == "write" else eng.read
         for attempt in (0, 1):
-            remote, roff = self._remote(host, remote_addr, length)
+            try:
+                remote, roff = self._remote(host, remote_addr, length)
+            except ProviderError:
+                if attempt or not self._restarted(host):
+                    raise
+                with host.lock:  # a restarted peer publishes new ranges: fetch them, then decide
+                    self._refresh(host)
+                continue
             try:
                 t = fn(local, remote, roff, length, local_offset=loff, timeout=timeout)
             except (StaleRegionError, PeerConnectionError):
@@ -472,6 +482,15 @@ class Provider:
         for host, t in zip(hosts, batch.transfers):
             t.add_done_callback(lambda tr, h=host: self._watch(h, tr))
         return batch
+
+    def _restarted(self, host: _Host) -> bool:
+        """Whether the peer runs a new epoch (checked only on a refusal, one round trip)."""
+        eng = self._engine()
+        try:
+            current = eng.open(host.address, DIRECTORY, timeout=2.0)
+        except MpcommError:
+            return False
+        return host.directory is None or current.epoch != host.directory.epoch
 
     @staticmethod
     def _watch(host: _Host, t: Transfer) -> None:
