@@ -18,10 +18,18 @@ from __future__ import annotations
 
 from . import codes
 from .api import MPComm, RemoteBufferEntry, TransferResult
-from .build import native_status
 from .collectives import broadcast, gather, scatter
 from .provider import Provider
 from .transfer_engine import TransferEngine, TransferNotify, TransferOpcode
+
+
+
+def native_status() -> dict:  # type: ignore[type-arg]
+    """Whether libmpcomm.so is installed in the mpcomm package dir, or why not."""
+    from .build import native_status as status
+
+    return status()
+
 
 __all__ = [
     "MPComm",

@@ -176,9 +176,31 @@ std::string fetchPyError() {
     return msg;
 }
 
+// A C++ thread keeps one Python thread state for its lifetime: creating and
+// deleting one per call (what a bare PyGILState_Ensure/Release pair does on a
+// thread Python does not know) costs more than the call itself.
+struct ThreadAnchor {
+    PyGILState_STATE outer;
+    PyThreadState *saved = nullptr;
+    ThreadAnchor() {
+        outer = PyGILState_Ensure();
+        saved = PyEval_SaveThread();
+    }
+    ~ThreadAnchor() {
+        if (!Py_IsInitialized()) return;
+        PyEval_RestoreThread(saved);
+        PyGILState_Release(outer);
+    }
+};
+
 struct Gil {
     PyGILState_STATE s;
-    Gil() : s(PyGILState_Ensure()) {}
+    Gil() {
+        if (!PyGILState_GetThisThreadState()) {
+            static thread_local ThreadAnchor anchor;  // first call from this thread
+        }
+        s = PyGILState_Ensure();
+    }
     ~Gil() { PyGILState_Release(s); }
 };
 
