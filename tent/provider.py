@@ -81,49 +81,55 @@ class PublishedBuffer:
 
 
 class _Ranges:
-    """Non-overlapping [start, end) ranges with a payload; lookups by address."""
+    """Non-overlapping [start, end) ranges with a payload; lookups by address.
+
+    Copy-on-write: lookups (the issue path, any thread, no lock) read one
+    consistent snapshot; changes (under the provider's lock) swap in a new one.
+    """
 
     def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._items: list[tuple[int, int, Any]] = []
+        self._snap: tuple[list[int], list[tuple[int, int, Any]]] = ([], [])
 
     def add(self, start: int, length: int, item: Any) -> None:
+        starts, items = self._snap
         end = start + length
-        i = bisect.bisect_right(self._starts, start)
-        if i and self._items[i - 1][1] > start or i < len(self._items) and self._items[i][0] < end:
+        i = bisect.bisect_right(starts, start)
+        if i and items[i - 1][1] > start or i < len(items) and items[i][0] < end:
             raise ProviderError(codes.ERR_INVALID_ARGUMENT,
                                 f"[{start:#x}, {end:#x}) overlaps a range that is already registered")
-        self._starts.insert(i, start)
-        self._items.insert(i, (start, end, item))
+        self._snap = (starts[:i] + [start] + starts[i:], items[:i] + [(start, end, item)] + items[i:])
 
     def remove(self, start: int) -> Any:
-        i = bisect.bisect_left(self._starts, start)
-        if i == len(self._starts) or self._starts[i] != start:
+        starts, items = self._snap
+        i = bisect.bisect_left(starts, start)
+        if i == len(starts) or starts[i] != start:
             return None
-        del self._starts[i]
-        return self._items.pop(i)[2]
+        self._snap = (starts[:i] + starts[i + 1:], items[:i] + items[i + 1:])
+        return items[i][2]
 
     def find(self, addr: int, length: int) -> tuple[Any, int] | None:
         """(item, offset) of the range that holds all of [addr, addr+length), else None."""
-        i = bisect.bisect_right(self._starts, addr) - 1
+        starts, items = self._snap
+        i = bisect.bisect_right(starts, addr) - 1
         if i < 0:
             return None
-        start, end, item = self._items[i]
+        start, end, item = items[i]
         if addr + length > end:
             return None
         return item, addr - start
 
     def get(self, start: int) -> Any:
-        i = bisect.bisect_left(self._starts, start)
-        if i < len(self._starts) and self._starts[i] == start:
-            return self._items[i][2]
+        starts, items = self._snap
+        i = bisect.bisect_left(starts, start)
+        if i < len(starts) and starts[i] == start:
+            return items[i][2]
         return None
 
     def items(self) -> list[tuple[int, int, Any]]:
-        return list(self._items)
+        return list(self._snap[1])
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._snap[1])
 
 
 @dataclass
