@@ -10,6 +10,7 @@ from pathlib import Path
 
 from setuptools import Command, setup
 from setuptools.command.build import build
+from setuptools.dist import Distribution
 
 HERE = Path(__file__).resolve().parent
 
@@ -57,4 +58,11 @@ class build_with_native(build):
     sub_commands = [*build.sub_commands, ("build_native", None)]
 
 
-setup(cmdclass={"build": build_with_native, "build_native": build_native})
+class BinaryDistribution(Distribution):
+    """libmpcomm.so embeds this Python's libpython: the wheel is per interpreter and platform."""
+
+    def has_ext_modules(self):
+        return True
+
+
+setup(distclass=BinaryDistribution, cmdclass={"build": build_with_native, "build_native": build_native})

@@ -11,6 +11,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <array>
 #include <atomic>
@@ -232,6 +233,26 @@ void importBridge(Runtime &rt) {
     rt.error.clear();
 }
 
+// The interpreter of the environment this library is installed in:
+// <prefix>/lib/pythonX.Y/site-packages/mpcomm/lib/libmpcomm.so.1 -> <prefix>/bin/python3.
+// Empty when the library does not live in a site-packages (an editable install).
+std::string pythonBesideLibrary() {
+    Dl_info info;
+    if (!dladdr(reinterpret_cast<void *>(&setLast), &info) || !info.dli_fname) return "";
+    std::string path = info.dli_fname;
+    auto pos = path.rfind("/site-packages/mpcomm/lib/");
+    if (pos == std::string::npos) return "";
+    std::string libdir = path.substr(0, pos);  // <prefix>/lib/pythonX.Y
+    auto l = libdir.rfind("/lib");
+    if (l == std::string::npos) return "";
+    std::string prefix = libdir.substr(0, l);
+    for (const char *name : {"/bin/python3", "/bin/python"}) {
+        std::string cand = prefix + name;
+        if (access(cand.c_str(), X_OK) == 0) return cand;
+    }
+    return "";
+}
+
 void startRuntime() {
     Runtime &rt = runtime();
     // A host whose Python is another copy of libpython (a statically linked
@@ -251,8 +272,11 @@ void startRuntime() {
     PyConfig_InitPythonConfig(&config);
     config.install_signal_handlers = 0;  // the host's signals stay the host's
     config.parse_argv = 0;
+    // MPCOMM_PYTHON, else the environment the library is installed in, else
+    // the interpreter it was built with (an editable install).
+    std::string beside = pythonBesideLibrary();
     const char *py = std::getenv("MPCOMM_PYTHON");
-    if (!py || !*py) py = MPCOMM_DEFAULT_PYTHON;
+    if (!py || !*py) py = beside.empty() ? MPCOMM_DEFAULT_PYTHON : beside.c_str();
     PyStatus st = PyStatus_Ok();
     if (py && *py) st = PyConfig_SetBytesString(&config, &config.program_name, py);
     if (!PyStatus_Exception(st)) st = Py_InitializeFromConfig(&config);
