@@ -469,25 +469,80 @@ class Provider:
 
     def issue_many(self, kind: str, local_addr: int, host_ids: Sequence[str], remote_addrs: Sequence[int],
                    lengths: Sequence[int], local_offsets: Sequence[int], timeout: float | None = None) -> Transfer:
-        """One handle for requests to several hosts; every request is checked before any is posted."""
+        """One handle for requests to several hosts; every request is checked before any is posted.
+
+        One :meth:`Engine.submit` batch: the engine moves the requests that share
+        a local region and a remote region as one vectorised group.
+        """
         eng = self._engine()
         n = len(host_ids)
         if not n or len(remote_addrs) != n or len(lengths) != n or len(local_offsets) != n:
             raise ProviderError(codes.ERR_INVALID_ARGUMENT, "hosts, addresses and lengths must be non-empty and match")
         reqs = []
-        hosts = []
+        hosts: dict[str, _Host] = {}
         for hid, raddr, ln, loff in zip(host_ids, remote_addrs, lengths, local_offsets):
             if ln <= 0:
                 raise ProviderError(codes.ERR_INVALID_ARGUMENT, f"length must be positive, not {ln}")
             local, off = self.local_region(local_addr + loff, ln)
-            host = self._host(hid)
+            host = hosts.get(hid) or self._host(hid)
+            hosts[hid] = host
             remote, roff = self._remote(host, raddr, ln)
             reqs.append(Request(kind, local, remote, roff, ln, off))
-            hosts.append(host)
         batch = eng.submit(reqs, timeout=timeout)
-        for host, t in zip(hosts, batch.transfers):
-            t.add_done_callback(lambda tr, h=host: self._watch(h, tr))
+        self._watch_batch(batch, [hosts[h] for h in host_ids])
         return batch
+
+    def issue_vector(self, kind: str, host_id: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
+                     lengths: Sequence[int], timeout: float | None = None) -> Transfer:
+        """N requests to one host as one handle (Mooncake's batch calls).
+
+        When every piece lies in one local and one remote range this is one
+        ``Engine.write_many``/``read_many`` (one lease, one slot, one posting);
+        otherwise one ``Engine.submit``. Every piece is checked before any is posted.
+        """
+        eng = self._engine()
+        n = len(local_addrs)
+        if not n or len(remote_addrs) != n or len(lengths) != n:
+            raise ProviderError(codes.ERR_INVALID_ARGUMENT, "buffers, peer addresses and lengths differ in size")
+        host = self._host(host_id)
+        for attempt in (0, 1):
+            locs, rems = [], []
+            for la, ra, ln in zip(local_addrs, remote_addrs, lengths):
+                if ln <= 0:
+                    raise ProviderError(codes.ERR_INVALID_ARGUMENT, f"length must be positive, not {ln}")
+                locs.append(self.local_region(la, ln))
+                rems.append(self._remote(host, ra, ln))
+            region, remote = locs[0][0], rems[0][0]
+            try:
+                if all(lr is region for lr, _ in locs) and all(rr is remote for rr, _ in rems):
+                    fn = eng.write_many if kind == "write" else eng.read_many
+                    batch = fn(region, remote, [o for _, o in locs], [o for _, o in rems], list(lengths),
+                               timeout=timeout)
+                else:
+                    batch = eng.submit([Request(kind, lr, rr, ro, ln, lo)
+                                        for (lr, lo), (rr, ro), ln in zip(locs, rems, lengths)], timeout=timeout)
+            except (StaleRegionError, PeerConnectionError):
+                if attempt:
+                    raise
+                with host.lock:
+                    self._refresh(host)
+                continue
+            self._watch_batch(batch, [host])
+            return batch
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _watch_batch(batch: Transfer, hosts: Sequence[_Host]) -> None:
+        def done(b: Any) -> None:
+            if b.cancelled() or b.exception() is None:
+                return
+            errors = getattr(b, "errors", {}) or {}
+            for i, e in errors.items():
+                if isinstance(e, (PeerConnectionError, StaleRegionError)):
+                    # the next issue to that peer re-fetches its keys first
+                    hosts[i if len(hosts) > 1 else 0].stale = True
+
+        batch.add_done_callback(done)
 
     def _restarted(self, host: _Host) -> bool:
         """Whether the peer runs a new epoch (checked only on a refusal, one round trip)."""

@@ -298,8 +298,8 @@ class TransferEngine:
         timeout = self._deadline(sum(lengths))
         if n == 1:
             return self._p.issue(kind, int(buffers[0]), target, int(peers[0]), int(lengths[0]), timeout)
-        return self._p.issue_many(kind, 0, [target] * n, [int(p) for p in peers], [int(x) for x in lengths],
-                                  [int(b) for b in buffers], timeout)
+        return self._p.issue_vector(kind, target, [int(b) for b in buffers], [int(p) for p in peers],
+                                    [int(x) for x in lengths], timeout)
 
     def _wait(self, t: Transfer) -> int:
         try:
