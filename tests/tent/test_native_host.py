@@ -173,3 +173,22 @@ def test_doctor_reports_the_provider() -> None:
     assert (check.status.value == "pass") == st["built"]
     if not st["built"]:
         assert st["reason"] in check.value
+
+
+def test_a_python_without_mpcomm_is_an_error_code_not_a_crash(host_exe: Path, tmp_path: Path) -> None:
+    """MPCOMM_PYTHON naming an environment without mpcomm: init returns MPCOMM_ERR_RUNTIME with the reason."""
+    import sys
+    import venv
+
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False)
+    base_python = getattr(sys, "_base_executable", sys.executable)
+    py = bare / "bin" / "python3"
+    if not py.exists():
+        pytest.skip(f"venv made no interpreter from {base_python}")
+    env = dict(_env(), MPCOMM_PYTHON=str(py))
+    proc = subprocess.run([str(host_exe), "target", "127.0.0.1:x", "0", "4096", "0"], capture_output=True,
+                          text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL target init" in proc.stdout and "last error -13" in proc.stdout, proc.stdout
+    assert "mpcomm.tent._bridge" in proc.stdout + proc.stderr
