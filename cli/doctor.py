@@ -1,6 +1,6 @@
 """``mpcomm doctor``: the seed's node check, plus what matters to mpcomm.
 
-Read-only: it changes nothing on the system (see :mod:`mpcomm.nodecheck`).
+Read-only: it changes nothing on the system (see :mod:`mpcomm.cli.nodecheck`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mpcomm import nodecheck
-from mpcomm.nodecheck import Check, Status
-
-from . import plugins_cmd
+from . import nodecheck, plugins_cmd
+from .nodecheck import Check, Status
 from ._common import EXIT_FAILURE, JsonOption, err_console, handle_errors, parse_size, print_json
 
 app = typer.Typer()
@@ -70,8 +68,17 @@ def doctor(
     min_shm: Annotated[str, typer.Option(help="Warn below this /dev/shm size.", envvar="MPCOMM_DOCTOR_MIN_SHM")] = "1GiB",
     min_memlock: Annotated[str, typer.Option(help="Warn below this locked-memory limit.",
                                              envvar="MPCOMM_DOCTOR_MIN_MEMLOCK")] = "64MiB",
+    rdma: Annotated[bool, typer.Option("--rdma", help="Run the rdma_zerocopy hardware validation instead "
+                                       "(one verdict line per step; see docs/rdma.md).")] = False,
 ) -> None:
     """Check this node (CPU, NUMA, NICs, RDMA, huge pages, memlock, /dev/shm, ptrace scope, plugins). Exits 1 only on FAIL."""
+    if rdma:
+        from mpcomm.plugins.rdma_zerocopy.validate import main as validate_rdma
+
+        code = validate_rdma([], echo=typer.echo)
+        if code:
+            raise typer.Exit(code)
+        return
     found = plugins_cmd.collect()
     if manifest:
         data = nodecheck.manifest(manifest_extra(found))

@@ -86,6 +86,23 @@ def check_sizes(specs: list[RegionSpec], transports: list[str] | None) -> None:
         raise AllocationError(f"--region {which}: {exc}") from None
 
 
+def read_secret_file(path: Path) -> str:
+    """The secret in ``path`` (surrounding whitespace stripped); warns when others may read the file."""
+    try:
+        st = os.stat(path)
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise CliError(f"--secret-file {path}: {exc.strerror}", EXIT_USAGE) from exc
+    except UnicodeDecodeError:
+        raise CliError(f"--secret-file {path}: not UTF-8 text", EXIT_USAGE) from None
+    if not text:
+        raise CliError(f"--secret-file {path}: the file is empty", EXIT_USAGE)
+    if st.st_mode & 0o077:
+        err_console.print(f"[yellow]warning: {escape(str(path))} is readable by other users "
+                          f"(mode {st.st_mode & 0o777:o}); chmod 600 it[/]")
+    return text
+
+
 def _map_file(path: Path, readonly: bool) -> mmap.mmap:
     try:
         fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
@@ -131,8 +148,14 @@ def serve(
     ] = None,
     secret: Annotated[
         Optional[str],
-        typer.Option(help="Shared secret peers must prove (HMAC handshake).", envvar="MPCOMM_SECRET",
-                     show_default=False),
+        typer.Option(help="Refused: a secret on the command line shows in the process list. "
+                     "Use --secret-file or MPCOMM_SECRET.", hidden=True, show_default=False),
+    ] = None,
+    secret_file: Annotated[
+        Optional[Path],
+        typer.Option("--secret-file", help="File holding the shared secret peers must prove (make one with "
+                     "`mpcomm secret --file`); default: MPCOMM_SECRET, else transport.secret.",
+                     dir_okay=False, show_default=False),
     ] = None,
     transport: Annotated[
         Optional[list[str]],
@@ -144,6 +167,11 @@ def serve(
     json_: JsonOption = False,
 ) -> None:
     """Expose named regions on an engine until SIGINT/SIGTERM; print the address on stdout."""
+    if secret is not None:
+        raise CliError("--secret is refused: a secret on the command line shows in the process list; "
+                       "use --secret-file FILE (see `mpcomm secret --file`) or the MPCOMM_SECRET environment variable",
+                       EXIT_USAGE)
+    secret = read_secret_file(secret_file) if secret_file is not None else None
     specs = [parse_region(r) for r in region or []]
     names = [s.name for s in specs]
     dupes = {n for n in names if names.count(n) > 1}

@@ -21,9 +21,11 @@ not)::
     │   └── StaleRegionError         descriptor from an earlier epoch of the target (re-open it)
     ├── TransferError                the transfer itself failed
     │   ├── TransferTimeout          (also builtin TimeoutError) deadline passed
+    │   │   └── HandshakeTimeout     a connection's handshake did not finish in time
     │   ├── PeerConnectionError      (also builtin ConnectionError) peer unreachable / died
     │   ├── ProtocolError            malformed or unexpected frame; the connection is closed
     │   ├── AuthenticationError      shared-secret handshake failed
+    │   ├── LimitError               a peer's request exceeds a limit of the target ([limits])
     │   └── BackPressureError        queue_depth requests already in flight
     └── EngineClosedError            the engine was closed
 
@@ -52,6 +54,8 @@ __all__ = [
     "BackPressureError",
     "ConfigError",
     "EngineClosedError",
+    "HandshakeTimeout",
+    "LimitError",
     "MpcommError",
     "OutOfBoundsError",
     "PeerConnectionError",
@@ -172,6 +176,16 @@ class TransferTimeout(TransferError, TimeoutError):
     confirmed: bool = True
 
 
+class HandshakeTimeout(TransferTimeout):
+    """A connection's handshake (authentication, hello) did not finish by its deadline.
+
+    The deadline covers the whole exchange, not each read: a peer trickling one
+    byte at a time is cut when the handshake's time is up.
+    """
+
+    code = "handshake_timeout"
+
+
 class PeerConnectionError(TransferError, ConnectionError):
     code = "connection"
     retryable = True
@@ -183,6 +197,12 @@ class ProtocolError(TransferError):
 
 class AuthenticationError(TransferError):
     code = "auth"
+
+
+class LimitError(TransferError):
+    """The request exceeds one of the target's ``[limits]`` (a notification too large, say); nothing was done."""
+
+    code = "limit"
 
 
 class BackPressureError(TransferError):
@@ -200,8 +220,8 @@ _BY_CODE: dict[str, type[MpcommError]] = {
         MpcommError, ConfigError, PluginError, TransportUnavailable, RegionError,
         AllocationError, AlignmentError, RegionBusyError, RegionClosedError, AccessError,
         UnknownRegionError, OutOfBoundsError, PermissionDeniedError, StaleRegionError,
-        TransferError, TransferTimeout, PeerConnectionError, ProtocolError,
-        AuthenticationError, BackPressureError, EngineClosedError,
+        TransferError, TransferTimeout, HandshakeTimeout, PeerConnectionError, ProtocolError,
+        AuthenticationError, LimitError, BackPressureError, EngineClosedError,
     ]
 }
 

@@ -120,7 +120,8 @@ class Transfer(Future):  # type: ignore[type-arg]
     Attributes:
         status: a :class:`TransferStatus`.
         transport: name of the transport that carried it (None until posted).
-        route_rule: the routing rule that chose the transport (None until posted).
+        route: the ordered transports the route policy chose (empty until posted).
+        route_rule: the routing rule that chose them (None until posted).
         bytes_moved: bytes in the destination once COMPLETED.
         submitted_at, finished_at: ``time.monotonic()`` stamps.
     """
@@ -130,6 +131,9 @@ class Transfer(Future):  # type: ignore[type-arg]
         self._request = request
         self.status = PENDING
         self.transport: str | None = None
+        #: The ordered transport list the route policy chose, and the name of the
+        #: rule that chose it ("default", "hint" or a [[route]] name).
+        self.route: tuple[str, ...] = ()
         self.route_rule: str | None = None
         self.bytes_moved = 0
         self.submitted_at = time.monotonic()

@@ -103,6 +103,10 @@ class Availability:
         return cls(False, reason)
 
 
+#: Bandwidth classes a transport may declare, slowest first (route policy, issue 10).
+BANDWIDTH_CLASSES = ("low", "medium", "high", "memory")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a transport can do; shown by ``mpcomm plugins`` and used for routing.
@@ -118,8 +122,11 @@ class Capabilities:
             target's CPU checks every access; ``"fence"``: initiators are told
             and acknowledge before unregister returns; ``"key"``: the target
             destroys the memory key).
-        bandwidth_class: rough expected bandwidth rank (0 = slowest); the
-            default route order prefers higher classes, never plugin names.
+        bandwidth_class: one of :data:`BANDWIDTH_CLASSES`; ranks transports in
+            the default route when no ``[[route]]`` rule matches: ``"memory"``
+            for memory-to-memory copies on one host, ``"high"`` for RDMA-class
+            NICs, ``"medium"`` for transports that pick the best fabric at run
+            time, ``"low"`` (the default) for kernel sockets. Never plugin names.
     """
 
     memory_kinds: frozenset[str] = frozenset({"host"})
@@ -130,7 +137,7 @@ class Capabilities:
     inflight_cancel: bool = False
     modes: frozenset[str] = frozenset({"zero-copy"})
     revocation: str = "target-check"
-    bandwidth_class: int = 0
+    bandwidth_class: str = "low"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -487,6 +494,9 @@ class Transport:
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: Accepted ``[plugins.<name>]`` keys and their defaults; others are config errors.
     default_options: ClassVar[dict[str, Any]] = {}
+    #: Allowed ranges of numeric options, ``{"chunk": (4096, 1 << 30)}``; the core
+    #: refuses a value outside with a ConfigError naming the option.
+    option_ranges: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

@@ -1,21 +1,21 @@
 """Notifications: small messages a peer attaches to a request, delivered after the data.
 
-Bounded by policy: at most ``runtime.notify_queue`` notifications wait for
-``wait_notification()``; when the queue is full the **oldest** is dropped (and
-counted in :attr:`Notifications.dropped`), so a peer that floods us costs a
-fixed amount of memory and the newest messages survive. Callbacks registered
-with ``on_notification`` consume a notification instead of the queue when
-``consume=True``; otherwise it is also queued.
+Bounded by policy (docs/security.md): at most ``limits.max_queued_notifications``
+notifications and ``limits.max_queued_notify_bytes`` bytes wait for
+``wait_notification()``. When full, a new notification is **refused**: the
+sender's request fails with a retryable BackPressureError, so nothing is
+silently lost and a flooding peer costs a fixed amount of memory. Callbacks
+registered with ``on_notification(..., consume=True)`` take notifications
+instead of the queue (a consumer that only uses callbacks never fills it).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from ..control import NotificationQueue
 
 __all__ = ["MAX_NOTIFY", "Notification", "Notifications"]
 
@@ -35,13 +35,9 @@ class Notification:
 
 
 class Notifications:
-    def __init__(self, limit: int) -> None:
-        self._limit = max(1, limit)
-        self._q: deque[Notification] = deque()
-        self._cond = threading.Condition(threading.Lock())
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self._q = NotificationQueue(max_count, max_bytes)
         self._callbacks: list[tuple[Callable[[Notification], None], bool]] = []
-        #: Notifications dropped because the queue was full.
-        self.dropped = 0
 
     def __len__(self) -> int:
         return len(self._q)
@@ -50,28 +46,16 @@ class Notifications:
         self._callbacks.append((callback, consume))
 
     def deliver(self, note: Notification) -> None:
-        consumed = False
-        for cb, consume in list(self._callbacks):
+        """Queue ``note`` (raises BackPressureError when full) and run the callbacks."""
+        callbacks = list(self._callbacks)
+        if not any(consume for _, consume in callbacks):
+            self._q.put(note, len(note.data))
+        for cb, _consume in callbacks:
             try:
                 cb(note)
             except Exception:  # noqa: BLE001
                 log.exception("notification callback failed")
-            consumed = consumed or consume
-        if consumed:
-            return
-        with self._cond:
-            if len(self._q) >= self._limit:
-                self._q.popleft()
-                self.dropped += 1
-            self._q.append(note)
-            self._cond.notify()
 
     def wait(self, timeout: float | None) -> Notification:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not self._q:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"no notification within {timeout}s")
-                self._cond.wait(left)
-            return self._q.popleft()
+        note: Notification = self._q.get(timeout)
+        return note

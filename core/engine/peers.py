@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..config import Config
 from ..control import PeerLink
 from ..errors import EngineClosedError, MpcommError, PeerConnectionError
 from ..peer import PeerInfo
@@ -39,8 +40,9 @@ class _Attempt:
 
 
 class PeerTable:
-    def __init__(self, *, local_info: Callable[[], PeerInfo], secret: str, handshake_timeout: float,
+    def __init__(self, *, config: Config, local_info: Callable[[], PeerInfo], secret: str, handshake_timeout: float,
                  on_lost: Callable[[PeerLink], None], on_epoch_change: Callable[[str], None]) -> None:
+        self._config = config
         self._local_info = local_info
         self._secret = secret
         self._handshake_timeout = handshake_timeout
@@ -120,7 +122,7 @@ class PeerTable:
         try:
             timeout = min(self._handshake_timeout, max(att.deadline - time.monotonic(), 0.001))
             link = PeerLink(address, local_info=self._local_info(), secret=self._secret, timeout=timeout,
-                            on_lost=self._on_lost)
+                            on_lost=self._on_lost, config=self._config)
         except MpcommError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - whatever happened, the waiters get an error

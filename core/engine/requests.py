@@ -50,10 +50,13 @@ from ..errors import (
     TransferTimeout,
     TransportUnavailable,
 )
+from ..health import is_retryable
 from ..memory import Region, as_byte_view
+from ..peer import same_host
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _resolve_members
-from ..transport import Operation, OperationGroup, Transport, TransportBusy, timeout_error
+from ..routing import RouteQuery
+from ..transport import DONE, FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, timeout_error
 from .notify import MAX_NOTIFY
 from .regions import release_view
 
@@ -130,7 +133,7 @@ class Pipeline:
         self._lazy = cfg.memory.registration == "lazy"
         self._inflight: set[Any] = set()
         self._inflight_lock = threading.Lock()
-        self._routes: dict[tuple[Any, ...], Transport] = {}
+        self._routes: dict[tuple[Any, ...], tuple[tuple[Transport, ...], str, tuple[str, ...]]] = {}
         self._backlog: dict[str, deque[Any]] = {}
         self._backlog_lock = threading.Lock()
         self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
@@ -470,7 +473,8 @@ class Pipeline:
                 raise StaleRegionError(
                     f"{remote.address} restarted since {remote.name!r} was opened; open it again",
                     region=remote.name, peer=remote.address)
-            transport = self._route(link, unit)
+            cands, rule, names = self._route(link, unit)
+            transport = self._admit(unit, cands, 0)
             if self._lazy or unit._ephemeral:
                 self.e._regions.ensure_registered(unit.local, transport)
         except BaseException as exc:  # noqa: BLE001 - the unit fails with it, nothing moved
@@ -478,8 +482,10 @@ class Pipeline:
             return
         unit.peer = link.info
         unit.transport = transport
+        unit._cands = cands
         transfer = unit.transfer
         transfer.transport = transport.name
+        transfer.route, transfer.route_rule = names, rule
         transfer.status = TransferStatus.POSTED
         if unit._batch is not None:
             unit._batch.status = TransferStatus.POSTED
@@ -528,32 +534,129 @@ class Pipeline:
             return
         self._finish(unit, exc, 0, failed_group=True)
 
-    def _route(self, link: PeerLink, unit: Any) -> Transport:
+    def _route(self, link: PeerLink, unit: Any) -> tuple[tuple[Transport, ...], str, tuple[str, ...]]:
+        """The transports that may carry ``unit``, in the route policy's order, and the rule's name.
+
+        Cached per peer epoch, region and memory kind (and per chosen list when
+        the rules look at sizes, so the cache stays bounded by the rules).
+        """
         remote = unit.remote
         local_kind = unit.local.kind
-        key = (remote.address, remote.epoch, remote.region_id, local_kind)
+        policy = self.e.route_policy
+        key: tuple[Any, ...] = (remote.address, remote.epoch, remote.region_id, local_kind)
+        route = None
+        if policy.size_rules:
+            route = policy.choose(self._query(link, unit))
+            key += route.transports
         cached = self._routes.get(key)
         if cached is not None:
             return cached
+        if route is None:
+            try:
+                route = policy.choose(self._query(link, unit))
+            except TransportUnavailable as exc:
+                raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: {exc}",
+                                           peer=remote.address, region=remote.name) from None
+        cands = []
         reasons = []
-        for name, t in self.e._transports.items():
-            if name not in link.info.transports:
-                reasons.append(f"{name}: peer does not run it")
-                continue
-            if name not in remote.transports:
-                reasons.append(f"{name}: region not registered with it on the peer")
-                continue
-            if local_kind not in t.capabilities.memory_kinds or remote.kind not in t.capabilities.memory_kinds:
-                reasons.append(f"{name}: no {local_kind}/{remote.kind} memory support")
+        for name in route.transports:
+            t = self.e._transports.get(name)
+            if t is None:
                 continue
             avail = t.reach(link.info)
             if not avail:
                 reasons.append(f"{name}: {avail.reason}")
                 continue
-            self._routes[key] = t
-            return t
-        raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: " + "; ".join(reasons),
-                                   peer=remote.address, region=remote.name)
+            cands.append(t)
+        if not cands:
+            raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r} "
+                                       f"(route {route.rule!r}): " + "; ".join(reasons),
+                                       peer=remote.address, region=remote.name)
+        entry = (tuple(cands), route.rule, route.transports)
+        self._routes[key] = entry
+        return entry
+
+    def _query(self, link: PeerLink, unit: Any) -> RouteQuery:
+        remote = unit.remote
+        size = unit.length if isinstance(unit, Operation) else unit.total_bytes
+        return RouteQuery(
+            same_host=same_host(self.e.host, link.info.host, need=("net_ns",)),
+            local_kind=unit.local.kind, remote_kind=remote.kind, size=size,
+            peer_transports=frozenset(n for n in remote.transports if n in link.info.transports),
+            hint=getattr(unit, "_hint", None))
+
+    def _admit(self, unit: Any, cands: tuple[Transport, ...], start: int) -> Transport:
+        """The first of ``cands[start:]`` whose path to the peer is not cooling down."""
+        health = self.e.health
+        if not health.any_failures():
+            if start < len(cands):
+                unit._attempt = start
+                return cands[start]
+        else:
+            peer = unit.remote.address
+            for i in range(start, len(cands)):
+                if health.admit(peer, cands[i].name) != "paused":
+                    unit._attempt = i
+                    return cands[i]
+        state = "quarantined" if self.e.health.quarantined(unit.remote.address) else "cooling down after failures"
+        raise PeerConnectionError(f"every path to {unit.remote.address} is {state}; try again later",
+                                  peer=unit.remote.address, region=unit.remote.name, retryable=True)
+
+    def _retry(self, unit: Any, error: BaseException) -> bool:
+        """After a failed attempt: post ``unit`` again on the next transport of its route if that may help."""
+        t = unit.transport
+        cands = getattr(unit, "_cands", ())
+        health = self.e.health
+        peer = unit.remote.address
+        if t is not None:
+            health.failure(peer, t.name, error)
+        if (t is None or unit.abort_exc is not None or not is_retryable(error) or self.e._closed
+                or unit.time_left() <= 0 or getattr(unit, "_tries", 1) >= health.policy.max_attempts):
+            return False
+        try:
+            nxt = self._admit(unit, cands, unit._attempt + 1)
+        except PeerConnectionError:
+            return False
+        unit._tries = getattr(unit, "_tries", 1) + 1
+        health.metrics.retry(peer)
+        health.metrics.failover(peer, t.name, nxt.name)
+        if self.e.telemetry.enabled and isinstance(unit, Operation):
+            self.e.telemetry.on_retry(unit, error)
+        # The whole range is moved again: a partial first attempt is rewritten.
+        if isinstance(unit, Operation):
+            with unit._lock:
+                unit._done = False
+        else:
+            with unit._lock:
+                for i in range(unit.count):
+                    if unit.status[i] == FAILED:
+                        unit.status[i] = PENDING
+                        unit.errors.pop(i, None)
+                        unit._left += 1
+        unit.state = None
+        unit.transport = nxt
+        unit.transfer.transport = nxt.name
+        try:
+            self.e._executor.submit(self._repost, unit, nxt)
+        except RuntimeError:
+            return False
+        return True
+
+    def _repost(self, unit: Any, t: Transport) -> None:
+        try:
+            if self._lazy or unit._ephemeral:
+                self.e._regions.ensure_registered(unit.local, t)
+            if isinstance(unit, Operation):
+                t.post(unit)
+            else:
+                t.post_many(unit)
+        except TransportBusy:
+            self._to_backlog(t, unit)
+        except MpcommError as exc:
+            unit.fail(exc)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("transport %s failed to post", t.name)
+            unit.fail(MpcommError(f"transport {t.name} failed: {exc}"))
 
     def forget_routes(self, address: str) -> None:
         for key in [k for k in list(self._routes) if k[0] == address]:
@@ -635,6 +738,10 @@ class Pipeline:
 
     def _reported(self, op: Operation, error: BaseException | None, nbytes: int) -> None:
         """An Operation's sink: the transport's word that it ended."""
+        if error is not None and self._retry(op, error):
+            return
+        if error is None:
+            self._succeeded(op)
         if error is None and op._notify is not None:
             try:
                 self.e._executor.submit(self._notify_then_finish, op, nbytes)
@@ -652,7 +759,18 @@ class Pipeline:
         self._finish(op, error, nbytes)
 
     def _group_reported(self, group: OperationGroup) -> None:
+        if group.errors:
+            first = group.errors[min(group.errors)]
+            if self._retry(group, first):
+                return
+        else:
+            self._succeeded(group)
         self._finish(group, None, 0)
+
+    def _succeeded(self, unit: Any) -> None:
+        health = self.e.health
+        if health.any_failures() and unit.transport is not None:
+            health.success(unit.remote.address, unit.transport.name)
 
     def _release(self, unit: Any) -> None:
         dl = unit._dl

@@ -197,6 +197,7 @@ class ShmTransport(Transport):
         zero_copy=True,
         inflight_cancel=True,
         modes=frozenset({"zero-copy", "copy"}),
+        bandwidth_class="memory",
     )
     default_options: ClassVar[dict[str, Any]] = {
         "cma": True,  # use (initiator) and offer (target) cross-memory attach for non-memfd buffers

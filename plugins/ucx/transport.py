@@ -162,6 +162,7 @@ class UcxTransport(Transport):
         zero_copy=True,
         inflight_cancel=True,
         modes=frozenset({"zero-copy"}),
+        bandwidth_class="medium",
     )
     default_options: ClassVar[dict[str, Any]] = {
         "error_handling": True,  # peer error handling: dead peers detected, but no shm/cma (see docs/ucx.md)
