@@ -144,7 +144,9 @@ class _Local:
 @dataclass
 class _Host:
     host_id: str
-    address: str  # the peer engine's control endpoint
+    address: str  # the peer engine's control endpoint ("" until found by name)
+    dir_name: str = DIRECTORY
+    by_name: bool = False  # the owner is looked up in the cluster metadata (etcd)
     directory: RemoteRegion | None = None
     ranges: _Ranges = field(default_factory=_Ranges)
     queried: bool = False
@@ -169,6 +171,9 @@ class Provider:
         self._directory: Region | None = None
         self._dir_buf: Any = None
         self._generation = 0
+        #: Name of this node's directory region: DIRECTORY, or a per-host-id name
+        #: when peers find it in the cluster metadata (see directory_name_for).
+        self.directory_name = DIRECTORY
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -212,7 +217,7 @@ class Provider:
             if self._directory is not None:
                 return
             self._dir_buf = bytearray(DIRECTORY_SIZE)
-            self._directory = eng.register(self._dir_buf, name=DIRECTORY, access="r")
+            self._directory = eng.register(self._dir_buf, name=self.directory_name, access="r")
             self._write_directory()
 
     def stop_accept(self) -> None:
@@ -342,6 +347,38 @@ class Provider:
         with self._lock:
             self._hosts[host_id] = host
 
+    def connect_named(self, host_id: str) -> None:
+        """Bind ``host_id`` to whichever node publishes its directory in the cluster metadata."""
+        self._engine()
+        host = _Host(host_id, "", dir_name=directory_name_for(host_id), by_name=True)
+        try:
+            host.directory = self._open_directory(host)
+        except MpcommError as exc:
+            raise _as_connection(exc, host_id) from exc
+        with self._lock:
+            self._hosts[host_id] = host
+
+    def _open_directory(self, host: _Host) -> RemoteRegion:
+        eng = self._engine()
+        if not host.by_name:
+            return eng.open(host.address, host.dir_name)
+        # After a restart the old record lives until its lease ends: newest first, first that answers.
+        records = sorted(eng.metadata.lookup(host.dir_name), key=lambda r: -r.published_at)
+        if not records:
+            raise ProviderError(codes.ERR_UNKNOWN_HOST, f"no node publishes segment {host.host_id!r} "
+                                f"in {eng.metadata.url or 'the cluster metadata'}")
+        last: MpcommError | None = None
+        for rec in records:
+            try:
+                d = eng.open(rec.address, host.dir_name, timeout=2.0)
+            except MpcommError as exc:
+                last = exc
+                continue
+            host.address = rec.address
+            return d
+        assert last is not None
+        raise last
+
     def query(self, host_id: str, tcp_addr: str | None = None, tcp_port: int = 0) -> list[PublishedBuffer]:
         """Fetch the peer's published buffers (its "keys"); replaces what was cached."""
         self._engine()
@@ -358,10 +395,10 @@ class Provider:
         eng = self._engine()
         try:
             if host.directory is None or host.stale:
-                host.directory = eng.open(host.address, DIRECTORY)
+                host.directory = self._open_directory(host)
             listing = self._read_directory(host)
             if listing is None:  # the peer restarted between open and read
-                host.directory = eng.open(host.address, DIRECTORY)
+                host.directory = self._open_directory(host)
                 listing = self._read_directory(host)
             if listing is None:
                 raise ProviderError(codes.ERR_STALE, f"{host.address} keeps restarting")
@@ -548,7 +585,7 @@ class Provider:
         """Whether the peer runs a new epoch (checked only on a refusal, one round trip)."""
         eng = self._engine()
         try:
-            current = eng.open(host.address, DIRECTORY, timeout=2.0)
+            current = self._open_directory(host) if host.by_name else eng.open(host.address, host.dir_name, timeout=2.0)
         except MpcommError:
             return False
         return host.directory is None or current.epoch != host.directory.epoch
@@ -557,6 +594,11 @@ class Provider:
     def _watch(host: _Host, t: Transfer) -> None:
         if not t.cancelled() and isinstance(t.exception(), (PeerConnectionError, StaleRegionError)):
             host.stale = True  # the next issue re-fetches the peer's keys first
+
+
+def directory_name_for(host_id: str) -> str:
+    """The directory's region name when peers look it up by host id in the cluster metadata."""
+    return f"{DIRECTORY}@{host_id}"
 
 
 def _secret_name() -> str:

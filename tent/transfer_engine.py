@@ -31,7 +31,7 @@ from mpcomm import Transfer
 from mpcomm.errors import MpcommError
 
 from . import codes
-from .provider import Provider
+from .provider import Provider, directory_name_for
 
 __all__ = ["TransferEngine", "TransferNotify", "TransferOpcode"]
 
@@ -100,6 +100,7 @@ class TransferEngine:
         self._free: list[list[int]] = [[] for _ in _SLAB_KB]
         self._arenas: list[_HostBuffer] = []
         self._large: dict[int, _HostBuffer] = {}
+        self._etcd = False
 
     def __del__(self) -> None:
         try:
@@ -120,10 +121,18 @@ class TransferEngine:
 
     def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str,
                        metadata_type: str) -> int:
+        """``P2PHANDSHAKE``, or an etcd server (``"host:2379"``, metadata_type ``"etcd"``).
+
+        With P2PHANDSHAKE the session name peers use is ``"host:rpc_port"``;
+        with etcd it is ``local_hostname`` itself, found through the metadata.
+        """
+        etcd_url = None
         if metadata_server != P2PHANDSHAKE:
-            log.error("mpcomm.tent.TransferEngine: only P2PHANDSHAKE metadata is supported (got %s://%s)",
-                      metadata_type, metadata_server)
-            return -1
+            if (metadata_type or "etcd") != "etcd":
+                log.error("mpcomm.tent.TransferEngine: metadata type %r is not supported (P2PHANDSHAKE or etcd)",
+                          metadata_type)
+                return -1
+            etcd_url = metadata_server if metadata_server.startswith("etcd://") else f"etcd://{metadata_server}"
         host, port = local_hostname or "127.0.0.1", 0
         if host.count(":") == 1:  # "host:port" (Mooncake's legacy RPC port binding)
             host, _, p = host.partition(":")
@@ -133,8 +142,14 @@ class TransferEngine:
             transports = _PROTOCOLS.get((protocol or "").lower())
             if transports and not os.environ.get("MPCOMM_TRANSPORTS"):
                 kwargs["transports"] = transports
-            self._p.init(f"{host}:{port}", device_name or "", port, bind=host, **kwargs)
-            self._p.host_id = f"{host}:{self._p.tcp_port}"
+            if etcd_url is not None:
+                kwargs["config"] = {"cluster": {"metadata": etcd_url}}
+                self._p.directory_name = directory_name_for(local_hostname)
+            self._p.init(local_hostname if etcd_url else f"{host}:{port}", device_name or "", port, bind=host,
+                         **kwargs)
+            self._etcd = etcd_url is not None
+            if not self._etcd:
+                self._p.host_id = f"{host}:{self._p.tcp_port}"
             self._p.start_accept()
         except (MpcommError, ValueError, OSError) as exc:
             log.error("mpcomm.tent.TransferEngine: initialize failed: %s", exc)
@@ -269,6 +284,10 @@ class TransferEngine:
         """The session named ``target`` ("host:port"): connect and fetch its buffers once."""
         if target in self._p._hosts:  # noqa: SLF001 - same package
             return
+        if self._etcd:
+            self._p.connect_named(target)
+            self._p.query(target)
+            return
         host, sep, port = target.rpartition(":")
         if not sep or not port.isdigit():
             raise codes.ProviderError(codes.ERR_INVALID_ARGUMENT, f"session name {target!r} is not host:port")
@@ -277,8 +296,11 @@ class TransferEngine:
 
     def send_probe(self, peer_server_name: str) -> int:
         try:
-            host, _, port = peer_server_name.rpartition(":")
-            self._p.engine.open(f"{host}:{int(port)}", "mpcomm.tent.directory", timeout=5.0)  # type: ignore[union-attr]
+            if self._etcd:
+                self._p.engine.open(directory_name_for(peer_server_name), timeout=5.0)  # type: ignore[union-attr]
+            else:
+                host, _, port = peer_server_name.rpartition(":")
+                self._p.engine.open(f"{host}:{int(port)}", "mpcomm.tent.directory", timeout=5.0)  # type: ignore[union-attr]
         except (MpcommError, ValueError, AttributeError):
             return -1
         return 0

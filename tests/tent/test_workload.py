@@ -42,9 +42,9 @@ EXPECTED = {
 KNOWN_DIFFERENCES = {"target_untouched_after_bad": (True, False)}
 
 
-def _run(python: str, engine: str, env: dict[str, str] | None = None) -> dict[str, object]:
-    proc = subprocess.run([python, str(WORKLOAD), "--engine", engine], capture_output=True, text=True,
-                          timeout=300, env=env)
+def _run(python: str, engine: str, env: dict[str, str] | None = None, etcd: str = "") -> dict[str, object]:
+    proc = subprocess.run([python, str(WORKLOAD), "--engine", engine, "--etcd", etcd], capture_output=True,
+                          text=True, timeout=300, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, f"{engine} workload printed no result (rc {proc.returncode}): {proc.stderr[-3000:]}"
     return json.loads(lines[-1][7:])
@@ -64,14 +64,44 @@ def test_workload_on_mpcomm(mpcomm_result: dict[str, object]) -> None:
     assert mpcomm_result == EXPECTED
 
 
-def test_workload_agrees_with_mooncake(mpcomm_result: dict[str, object]) -> None:
+def _mooncake_env() -> tuple[str, dict[str, str]]:
     py = _mooncake_python()
     if py is None:
         pytest.skip(f"Mooncake's wheel is not installed ({PEERS}/venv-mcnc; run /work/shared/peers/setup.sh)")
     libdirs = [str(PEERS / "sysroot/usr/lib/x86_64-linux-gnu"), str(PEERS / "sysroot/lib/x86_64-linux-gnu")]
-    env = dict(os.environ, MC_TRANSFER_TIMEOUT="5", GLOG_minloglevel="2",
-               LD_LIBRARY_PATH=":".join([*libdirs, os.environ.get("LD_LIBRARY_PATH", "")]))
-    mooncake = _run(py, "mooncake", env)
-    assert set(mooncake) == set(mpcomm_result)
-    diff = {k: (mpcomm_result[k], mooncake[k]) for k in mooncake if mooncake[k] != mpcomm_result[k]}
+    return py, dict(os.environ, MC_TRANSFER_TIMEOUT="5", GLOG_minloglevel="2",
+                    LD_LIBRARY_PATH=":".join([*libdirs, os.environ.get("LD_LIBRARY_PATH", "")]))
+
+
+def _agree(mpcomm: dict[str, object], mooncake: dict[str, object]) -> None:
+    assert set(mooncake) == set(mpcomm)
+    diff = {k: (mpcomm[k], mooncake[k]) for k in mooncake if mooncake[k] != mpcomm[k]}
     assert diff == KNOWN_DIFFERENCES
+
+
+def test_workload_agrees_with_mooncake(mpcomm_result: dict[str, object]) -> None:
+    py, env = _mooncake_env()
+    _agree(mpcomm_result, _run(py, "mooncake", env))
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "topology"))  # the project's etcd test server
+    from etcd_support import EtcdServer, etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (Debian: etcd-server)")
+    pytest.importorskip("etcd3gw", reason="mpcomm[etcd] is not installed")
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    yield server.url.removeprefix("etcd://")
+    server.kill()
+
+
+def test_workload_with_etcd_metadata(etcd_server: str) -> None:
+    """The same steps with sessions named by local_hostname and found through etcd, on both engines."""
+    mine = _run(sys.executable, "mpcomm", dict(os.environ, MC_TRANSFER_TIMEOUT="5"), etcd_server)
+    assert mine == EXPECTED
+    if _mooncake_python() is not None:
+        py, env = _mooncake_env()
+        _agree(mine, _run(py, "mooncake", env, etcd_server))

@@ -30,14 +30,29 @@ SIZE = 4 << 20
 HOST = "127.0.0.1"
 
 
+ETCD = ""  # "host:port" of an etcd server: sessions are named by local_hostname, found through etcd
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
 def make_engine(kind: str):  # type: ignore[no-untyped-def]
+    """(engine, initialize's return code, the session name peers use)."""
     if kind == "mooncake":
         from mooncake.engine import TransferEngine
     else:
         from mpcomm.tent import TransferEngine
     eng = TransferEngine()
+    if ETCD:
+        name = f"{HOST}:{_free_port()}"
+        return eng, eng.initialize(name, ETCD, "tcp", ""), name
     rc = eng.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
-    return eng, rc
+    return eng, rc, f"{HOST}:{eng.get_rpc_port()}" if rc == 0 else ""
 
 
 class Buf:
@@ -60,12 +75,11 @@ class Buf:
 
 
 def target_main(kind: str) -> None:
-    eng, rc = make_engine(kind)
+    eng, rc, session = make_engine(kind)
     buf = Buf(SIZE)
     buf.fill(99)
     rc2 = eng.register_memory(buf.addr, SIZE, "cpu:0")
-    print(json.dumps({"session": f"{HOST}:{eng.get_rpc_port()}", "addr": buf.addr, "init": rc, "reg": rc2}),
-          flush=True)
+    print(json.dumps({"session": session, "addr": buf.addr, "init": rc, "reg": rc2}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd:
@@ -83,8 +97,8 @@ def target_main(kind: str) -> None:
 
 class Target:
     def __init__(self, kind: str) -> None:
-        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine", kind, "--role", "target"],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine", kind, "--role", "target",
+                                   "--etcd", ETCD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         info = json.loads(self.line(60))
         self.session, self.addr = info["session"], info["addr"]
         self.ok = info["init"] == 0 and info["reg"] == 0
@@ -120,7 +134,7 @@ def initiator_main(kind: str) -> dict[str, object]:
     t = Target(kind)
     try:
         out["target_up"] = t.ok
-        eng, rc = make_engine(kind)
+        eng, rc, _session = make_engine(kind)
         out["initialize"] = rc
         loc = Buf(SIZE)
         other = Buf(1 << 20)
@@ -210,7 +224,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=("mpcomm", "mooncake"), required=True)
     ap.add_argument("--role", choices=("initiator", "target"), default="initiator")
+    ap.add_argument("--etcd", default="", help="host:port of an etcd server instead of P2PHANDSHAKE")
     args = ap.parse_args()
+    global ETCD
+    ETCD = args.etcd
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     os.environ.setdefault("GLOG_minloglevel", "2")
