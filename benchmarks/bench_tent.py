@@ -16,6 +16,10 @@ libmpcomm.so (tests/tent/tent_host.cpp, compiled against the installed
 include/ and lib/) against the same loop through ``mpcomm.tent.MPComm`` in
 Python and a direct ``Engine.write(...).result()``, 4 KiB to one target.
 
+Part 3 (``--tebench PATH``, a Mooncake build's ``tebench``): TENT itself moving data through
+its MPCOMM transport, i.e. through libmpcomm.so, next to TENT's own shm and tcp transports, in
+the same run (write, 4 KiB and 4 MiB, batch 1 and 64, one thread, loopback only).
+
 The machine is shared: read the ratios, not the absolute numbers.
 """
 
@@ -229,6 +233,55 @@ def part2(iters: int) -> None:
                   f"cpp/python_engine={op / direct:.2f}", flush=True)
 
 
+def part3(tebench: str, duration: int) -> None:
+    import random
+
+    from mpcomm.tent.build import native_status
+
+    st = native_status()
+    if not st["built"]:
+        print(f"# tebench skipped: {st['reason']}")
+        return
+    names = ("mpcomm", "rdma", "tcp", "shm", "nvlink", "mnnvl", "gds", "io_uring")
+    rows: dict[tuple[str, int, int], float] = {}
+    for xport in ("mpcomm", "shm", "tcp"):
+        gates = {n: {"enable": n == xport} for n in names}
+        env = dict(os.environ, MPCOMM_TENT_BIND="127.0.0.1", GLOG_minloglevel="1",
+                   LD_LIBRARY_PATH=f"{st['root']}/lib:" + os.environ.get("LD_LIBRARY_PATH", ""),
+                   MC_TENT_CONF=json.dumps({"rpc_server_hostname": "127.0.0.1", "transports": gates}))
+        for block in (4096, 4 << 20):
+            rpc = 12000 + random.randrange(2000)  # TENT allocates 15000-17000 itself
+            common = ["--backend=tent", f"--xport_type={xport}", "--metadata_type=p2p", "--seg_type=DRAM",
+                      f"--total_buffer_size={512 << 20}"]
+            tgt = subprocess.Popen([tebench, *common, f"--rpc_server_port={rpc}"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, env=dict(env, MPCOMM_TCP_PORT=str(23000 + rpc % 1000)))
+            try:
+                time.sleep(3)
+                out = subprocess.run([tebench, *common, f"--rpc_server_port={rpc + 1}", f"--tent_transport_hint={xport}",
+                                      f"--target_seg_name=127.0.0.1:{rpc}", "--op_type=write",
+                                      f"--start_block_size={block}", f"--max_block_size={block}",
+                                      "--start_batch_size=1", "--max_batch_size=64", "--start_num_threads=1",
+                                      "--max_num_threads=1", f"--duration={duration}"],
+                                     capture_output=True, text=True, timeout=300,
+                                     env=dict(env, MPCOMM_TCP_PORT=str(24000 + rpc % 1000)))
+            finally:
+                tgt.terminate()
+                tgt.wait(15)
+            for line in out.stdout.splitlines():
+                f = line.split()
+                if len(f) >= 3 and f[0] == str(block) and f[1] in ("1", "64"):
+                    rows[(xport, block, int(f[1]))] = float(f[2])
+    for block, label in ((4096, "4KiB"), (4 << 20, "4MiB")):
+        for batch in (1, 64):
+            got = {x: rows.get((x, block, batch)) for x in ("mpcomm", "shm", "tcp")}
+            if not got["mpcomm"]:
+                print(f"case=tebench message_size={label} batch={batch} mpcomm=missing")
+                continue
+            parts = [f"{x}={v:.3f}GB/s" for x, v in got.items() if v]
+            ratios = [f"mpcomm/{x}={got['mpcomm'] / v:.2f}" for x, v in got.items() if v and x != "mpcomm"]
+            print(f"case=tebench op=write message_size={label} batch={batch} " + " ".join(parts + ratios), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=("supervisor", "target", "initiator"), default="supervisor")
@@ -241,6 +294,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200, help="timed 4 KiB ops per case (fewer for 4 MiB)")
     ap.add_argument("--no-host", action="store_true", help="skip part 2 (the C++ host)")
     ap.add_argument("--no-engines", action="store_true", help="skip part 1")
+    ap.add_argument("--tebench", default="", help="a Mooncake build's tebench: also run part 3")
+    ap.add_argument("--tebench-duration", type=int, default=2)
     args = ap.parse_args()
     if args.role == "target":
         target_role(args.engine, args.protocol, args.bytes)
@@ -251,6 +306,8 @@ def main() -> None:
             part1(args.rounds, args.iters)
         if not args.no_host:
             part2(max(args.iters * 10, 1000))
+        if args.tebench:
+            part3(args.tebench, args.tebench_duration)
 
 
 if __name__ == "__main__":
