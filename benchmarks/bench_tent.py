@@ -178,7 +178,8 @@ def part2(iters: int) -> None:
             return
         size = 4096
         for transport in ("shm", "tcp"):
-            env = dict(os.environ, MPCOMM_TENT_BIND="127.0.0.1", MPCOMM_TRANSPORTS=transport)
+            env = dict(os.environ, MPCOMM_TENT_BIND="127.0.0.1", MPCOMM_TRANSPORTS=transport,
+                       MPCOMM_PYTHON=sys.executable)
             # The target is a process of its own for every path measured (a C++ host running libmpcomm).
             tgt = subprocess.Popen([str(exe), "target", "127.0.0.1:T", "0", str(1 << 20), "0"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True, env=env)
@@ -246,7 +247,7 @@ def part3(tebench: str, duration: int) -> None:
     rows: dict[tuple[str, int, int], float] = {}
     for xport in ("mpcomm", "shm", "tcp"):
         gates = {n: {"enable": n == xport} for n in names}
-        env = dict(os.environ, MPCOMM_TENT_BIND="127.0.0.1", GLOG_minloglevel="1",
+        env = dict(os.environ, MPCOMM_TENT_BIND="127.0.0.1", GLOG_minloglevel="1", MPCOMM_PYTHON=sys.executable,
                    LD_LIBRARY_PATH=f"{st['root']}/lib:" + os.environ.get("LD_LIBRARY_PATH", ""),
                    MC_TENT_CONF=json.dumps({"rpc_server_hostname": "127.0.0.1", "transports": gates}))
         for block in (4096, 4 << 20):

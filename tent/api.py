@@ -6,8 +6,16 @@ issued; :attr:`MPComm.last_error` says why). Nothing raises for a refusal; a
 released or unknown handle is ``ERR_INVALID_HANDLE``, never a crash. Handles
 are released exactly once with :meth:`release_transfer`.
 
+Completions are reaped in bulk on the caller's thread, as TENT's poll loop
+does: every handle is posted with the engine's
+:class:`~mpcomm.engine.CompletionQueue`, and :meth:`MPComm.poll_completions`
+(or any ``is_transfer_complete`` that finds its handle unfinished) settles
+what finished, with no hop through the engine's completion thread.
+
 This is the same layer the C++ library (``libmpcomm.so``) drives; there the
-handle table lives in C++ so that polling never needs the GIL.
+handle table lives in C++ so that polling never needs the GIL (completions
+reach it through a callback instead of a queue a C++ poller would have to
+drain under the GIL).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,8 +64,11 @@ class MPComm:
     def __init__(self) -> None:
         self.provider = Provider()
         self._handles: dict[int, Transfer] = {}
+        self._by_transfer: dict[int, int] = {}  # id(Transfer) -> handle, for poll_completions
         self._ids = itertools.count(1)
         self._last = threading.local()
+        self._cq = None
+        self._inline: deque[int] = deque()  # finished inside the issue call: never in the queue
 
     @property
     def last_error(self) -> tuple[int, str]:
@@ -78,7 +90,10 @@ class MPComm:
     # -- lifecycle ----------------------------------------------------------------
 
     def init(self, host_id: str, device_names: str = "", tcp_port: int = 0) -> int:
-        return self._call(self.provider.init, host_id, device_names, tcp_port)
+        rc = self._call(self.provider.init, host_id, device_names, tcp_port)
+        if rc == codes.SUCCESS and self.provider.engine is not None:
+            self._cq = self.provider.engine.completion_queue()
+        return rc
 
     def get_tcp_port(self) -> int:
         return self.provider.tcp_port
@@ -130,48 +145,78 @@ class MPComm:
             return 0
         h = next(self._ids)
         self._handles[h] = t
+        self._by_transfer[id(t)] = h
+        if t.done():
+            self._inline.append(h)
         return h
 
     def put_async(self, local_addr: int, host_id: str, remote_addr: int, length: int,
                   timeout: float | None = None) -> int:
-        return self._track(lambda: self.provider.issue("write", local_addr, host_id, remote_addr, length, timeout))
+        return self._track(lambda: self.provider.issue("write", local_addr, host_id, remote_addr, length, timeout,
+                                                       self._cq))
 
     def get_async(self, local_addr: int, host_id: str, remote_addr: int, length: int,
                   timeout: float | None = None) -> int:
-        return self._track(lambda: self.provider.issue("read", local_addr, host_id, remote_addr, length, timeout))
+        return self._track(lambda: self.provider.issue("read", local_addr, host_id, remote_addr, length, timeout,
+                                                       self._cq))
 
     def scatter_async(self, local_addr: int, host_ids: Sequence[str], remote_addrs: Sequence[int],
                       chunk: int, timeout: float | None = None) -> int:
         """Chunk ``i`` of the local buffer to ``host_ids[i]`` at ``remote_addrs[i]``; one handle."""
         n = len(host_ids)
         return self._track(lambda: self.provider.issue_many(
-            "write", local_addr, host_ids, remote_addrs, [chunk] * n, [i * chunk for i in range(n)], timeout))
+            "write", local_addr, host_ids, remote_addrs, [chunk] * n, [i * chunk for i in range(n)], timeout, self._cq))
 
     def gather_async(self, local_addr: int, host_ids: Sequence[str], remote_addrs: Sequence[int],
                      chunk: int, timeout: float | None = None) -> int:
         """``chunk`` bytes from each host into consecutive chunks of the local buffer."""
         n = len(host_ids)
         return self._track(lambda: self.provider.issue_many(
-            "read", local_addr, host_ids, remote_addrs, [chunk] * n, [i * chunk for i in range(n)], timeout))
+            "read", local_addr, host_ids, remote_addrs, [chunk] * n, [i * chunk for i in range(n)], timeout, self._cq))
 
     def broadcast_async(self, local_addr: int, host_ids: Sequence[str], remote_addrs: Sequence[int],
                         length: int, timeout: float | None = None) -> int:
         """The whole local buffer to every host; one handle."""
         n = len(host_ids)
         return self._track(lambda: self.provider.issue_many(
-            "write", local_addr, host_ids, remote_addrs, [length] * n, [0] * n, timeout))
+            "write", local_addr, host_ids, remote_addrs, [length] * n, [0] * n, timeout, self._cq))
+
+    def poll_completions(self, max_items: int = 64, timeout: float = 0.0) -> list[int]:
+        """Handles that finished since the last poll (settled here, on this thread).
+
+        Waits up to ``timeout`` seconds when none has; their results are then
+        available from :meth:`get_transfer_result` until they are released.
+        """
+        out = []
+        while self._inline and len(out) < max_items:
+            try:
+                out.append(self._inline.popleft())
+            except IndexError:
+                break
+        if self._cq is None or len(out) >= max_items:
+            return out
+        for t in self._cq.poll(max_items - len(out), 0.0 if out else timeout):
+            h = self._by_transfer.get(id(t))
+            if h is not None:
+                out.append(h)
+        return out
 
     def is_transfer_complete(self, handle: int) -> bool:
         """True once the transfer is terminal, or for an unknown handle (nothing to wait for)."""
         t = self._handles.get(handle)
-        return True if t is None else t.done()
+        if t is None or t.done():
+            return True
+        self.poll_completions(1 << 16)  # settle whatever finished meanwhile
+        return t.done()
 
     def get_transfer_result(self, handle: int) -> TransferResult:
         t = self._handles.get(handle)
         if t is None:
             return TransferResult(codes.ERR_INVALID_HANDLE, 0)
         if not t.done():
-            return TransferResult(codes.ERR_IN_PROGRESS, 0)
+            self.poll_completions(1 << 16)
+            if not t.done():
+                return TransferResult(codes.ERR_IN_PROGRESS, 0)
         return TransferResult(*outcome(t))
 
     def wait_transfer(self, handle: int, timeout_ms: int = -1) -> int:
@@ -180,16 +225,17 @@ class MPComm:
         if t is None:
             return codes.ERR_INVALID_HANDLE
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
-        try:
-            t.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            return codes.ERR_TIMEOUT
-        except BaseException:  # noqa: BLE001 - cancelled
-            pass
+        while not t.done():  # reap completions until ours is among them
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return codes.ERR_TIMEOUT
+            self.poll_completions(1 << 16, 0.05 if left is None else min(left, 0.05))
         return outcome(t)[0]
 
     def release_transfer(self, handle: int) -> int:
         """Forget a handle; a second release (or an unknown handle) is ERR_INVALID_HANDLE."""
-        if self._handles.pop(handle, None) is None:
+        t = self._handles.pop(handle, None)
+        if t is None:
             return codes.ERR_INVALID_HANDLE
+        self._by_transfer.pop(id(t), None)
         return codes.SUCCESS

@@ -475,7 +475,7 @@ class Provider:
         return host
 
     def issue(self, kind: str, local_addr: int, host_id: str, remote_addr: int, length: int,
-              timeout: float | None = None) -> Transfer:
+              timeout: float | None = None, completion_queue: Any = None) -> Transfer:
         """Post one write ("put") or read ("get"); refusals raise before anything moves."""
         eng = self._engine()
         if length <= 0:
@@ -493,7 +493,8 @@ class Provider:
                     self._refresh(host)
                 continue
             try:
-                t = fn(local, remote, roff, length, local_offset=loff, timeout=timeout)
+                t = fn(local, remote, roff, length, local_offset=loff, timeout=timeout,
+                       completion_queue=completion_queue)
             except (StaleRegionError, PeerConnectionError):
                 if attempt:
                     raise
@@ -505,7 +506,8 @@ class Provider:
         raise AssertionError("unreachable")
 
     def issue_many(self, kind: str, local_addr: int, host_ids: Sequence[str], remote_addrs: Sequence[int],
-                   lengths: Sequence[int], local_offsets: Sequence[int], timeout: float | None = None) -> Transfer:
+                   lengths: Sequence[int], local_offsets: Sequence[int], timeout: float | None = None,
+                   completion_queue: Any = None) -> Transfer:
         """One handle for requests to several hosts; every request is checked before any is posted.
 
         One :meth:`Engine.submit` batch: the engine moves the requests that share
@@ -525,7 +527,7 @@ class Provider:
             hosts[hid] = host
             remote, roff = self._remote(host, raddr, ln)
             reqs.append(Request(kind, local, remote, roff, ln, off))
-        batch = eng.submit(reqs, timeout=timeout)
+        batch = eng.submit(reqs, timeout=timeout, completion_queue=completion_queue)
         self._watch_batch(batch, [hosts[h] for h in host_ids])
         return batch
 

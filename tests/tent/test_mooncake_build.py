@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def _exe(name: str) -> Path:
 
 def _env() -> dict[str, str]:
     st = native_status()
-    env = dict(os.environ, MPCOMM_TENT_BIND="127.0.0.1", GLOG_minloglevel="1",
+    env = dict(os.environ, MPCOMM_TENT_BIND="127.0.0.1", GLOG_minloglevel="1", MPCOMM_PYTHON=sys.executable,
                MC_TENT_CONF=json.dumps({"rpc_server_hostname": "127.0.0.1", "transports": GATES}))
     if st["built"]:
         env["LD_LIBRARY_PATH"] = f"{st['root']}/lib:" + env.get("LD_LIBRARY_PATH", "")

@@ -32,8 +32,12 @@ def host_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _env() -> dict[str, str]:
+    import sys
+
     env = dict(os.environ)
     env.setdefault("MPCOMM_TENT_BIND", "127.0.0.1")
+    # The interpreter running the tests, whatever venv last rebuilt an editable tree's core/lib.
+    env.setdefault("MPCOMM_PYTHON", sys.executable)
     return env
 
 
@@ -186,7 +190,7 @@ def test_a_python_without_mpcomm_is_an_error_code_not_a_crash(host_exe: Path, tm
     py = bare / "bin" / "python3"
     if not py.exists():
         pytest.skip(f"venv made no interpreter from {base_python}")
-    env = dict(_env(), MPCOMM_PYTHON=str(py))
+    env = dict(_env(), MPCOMM_PYTHON=str(py))  # overrides the default above
     proc = subprocess.run([str(host_exe), "target", "127.0.0.1:x", "0", "4096", "0"], capture_output=True,
                           text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 1, proc.stdout + proc.stderr

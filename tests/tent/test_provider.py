@@ -218,3 +218,22 @@ def test_collectives_on_an_engine() -> None:
         dst = bytearray(10)
         gather(ini, dst, rem, 5).result(10)
         assert bytes(dst) == b"hellohello"
+
+
+def test_bulk_polling_reaps_every_handle_once(pair) -> None:  # type: ignore[no-untyped-def]
+    """poll_completions settles finished handles on the caller's thread (the engine's CompletionQueue)."""
+    a, b, ma, mb = pair
+    mb.mm[:64] = bytes(range(64))
+    hs = {b.put_async(mb.addr + i, "A", ma.addr + 1000 + i, 1) for i in range(64)}
+    assert all(hs)
+    seen: list[int] = []
+    import time
+
+    deadline = time.monotonic() + 10
+    while len(seen) < len(hs) and time.monotonic() < deadline:
+        seen += b.poll_completions(16, timeout=0.1)
+    assert sorted(seen) == sorted(hs) and len(set(seen)) == len(seen)
+    assert all(b.get_transfer_result(h).error_code == 0 for h in hs)
+    assert ma.mm[1000:1064] == bytes(range(64))
+    assert all(b.release_transfer(h) == 0 for h in hs)
+    assert b.poll_completions() == []
