@@ -43,6 +43,9 @@ def native_provider_check() -> Check:
     from mpcomm.tent.build import native_status
 
     st = native_status()
+    if st["built"] and st.get("warning"):
+        return Check("plugins", "mpcomm_provider", Status.WARN, f"libmpcomm.so {st['version']}: {st['warning']}",
+                     "a host without Python of its own could not start the provider")
     if st["built"]:
         return Check("plugins", "mpcomm_provider", Status.PASS, f"libmpcomm.so {st['version']} (MPCOMM_ROOT={st['root']})")
     return Check("plugins", "mpcomm_provider", Status.INFO, f"not built: {st['reason']}",

@@ -127,8 +127,13 @@ def native_status(pkg_dir: str | os.PathLike[str] | None = None) -> dict[str, An
     except (OSError, ValueError):
         pass
     if lib.exists() and (pkg / "include" / "mpcomm.h").exists():
-        return {**recorded, "built": True, "root": str(pkg), "library": str(lib),
-                "version": recorded.get("version", PROVIDER_VERSION)}
+        out = {**recorded, "built": True, "root": str(pkg), "library": str(lib),
+               "version": recorded.get("version", PROVIDER_VERSION)}
+        py = recorded.get("python")
+        if py and "site-packages" not in str(pkg) and not os.path.exists(py):
+            out["warning"] = (f"it embeds {py}, which no longer exists: set MPCOMM_PYTHON or rebuild "
+                              "(python -m mpcomm.tent.build)")
+        return out
     reason = recorded.get("reason") if not recorded.get("built", False) else None
     return {"built": False, "root": str(pkg),
             "reason": reason or f"{lib} is missing (not built at install time; run `python -m mpcomm.tent.build`)"}

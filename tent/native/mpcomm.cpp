@@ -277,6 +277,12 @@ void startRuntime() {
     std::string beside = pythonBesideLibrary();
     const char *py = std::getenv("MPCOMM_PYTHON");
     if (!py || !*py) py = beside.empty() ? MPCOMM_DEFAULT_PYTHON : beside.c_str();
+    if (py && *py && access(py, X_OK) != 0) {
+        PyConfig_Clear(&config);
+        rt.error = std::string("the interpreter to embed, ") + py +
+                   ", does not exist (any more); set MPCOMM_PYTHON or rebuild with python -m mpcomm.tent.build";
+        return;
+    }
     PyStatus st = PyStatus_Ok();
     if (py && *py) st = PyConfig_SetBytesString(&config, &config.program_name, py);
     if (!PyStatus_Exception(st)) st = Py_InitializeFromConfig(&config);
