@@ -11,6 +11,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from mpcomm.tent.doctor import native_provider_check
+
 from . import nodecheck, plugins_cmd
 from .nodecheck import Check, Status
 from ._common import EXIT_FAILURE, JsonOption, err_console, handle_errors, parse_size, print_json
@@ -36,20 +38,6 @@ def plugin_checks(found: dict[str, Any]) -> list[Check]:
         checks.append(Check("plugins", "usable_transport", Status.FAIL, "no transport is available",
                             "install mpcomm with its tcp plugin (always available) or check MPCOMM_PLUGINS"))
     return checks
-
-
-def native_provider_check() -> Check:
-    """The MPComm provider (libmpcomm.so for Mooncake TENT): present, or why not."""
-    from mpcomm.tent.build import native_status
-
-    st = native_status()
-    if st["built"] and st.get("warning"):
-        return Check("plugins", "mpcomm_provider", Status.WARN, f"libmpcomm.so {st['version']}: {st['warning']}",
-                     "a host without Python of its own could not start the provider")
-    if st["built"]:
-        return Check("plugins", "mpcomm_provider", Status.PASS, f"libmpcomm.so {st['version']} (MPCOMM_ROOT={st['root']})")
-    return Check("plugins", "mpcomm_provider", Status.INFO, f"not built: {st['reason']}",
-                 "only Mooncake TENT's MPCOMM transport needs it; `python -m mpcomm.tent.build` builds it")
 
 
 def manifest_extra(found: dict[str, Any]) -> dict[str, str]:
@@ -94,7 +82,7 @@ def doctor(
         return
     checks = nodecheck.run_checks(min_shm_bytes=parse_size(min_shm), min_memlock_bytes=parse_size(min_memlock))
     checks += plugin_checks(found)
-    checks.append(native_provider_check())
+    checks.append(native_provider_check())  # libmpcomm.so for Mooncake TENT (docs/tent.md)
     worst = nodecheck.worst_status(checks)
     if json_:
         print_json({"status": worst.value, "checks": [c.to_dict() for c in checks]})

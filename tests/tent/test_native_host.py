@@ -170,7 +170,7 @@ def test_host_that_already_runs_python(tmp_path: Path) -> None:
 
 
 def test_doctor_reports_the_provider() -> None:
-    from mpcomm.cli.doctor import native_provider_check
+    from mpcomm.tent.doctor import native_provider_check
 
     check = native_provider_check()
     st = native_status()
