@@ -622,6 +622,38 @@ class Engine:
         """:meth:`prepare` for one vectorised group given as arrays (see :meth:`write_many`)."""
         return self._pipeline.prepare_many(kind, local, remote, local_offsets, remote_offsets, lengths, timeout)
 
+    # -- one buffer, many peers -------------------------------------------------------------
+
+    @staticmethod
+    def _targets(targets: Sequence[RemoteRegion | tuple[RemoteRegion, int]]) -> list[tuple[RemoteRegion, int]]:
+        out = [(t, 0) if isinstance(t, RemoteRegion) else (t[0], int(t[1])) for t in targets]
+        if not out:
+            raise MpcommError("at least one target region is needed")
+        return out
+
+    def scatter(self, src: Any, targets: Sequence[RemoteRegion | tuple[RemoteRegion, int]], chunk: int, *,
+                local_offset: int = 0, timeout: float | None = None) -> Batch:
+        """Chunk ``i`` of ``src`` (from ``local_offset``) to ``targets[i]`` (a region, or ``(region, offset)``).
+
+        One :class:`Batch` over every peer; each peer's part is vectorised.
+        """
+        reqs = [Request("write", src, r, off, chunk, local_offset + i * chunk)
+                for i, (r, off) in enumerate(self._targets(targets))]
+        return self.submit(reqs, timeout=timeout)
+
+    def gather(self, dst: Any, sources: Sequence[RemoteRegion | tuple[RemoteRegion, int]], chunk: int, *,
+               local_offset: int = 0, timeout: float | None = None) -> Batch:
+        """``chunk`` bytes from each source into consecutive chunks of ``dst``; one Batch."""
+        reqs = [Request("read", dst, r, off, chunk, local_offset + i * chunk)
+                for i, (r, off) in enumerate(self._targets(sources))]
+        return self.submit(reqs, timeout=timeout)
+
+    def broadcast(self, src: Any, targets: Sequence[RemoteRegion | tuple[RemoteRegion, int]],
+                  length: int | None = None, *, local_offset: int = 0, timeout: float | None = None) -> Batch:
+        """The same ``length`` bytes of ``src`` (default: the rest from ``local_offset``) to every target."""
+        reqs = [Request("write", src, r, off, length, local_offset) for r, off in self._targets(targets)]
+        return self.submit(reqs, timeout=timeout)
+
     def post(self, batch: Batch) -> Batch:
         """Post a ``submit(..., post=False)`` batch (the parts not cancelled meanwhile)."""
         return self._pipeline.post_staged(batch)
