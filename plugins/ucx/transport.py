@@ -242,6 +242,7 @@ class UcxTransport(Transport):
         self._thread: threading.Thread | None = None
         self._closing = False
         self._closed = False
+        self.wakeups = 0  # progress-thread sleeps that ended (observability; tests check it stays event-driven)
 
     # -- availability ---------------------------------------------------------
 
@@ -978,6 +979,7 @@ class UcxTransport(Transport):
                 # Sleep until UCX has an event or someone signals; the only timer is the abort grace.
                 timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic()) + 0.001
                 select.select([efd], [], [], timeout)
+                self.wakeups += 1
                 last = time.monotonic()
         except Exception:  # noqa: BLE001
             self.log.exception("ucx: the progress thread died")
