@@ -419,6 +419,8 @@ class Endpoint:
         self.error_status = None  # set (from inside progress) when the peer fails
         self._on_error = on_error
         self._rkeys: list[RemoteKey] = []
+        self._params: dict = {}
+        self._flush_param = _req_param()
         addr_buf = C.create_string_buffer(address, len(address))
         p = _EpParams(field_mask=_EP_FIELD_REMOTE_ADDRESS | _EP_FIELD_ERR_MODE, address=C.addressof(addr_buf),
                       err_mode=_ERR_MODE_PEER if error_handling else _ERR_MODE_NONE)
@@ -450,6 +452,43 @@ class Endpoint:
         p = _req_param(memh)
         r = fn(self._h, local_addr, length, remote_addr, rkey._h, C.byref(p))
         return Request._wrap(self.worker, r, name)
+
+    def rma_now(self, write: bool, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
+                memh: MemHandle | None = None) -> "Request | int":
+        """One put/get, then one (local, non-blocking) progress call; the hot path of small requests.
+
+        Returns UCS_OK (0) when the operation finished locally (a cma copy is done inside the
+        call), a negative status on failure, or the pending Request. The request parameters
+        are built once per memh and reused (UCX reads them only during the call)."""
+        if self.error_status is not None:
+            return self.error_status
+        p = self._params.get(memh)
+        if p is None:
+            p = self._params[memh] = _req_param(memh)
+        fn = self._lib.ucp_put_nbx if write else self._lib.ucp_get_nbx
+        r = fn(self._h, local_addr, length, remote_addr, rkey._h, C.byref(p))
+        if not r:
+            return UCS_OK
+        if r >= (UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF):
+            return r - (1 << 64)
+        lib = self._lib
+        st = lib.ucp_request_check_status(r)
+        if st == UCS_INPROGRESS:
+            lib.ucp_worker_progress(self.worker._h)
+            st = lib.ucp_request_check_status(r)
+        if st == UCS_INPROGRESS:
+            return Request(self.worker, r, "ucp_put_nbx" if write else "ucp_get_nbx")
+        lib.ucp_request_free(r)
+        return st
+
+    def flush_now(self) -> "Request | int":
+        """ucp_ep_flush_nbx: UCS_OK when nothing was outstanding, a status, or the pending Request."""
+        r = self._lib.ucp_ep_flush_nbx(self._h, C.byref(self._flush_param))
+        if not r:
+            return UCS_OK
+        if r >= (UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF):
+            return r - (1 << 64)
+        return Request(self.worker, r, "ucp_ep_flush_nbx")
 
     def put(self, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
             memh: MemHandle | None = None) -> "Request | None":

@@ -131,7 +131,7 @@ class _Attach:
     """Initiator side: one remote region as the target described it over the control channel."""
 
     __slots__ = ("key", "peer", "info", "state", "error", "rkey_hex", "rkey", "generation", "base", "size",
-                 "access", "waiting", "works")
+                 "access", "waiting", "works", "ok_remote")
 
     def __init__(self, key: tuple[int, str, int], peer: _Peer, info: PeerInfo) -> None:
         self.key = key  # (region_id, epoch, token)
@@ -146,6 +146,7 @@ class _Attach:
         self.access = ""
         self.waiting: list[_Work] = []  # posted before the attach finished
         self.works: set[_Work] = set()  # issuing or in flight
+        self.ok_remote: Any = None  # the last RemoteRegion object found to match the target's answer
 
 
 class _Work:
@@ -694,7 +695,6 @@ class UcxTransport(Transport):
             key = (int(r.region_id), str(r.epoch), int(r.token))
             att = peer.attached.get(key)
             w = _Work(op, group, att or _Attach(key, peer, op.peer), self._memh.get(op.local.id))
-            self._items(w)
             op.state = w
             if att is None:
                 att = w.att
@@ -703,6 +703,7 @@ class UcxTransport(Transport):
             if att.state == "revoked":
                 raise att.error or UnknownRegionError("region revoked", region=r.name)
             if att.state == "pending":
+                self._items(w)
                 att.waiting.append(w)
                 if att not in peer.connecting:
                     peer.connecting.append(att)
@@ -712,14 +713,27 @@ class UcxTransport(Transport):
                     peer.connector.start()
                 return
             peer.attached.move_to_end(key)
-            exc = self._check(w, att)
-            if exc is not None:
-                raise exc
+            if att.ok_remote is not r:
+                exc = self._check(w, att)
+                if exc is not None:
+                    raise exc
+                if not group:
+                    att.ok_remote = r  # this descriptor matches the target's word; bounds per request below
+            elif op.remote_offset < 0 or op.remote_offset + op.length > att.size:
+                raise _error(OutOfBoundsError, f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside "
+                                               f"the {att.size} bytes registered for region {r.name!r}", r)
+            if not group and self._fast(w):
+                return
+            self._items(w)
             att.works.add(w)
             peer.works.add(w)
             inline = peer.ep is not None and peer.failed is None and self._total(w) <= self._inline_threshold
             if inline:
                 self._issue(w)
+                if w.outstanding:
+                    # A cma put/get is copied inside ucp_put_nbx/ucp_get_nbx; UCX marks the request
+                    # done at the next progress call, which is local and never waits on the peer.
+                    self._worker.progress()  # type: ignore[union-attr]
                 self._reap(w)
                 if not w.outstanding and w.issued_all and (w.kind == "read" or w.flushed or w.error is not None
                                                             or self._issue_flush(w)):
@@ -727,6 +741,43 @@ class UcxTransport(Transport):
                         return
             self._active.add(w)
         self._signal()
+
+    def _fast(self, w: _Work) -> bool:
+        """One-chunk request on a connected endpoint: issue, and report if it finished (lock held).
+
+        The lock is held from issue to report, so a revocation cannot slip in between."""
+        op, peer = w.op, w.peer
+        ep = peer.ep
+        if ep is None or peer.failed is not None or op.length > self._chunk or op.length > self._inline_threshold:
+            return False
+        ucp = self._ucp
+        att = w.att
+        if att.generation != peer.generation or att.rkey is None:
+            self._rkey(att)
+        write = w.kind == "write"
+        loc = op.local.address + op.local_offset
+        st = ep.rma_now(write, loc, op.length, att.base + op.remote_offset, att.rkey, w.memh)
+        w.next = 1
+        if isinstance(st, int):
+            if st != 0:
+                w.error = st
+                return self._settled(w)
+            if write:
+                f = ep.flush_now()
+                if isinstance(f, int):
+                    if f != 0:
+                        w.error = f
+                    return self._settled(w)
+                w.flush = f
+        else:
+            w.reqs.append((st, op.length, 0))
+            w.inflight = op.length
+        w.items = [(loc, op.remote_offset, op.length, 0)]
+        att.works.add(w)
+        peer.works.add(w)
+        self._active.add(w)
+        self._signal()
+        return True
 
     @staticmethod
     def _total(w: _Work) -> int:
