@@ -111,6 +111,14 @@ def map_status(status: int, remote: Any, kind: str, where: str) -> MpcommError:
     return _error(TransferError, text, remote)
 
 
+class _Remote:
+    """Names a peer in an error raised before any request is involved."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.name = None
+
+
 class _Peer:
     """The endpoint to one peer worker and this initiator's attachments to its regions."""
 
@@ -240,6 +248,7 @@ class UcxTransport(Transport):
         self._quarantine: list[Any] = []  # (memh, view) kept alive after an unconfirmed revocation
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._active: set[_Work] = set()
+        self._waits: list[tuple[Any, threading.Event]] = []  # connector threads waiting for a wire-up flush
         self._thread: threading.Thread | None = None
         self._closing = False
         self._closed = False
@@ -330,9 +339,13 @@ class UcxTransport(Transport):
                     att.waiting = []
                     works.extend(att.works)
             self._drained.notify_all()
-        for peer in peers:
-            self._force_close(peer)
         err = EngineClosedError("the ucx transport was closed")
+        for w in set(works):
+            self._release_requests(w)
+        for peer in peers:
+            # The progress thread is gone: progress the closes here, or UCX tears down a worker
+            # whose endpoints still have queued operations (an assertion that aborts the process).
+            self._force_close(peer, timeout=2.0)
         for w in set(works):
             self._release_requests(w)
             self._report_fail(w, err)
@@ -543,8 +556,10 @@ class UcxTransport(Transport):
                 pass
         # else: the endpoint it was unpacked on is closed, which destroyed it
 
-    def _force_close(self, peer: _Peer) -> None:
-        """Force-close the peer's endpoint: its outstanding requests fail (CANCELED)."""
+    def _force_close(self, peer: _Peer, timeout: float = 0.0) -> None:
+        """Force-close the peer's endpoint: its outstanding requests fail (CANCELED).
+
+        timeout 0 (the progress thread): the close finishes in later progress calls."""
         with self._lock:
             ep, peer.ep = peer.ep, None
             for att in peer.attached.values():
@@ -552,7 +567,7 @@ class UcxTransport(Transport):
             if ep is None:
                 return
             try:
-                ep.close(force=True, timeout=0)
+                ep.close(force=True, timeout=timeout)
             except Exception as exc:  # noqa: BLE001
                 self.log.debug("ucx: forced close of the endpoint to %s: %s", peer.name, exc)
 
@@ -589,15 +604,20 @@ class UcxTransport(Transport):
                 att = peer.connecting.pop(0)
                 lefts = [w.op.time_left() for w in att.waiting]
             timeout = min(self._attach_timeout, max(lefts, default=0.0))
+            end = time.monotonic() + timeout
             try:
                 if timeout <= 0:
                     raise TransferTimeout("the deadline passed before the ucx attach could be sent")
+                with self._lock:
+                    if peer.ep is None and self._worker is not None:
+                        self._endpoint(peer)  # wire-up runs (progress thread) during the attach round trip
                 rid, epoch, token = att.key
                 ans = self.ctx.control(att.info, self.name,
                                        {"op": "attach", "region_id": rid, "token": token, "epoch": epoch}, timeout)
                 rkey_hex, base, size = str(ans["rkey"]), int(ans["base"]), int(ans["size"])
                 access = str(ans["access"])
                 bytes.fromhex(rkey_hex)
+                self._wired(peer, end)
             except MpcommError as exc:
                 self._attach_failed(att, exc)
                 continue
@@ -607,8 +627,7 @@ class UcxTransport(Transport):
             except Exception as exc:  # noqa: BLE001 - never lose the waiting requests
                 self._attach_failed(att, TransferError(f"ucx attach failed: {exc}"))
                 continue
-            start: list[_Work] = []
-            refused: list[tuple[_Work, MpcommError]] = []
+            refused: list[tuple[_Work, Any]] = []
             with self._lock:
                 if att.state != "pending":  # revoked (or the peer went) meanwhile
                     waiting, att.waiting = att.waiting, []
@@ -618,18 +637,44 @@ class UcxTransport(Transport):
                     att.state = "ready"
                     waiting, att.waiting = att.waiting, []
                     for w in waiting:
-                        exc = self._check(w, att)
+                        if w.op.aborted:
+                            refused.append((w, w.op.abort_exc))
+                            continue
+                        exc = self._start(w)
                         if exc is not None:
                             refused.append((w, exc))
-                            continue
-                        att.works.add(w)
-                        peer.works.add(w)
-                        self._active.add(w)
-                        start.append(w)
             for w, exc in refused:
                 self._report_fail(w, exc)
-            if start:
-                self._signal()
+
+    def _wired(self, peer: _Peer, end: float) -> None:
+        """Wait (connector thread) until the endpoint's wire-up finished: a flush completes then.
+
+        Requests issued before that would queue inside UCX; issued after, a cma copy finishes
+        inside the call."""
+        with self._lock:
+            ep = peer.ep
+            if ep is None:
+                return
+            try:
+                req = ep.flush_now()
+            except self._ucp.UcxError as exc:
+                raise map_status(exc.status, _Remote(peer.name), "attach", "wire-up") from None
+            if isinstance(req, int):
+                if req < 0:
+                    raise map_status(req, _Remote(peer.name), "attach", "wire-up")
+                return
+            done = threading.Event()
+            self._waits.append((req, done))
+        self._signal()
+        if not done.wait(max(0.0, end - time.monotonic())):
+            with self._lock:
+                self._waits = [x for x in self._waits if x[0] is not req]
+                req.free()
+            raise TransferTimeout(f"ucx wire-up with {peer.name} did not finish within the request's deadline",
+                                  peer=peer.name)
+        st = req._final
+        if st is not None and st < 0:
+            raise map_status(st, _Remote(peer.name), "attach", "wire-up")
 
     def _attach_failed(self, att: _Attach, exc: MpcommError) -> None:
         with self._lock:
@@ -713,34 +758,42 @@ class UcxTransport(Transport):
                     peer.connector.start()
                 return
             peer.attached.move_to_end(key)
-            if att.ok_remote is not r:
-                exc = self._check(w, att)
-                if exc is not None:
-                    raise exc
-                if not group:
-                    att.ok_remote = r  # this descriptor matches the target's word; bounds per request below
-            elif op.remote_offset < 0 or op.remote_offset + op.length > att.size:
-                raise _error(OutOfBoundsError, f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside "
-                                               f"the {att.size} bytes registered for region {r.name!r}", r)
-            if not group and self._fast(w):
-                return
-            self._items(w)
-            att.works.add(w)
-            peer.works.add(w)
-            inline = peer.ep is not None and peer.failed is None and self._total(w) <= self._inline_threshold
-            if inline:
-                self._issue(w)
-                if w.outstanding:
-                    # A cma put/get is copied inside ucp_put_nbx/ucp_get_nbx; UCX marks the request
-                    # done at the next progress call, which is local and never waits on the peer.
-                    self._worker.progress()  # type: ignore[union-attr]
-                self._reap(w)
-                if not w.outstanding and w.issued_all and (w.kind == "read" or w.flushed or w.error is not None
-                                                            or self._issue_flush(w)):
-                    if self._settled(w):
-                        return
-            self._active.add(w)
+            exc = self._start(w)
+            if exc is not None:
+                raise exc
+
+    def _start(self, w: _Work) -> MpcommError | None:
+        """Check ``w`` against the target's word and issue it (lock held); the error refuses it."""
+        op, att, peer, r = w.op, w.att, w.peer, w.op.remote
+        if att.ok_remote is not r:
+            exc = self._check(w, att)
+            if exc is not None:
+                return exc
+            if not w.group:
+                att.ok_remote = r  # this descriptor matches the target's word; bounds per request below
+        elif op.remote_offset < 0 or op.remote_offset + op.length > att.size:
+            return _error(OutOfBoundsError, f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside "
+                                            f"the {att.size} bytes registered for region {r.name!r}", r)
+        if not w.group and self._fast(w):
+            return None
+        self._items(w)
+        att.works.add(w)
+        peer.works.add(w)
+        inline = peer.ep is not None and peer.failed is None and self._total(w) <= self._inline_threshold
+        if inline:
+            self._issue(w)
+            if w.outstanding:
+                # A cma put/get is copied inside ucp_put_nbx/ucp_get_nbx; UCX marks the request
+                # done at the next progress call, which is local and never waits on the peer.
+                self._worker.progress()  # type: ignore[union-attr]
+            self._reap(w)
+            if not w.outstanding and w.issued_all and (w.kind == "read" or w.flushed or w.error is not None
+                                                        or self._issue_flush(w)):
+                if self._settled(w):
+                    return None
+        self._active.add(w)
         self._signal()
+        return None
 
     def _fast(self, w: _Work) -> bool:
         """One-chunk request on a connected endpoint: issue, and report if it finished (lock held).
@@ -1007,6 +1060,15 @@ class UcxTransport(Transport):
                 now = time.monotonic()
                 wake_at = None
                 with self._lock:
+                    if self._waits:
+                        keep = []
+                        for req, ev in self._waits:
+                            if req.status() == 1:
+                                keep.append((req, ev))
+                            else:
+                                req.free()
+                                ev.set()
+                        self._waits = keep
                     works = list(self._active)
                     for st in works:
                         try:
