@@ -455,10 +455,10 @@ class Endpoint:
 
     def rma_now(self, write: bool, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
                 memh: MemHandle | None = None) -> "Request | int":
-        """One put/get, then one (local, non-blocking) progress call; the hot path of small requests.
+        """One put/get, then local progress while it makes progress; the hot path of small requests.
 
         Returns UCS_OK (0) when the operation finished locally (a cma copy is done inside the
-        call), a negative status on failure, or the pending Request. The request parameters
+        calls), a negative status on failure, or the pending Request (never waits for the peer). The request parameters
         are built once per memh and reused (UCX reads them only during the call)."""
         if self.error_status is not None:
             return self.error_status
@@ -473,8 +473,10 @@ class Endpoint:
             return r - (1 << 64)
         lib = self._lib
         st = lib.ucp_request_check_status(r)
-        if st == UCS_INPROGRESS:
-            lib.ucp_worker_progress(self.worker._h)
+        wh = self.worker._h
+        # Progress while it makes progress: on cma each call copies further fragments of a large
+        # put/get (local work); over a network it returns 0 at once and the caller hands off.
+        while st == UCS_INPROGRESS and lib.ucp_worker_progress(wh):
             st = lib.ucp_request_check_status(r)
         if st == UCS_INPROGRESS:
             return Request(self.worker, r, "ucp_put_nbx" if write else "ucp_get_nbx")
