@@ -247,6 +247,7 @@ class UcxTransport(Transport):
         self._memh: dict[int, Any] = {}  # local region id -> memh (local side of puts/gets)
         self._quarantine: list[Any] = []  # (memh, view) kept alive after an unconfirmed revocation
         self._peers: dict[tuple[str, str], _Peer] = {}
+        self._by_info: dict[int, tuple[PeerInfo, _Peer]] = {}  # id(op.peer) -> (that PeerInfo, its peer)
         self._active: set[_Work] = set()
         self._waits: list[tuple[Any, threading.Event]] = []  # connector threads waiting for a wire-up flush
         self._thread: threading.Thread | None = None
@@ -516,6 +517,9 @@ class UcxTransport(Transport):
         peer = self._peers.get(key)
         if peer is None:
             peer = self._peers[key] = _Peer(key, bytes.fromhex(worker), op.remote.address)
+        if len(self._by_info) > 4 * len(self._peers) + 64:
+            self._by_info.clear()
+        self._by_info[id(op.peer)] = (op.peer, peer)  # the object is kept: its id cannot be reused
         return peer
 
     def _endpoint(self, peer: _Peer) -> Any:
@@ -576,6 +580,7 @@ class UcxTransport(Transport):
         waiting: list[_Work] = []
         with self._lock:
             gone = [p for k, p in self._peers.items() if k[0] == peer.node_id]
+            self._by_info = {k: v for k, v in self._by_info.items() if v[1] not in gone}
             for p in gone:
                 del self._peers[p.key]
                 for att in p.attached.values():
@@ -717,6 +722,55 @@ class UcxTransport(Transport):
         return None
 
     def post(self, op: Any) -> None:
+        # Hot path: a small request to a region already attached on a wired-up endpoint, whose
+        # descriptor object was already checked against the target's answer. Everything else
+        # (and whatever this cannot finish at once) takes the general path.
+        r = op.remote
+        length = op.length
+        peer = self._by_info.get(id(op.peer))
+        if peer is not None and peer[0] is op.peer and 0 < length <= self._chunk and length <= self._inline_threshold:
+            p = peer[1]
+            with self._lock:
+                att = p.attached.get((r.region_id, r.epoch, r.token))
+                ep = p.ep
+                if (att is not None and att.ok_remote is r and att.state == "ready" and ep is not None
+                        and p.failed is None and att.rkey is not None and att.generation == p.generation
+                        and op.remote_offset >= 0 and op.remote_offset + length <= att.size
+                        and not self._closed):
+                    st = ep.rma_now(op.kind == "write", op.local.address + op.local_offset, length,
+                                    att.base + op.remote_offset, att.rkey, self._memh.get(op.local.id))
+                    if st == 0 and op.kind == "write":
+                        st = ep.flush_now()
+                    if st == 0:
+                        done = True
+                    elif isinstance(st, int):
+                        done = False
+                        err = map_status(st, r, op.kind, "request failed")
+                    else:
+                        # still in flight (a network lane): the progress thread finishes it
+                        w = _Work(op, False, att, None)
+                        w.items = [(0, op.remote_offset, length, 0)]
+                        w.next = 1
+                        if op.kind == "write" and st.name == "ucp_ep_flush_nbx":
+                            w.flush = st
+                        else:
+                            w.reqs.append((st, length, 0))
+                            w.inflight = length
+                        op.state = w
+                        att.works.add(w)
+                        p.works.add(w)
+                        self._active.add(w)
+                        self._signal()
+                        return
+                    p.attached.move_to_end(att.key)
+                else:
+                    done = None
+            if done:
+                op.complete(length)  # the bytes landed before any revocation could be processed
+                return
+            if done is False:
+                op.fail(err)
+                return
         self._post(op, False)
 
     def post_many(self, group: Any) -> None:
