@@ -22,6 +22,8 @@ import typer
 from rich.markup import escape
 
 import mpcomm
+from mpcomm.errors import AllocationError
+from mpcomm.memory import check_allocatable
 
 from ._common import (
     EXIT_USAGE,
@@ -34,6 +36,7 @@ from ._common import (
     handle_errors,
     parse_size,
     print_json,
+    start_engine,
 )
 
 app = typer.Typer()
@@ -63,6 +66,24 @@ def parse_region(text: str) -> RegionSpec:
     if size <= 0:
         raise CliError(f"--region {text!r}: size must be positive", EXIT_USAGE)
     return RegionSpec(name, size=size)
+
+
+def check_sizes(specs: list[RegionSpec], transports: list[str] | None) -> None:
+    """Refuse, before any engine or memory exists, regions this host cannot hold (exit 2).
+
+    Allocated regions are pre-faulted, so an oversized one would not fail but
+    summon the OOM killer; their sizes together must fit (see
+    :func:`mpcomm.memory.check_allocatable`). shm backs them with shared memory.
+    """
+    total = sum(s.size for s in specs if s.path is None)
+    if not total:
+        return
+    shm = transports is None or "shm" in transports
+    try:
+        check_allocatable(total, shm=shm)
+    except AllocationError as exc:
+        which = ", ".join(f"{s.name}={format_size(s.size)}" for s in specs if s.path is None)
+        raise AllocationError(f"--region {which}: {exc}") from None
 
 
 def _map_file(path: Path, readonly: bool) -> mmap.mmap:
@@ -129,13 +150,14 @@ def serve(
     if dupes:
         raise CliError(f"--region: {sorted(dupes)[0]!r} given twice", EXIT_USAGE)
     cfg = build_config(ctx, config, transport={"mode": mode.value} if mode else {})
+    check_sizes(specs, transport)
     stop = threading.Event()
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, lambda *_: stop.set())
     maps: list[mmap.mmap] = []
     try:
-        with mpcomm.Engine(cfg, endpoint=endpoint, secret=secret, transports=transport or None) as engine:
+        with start_engine(cfg, endpoint=endpoint, secret=secret, transports=transport) as engine:
             maps = open_regions(engine, specs, readonly)
             descriptors = [engine.describe(r).to_dict() for r in engine.regions()]
             if json_:

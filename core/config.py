@@ -80,6 +80,7 @@ class RuntimeSection:
     request_timeout_ms: int = 5000
     backpressure: str = "block"
     abort_grace_ms: int = 2000
+    notify_queue: int = 1024
 
 
 @dataclass(frozen=True)

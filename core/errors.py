@@ -10,6 +10,7 @@ not)::
     ├── PluginError                  a transport plugin failed to load or misbehaved
     ├── TransportUnavailable         no usable transport for this peer / memory kind
     ├── RegionError                  local registration problems
+    │   ├── AllocationError          size larger than memory, /dev/shm or memlock can hold
     │   ├── AlignmentError           buffer does not satisfy memory.alignment
     │   ├── RegionBusyError          unregister/close refused: the region is leased
     │   └── RegionClosedError        the region was unregistered
@@ -46,6 +47,7 @@ from typing import Any
 __all__ = [
     "AccessError",
     "AlignmentError",
+    "AllocationError",
     "AuthenticationError",
     "BackPressureError",
     "ConfigError",
@@ -110,6 +112,12 @@ class TransportUnavailable(MpcommError):
 
 class RegionError(MpcommError):
     code = "region"
+
+
+class AllocationError(RegionError):
+    """A size this host cannot hold (memory, /dev/shm, RLIMIT_MEMLOCK); nothing was allocated."""
+
+    code = "allocation"
 
 
 class AlignmentError(RegionError):
@@ -190,7 +198,7 @@ _BY_CODE: dict[str, type[MpcommError]] = {
     cls.code: cls
     for cls in [
         MpcommError, ConfigError, PluginError, TransportUnavailable, RegionError,
-        AlignmentError, RegionBusyError, RegionClosedError, AccessError,
+        AllocationError, AlignmentError, RegionBusyError, RegionClosedError, AccessError,
         UnknownRegionError, OutOfBoundsError, PermissionDeniedError, StaleRegionError,
         TransferError, TransferTimeout, PeerConnectionError, ProtocolError,
         AuthenticationError, BackPressureError, EngineClosedError,

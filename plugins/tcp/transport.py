@@ -162,6 +162,9 @@ class TcpTransport(Transport):
     """Always-available fallback between hosts, and the template for plugin authors."""
 
     name: ClassVar[str] = "tcp"
+    # First-contract transport: post() may wait on the network; the engine
+    # arms the deadline before posting so an abort can interrupt it.
+    post_may_block: ClassVar[bool] = True
     capabilities: ClassVar[Capabilities] = Capabilities(
         memory_kinds=frozenset({"host"}),
         intra_node=True,

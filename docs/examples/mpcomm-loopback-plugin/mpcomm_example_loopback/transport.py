@@ -117,6 +117,9 @@ class ExamplePipeTransport(Transport):
     name: ClassVar[str] = "example_pipe"
     # Declare only what you implement: the engine routes on these, and the
     # conformance kit holds you to them (inflight_cancel in particular).
+    # First-contract transport: post() may wait on the network; the engine
+    # arms the deadline before posting so an abort can interrupt it.
+    post_may_block: ClassVar[bool] = True
     capabilities: ClassVar[Capabilities] = Capabilities(
         memory_kinds=frozenset({"host"}),  # plain host memory; no device memory
         intra_node=True,
