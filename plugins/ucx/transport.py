@@ -213,6 +213,10 @@ class UcxTransport(Transport):
         zero_copy=True,
         inflight_cancel=True,
         modes=frozenset({"zero-copy"}),
+        # Initiators are told over the control channel and confirm before unregister returns; UCX's
+        # software transports do not check rkeys, so nothing stronger holds (docs/ucx.md, Revocation).
+        revocation="fence",
+        bandwidth_class=2,
     )
     default_options: ClassVar[dict[str, Any]] = {
         "error_handling": True,  # peer error handling: a dead peer is an error (see docs/ucx.md)
