@@ -840,14 +840,24 @@ class UcxTransport(Transport):
         inline = peer.ep is not None and peer.failed is None and self._total(w) <= self._inline_threshold
         if inline:
             self._issue(w)
-            if w.outstanding:
-                # A cma put/get is copied inside ucp_put_nbx/ucp_get_nbx; UCX marks the request
-                # done at the next progress call, which is local and never waits on the peer.
-                self._worker.progress()  # type: ignore[union-attr]
+            # A cma put/get is copied inside ucp_put_nbx/ucp_get_nbx (large ones fragment by
+            # fragment inside progress); UCX marks requests done in progress calls, which are
+            # local and never wait on the peer: progress while it makes progress.
+            progress = self._worker.progress  # type: ignore[union-attr]
+            if w.outstanding or w.group:
+                while progress():
+                    pass
             self._reap(w)
-            if not w.outstanding and w.issued_all and (w.kind == "read" or w.flushed or w.error is not None
-                                                        or self._issue_flush(w)):
+            if not w.outstanding and w.issued_all and ((w.kind == "read" and not w.group) or w.flushed
+                                                        or w.error is not None or self._issue_flush(w)):
                 if self._settled(w):
+                    return None
+            if w.flush is not None:
+                while progress():
+                    pass
+                self._reap(w)
+                if w.flushed or w.error is not None:
+                    self._settled(w)
                     return None
         self._active.add(w)
         self._signal()
@@ -899,8 +909,7 @@ class UcxTransport(Transport):
         base = op.local.address
         if w.group:
             w.count = op.count
-            w.items = [(base + lo, ro, n, i) for i, (lo, ro, n)
-                       in enumerate(zip(op.local_offsets, op.remote_offsets, op.lengths))]
+            w.items = [(0, 0, 0, 0)]  # issued as one unit (rma_many), then one flush
         else:
             loc, rem, n, c = base + op.local_offset, op.remote_offset, op.length, self._chunk
             w.items = [(loc + o, rem + o, min(c, n - o), 0) for o in range(0, n, c)]
@@ -926,6 +935,16 @@ class UcxTransport(Transport):
         try:
             ep = self._endpoint(peer)
             rkey = self._rkey(att)
+            if w.group:
+                if w.next == 0:
+                    op, base = w.op, att.base
+                    lbase = op.local.address
+                    failed = ep.rma_group(w.kind == "write", lbase, op.local_offsets, base, op.remote_offsets,
+                                          op.lengths, rkey, w.memh)
+                    for i, status in failed.items():
+                        w.failed[i] = map_status(status, w.remote, w.kind, "request refused")
+                    w.next = len(w.items)
+                return
             issue = ep.put if w.kind == "write" else ep.get
             items, base, memh = w.items, att.base, w.memh
             while w.next < len(items) and w.inflight < self._window:
@@ -1002,8 +1021,8 @@ class UcxTransport(Transport):
     def _settled(self, w: _Work) -> bool:
         """Everything issued finished: report (lock held). False: more to do."""
         if w.group:
-            if w.error is not None and not w.failed:
-                # the flush failed (or the endpoint went): no index is known to have landed
+            if w.error is not None:
+                # the flush failed (or the endpoint went): no index is known to have landed in full
                 exc = map_status(w.error, w.remote, w.kind, "flush failed")
                 self._forget(w)
                 self._report_fail(w, exc)
@@ -1074,7 +1093,7 @@ class UcxTransport(Transport):
                 w.abort_at = now
             if w.outstanding:
                 return
-            if w.kind == "write" and not w.fenced and w.next and not w.flushed and w.error is None:
+            if (w.kind == "write" or w.group) and not w.fenced and w.next and not w.flushed and w.error is None:
                 # The fence: once this flush completes, nothing issued before it can land.
                 w.fenced = True
                 if not self._issue_flush(w):
@@ -1092,7 +1111,7 @@ class UcxTransport(Transport):
                 w.error, w.restart, w.next, w.flushed, w.fenced = None, False, 0, False, False
                 w.failed.clear()
         if not w.outstanding and w.issued_all:
-            if w.kind == "read" or w.flushed or self._issue_flush(w):
+            if (w.kind == "read" and not w.group) or w.flushed or self._issue_flush(w):
                 self._settled(w)
             return
         self._issue(w)
