@@ -256,3 +256,52 @@ def test_progress_thread_sleeps_on_events_not_slices(engine):
         else:
             os.environ["UCX_TLS"] = old
         t.close()
+
+
+def _native_modes():
+    return ["native", "python"]
+
+
+@pytest.mark.parametrize("native", _native_modes())
+def test_post_many_writes_and_reads_each_index(target, engine, native, monkeypatch):
+    """write_many/read_many: one post_many (N puts/gets and one flush), every index reported and in place."""
+    from mpcomm.plugins.ucx import _ucp
+
+    if native == "python":
+        monkeypatch.setattr(_ucp, "_native_helper", lambda: None)
+    elif _ucp._native_helper() is None:
+        pytest.skip("no C compiler here: the compiled batch helper is unavailable")
+    target.cmd("register kv 1048576 rw buffer")
+    remote = engine.open(target.address, "kv")
+    t = engine.transports["ucx"]
+    groups = []
+    orig = t.post_many
+    monkeypatch.setattr(t, "post_many", lambda g: (groups.append(g.count), orig(g))[1])
+    n, size = 64, 4096
+    src = engine.register(bytearray(b"G" * (n * size + 8)))
+    lo = [i * size + 3 for i in range(n)]  # odd local offsets
+    ro = [i * (size + 5) for i in range(n)]  # gaps between the pieces on the target
+    batch = engine.write_many(src, remote, lo, ro, [size] * n)
+    batch.result(10)
+    assert groups == [n], groups
+    assert batch.statuses == [mpcomm.TransferStatus.COMPLETED] * n and batch.bytes_per_request == [size] * n
+    assert target.cmd("count kv 71")["n"] == n * size
+    dst = engine.register(bytearray(n * size))
+    rb = engine.read_many(dst, remote, [i * size for i in range(n)], ro, [size] * n)
+    rb.result(10)
+    assert bytes(dst.view) == b"G" * (n * size)
+
+
+def test_post_many_after_unregister_fails_every_index(target, engine):
+    target.cmd("register kv 1048576 rw buffer")
+    remote = engine.open(target.address, "kv")
+    src = engine.register(bytearray(b"H" * 65536))
+    engine.write_many(src, remote, [0, 4096], [0, 4096], [4096, 4096]).result(10)
+    target.cmd("unregister kv")
+    target.cmd("fill kv 0")
+    batch = engine.write_many(src, remote, [i * 4096 for i in range(16)], [i * 4096 for i in range(16)],
+                              [4096] * 16, timeout=5)
+    with pytest.raises(AccessError):
+        batch.result(10)
+    assert len(batch.failed) == 16
+    assert target.cmd("count kv 72")["n"] == 0
