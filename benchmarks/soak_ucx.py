@@ -61,7 +61,7 @@ def main() -> int:
         return target_main(a.region)
 
     import mpcomm
-    from mpcomm.records import format_rate, format_seconds, format_size
+    from mpcomm.cli.records import format_rate, format_seconds, format_size
 
     region = a.writers * a.slots * a.size
     tgt = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--target", "--region", str(region)],
