@@ -250,6 +250,7 @@ class UcxTransport(Transport):
         self._served: dict[int, list[Any]] = {}
         self._memh: dict[int, Any] = {}  # local region id -> memh (local side of puts/gets)
         self._quarantine: list[Any] = []  # (memh, view) kept alive after an unconfirmed revocation
+        self._gone: set[str] = set()  # node ids reported dead while something was quarantined
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._by_info: dict[int, tuple[PeerInfo, _Peer]] = {}  # id(op.peer) -> (that PeerInfo, its peer)
         self._active: set[_Work] = set()
@@ -402,22 +403,51 @@ class UcxTransport(Transport):
             served[4] = True  # no new attach from here on
             peers = list(served[3].values())
             served[3].clear()
-        confirmed = True
-        for peer in peers:
-            confirmed &= self._revoke_at(peer, region)
-        if not confirmed:
-            # A live initiator did not confirm: keep the pages and the mapping, so a late
-            # access lands in memory that is still allocated, not in freed pages.
-            self._quarantine.append((memh, region.view))
+        left = [p for p in peers if not self._revoke_at(p, region)]
+        if not left:
+            self._unmap(memh)
             return
-        self._unmap(memh)
+        # A live initiator did not confirm: keep the pages and the mapping, so a late access
+        # lands in memory that is still allocated, not in freed pages. A slice shares the
+        # exporter's buffer: the engine's release of region.view then cannot free it (a
+        # bytearray cannot resize, an mmap cannot close) while this holds it. Keep asking in
+        # the background; once every initiator confirmed (or is gone), unmap and let go.
+        entry = (memh, region.view[:])
+        with self._lock:
+            self._quarantine.append(entry)
+        threading.Thread(target=self._keep_revoking, args=(entry, region, left), name="mpcomm-ucx-revoke",
+                         daemon=True).start()
+
+    def _keep_revoking(self, entry: tuple[Any, memoryview], region: Region, left: list[PeerInfo]) -> None:
+        delay = self._revoke_timeout
+        while left and not self._closing:
+            time.sleep(delay)  # back-off between retries to a hung initiator; no one waits on this
+            delay = min(delay * 2, 30.0)
+            with self._lock:
+                gone = self._gone
+            left = [p for p in left if p.node_id not in gone and not self._revoke_at(p, region)]
+        if self._closing:
+            return  # close() unmaps everything with the context
+        with self._lock:
+            try:
+                self._quarantine.remove(entry)
+            except ValueError:
+                return
+        self._unmap(entry[0])
+        entry[1].release()
 
     def _revoke_at(self, peer: PeerInfo, region: Region) -> bool:
         try:
             self.ctx.control(peer, self.name, {"op": "revoke", "region_id": region.id}, self._revoke_timeout)
             return True
-        except (PeerConnectionError, UnknownRegionError, TransportUnavailable):
-            return True  # its engine is gone (a dead process accesses nothing) or never used ucx
+        except PeerConnectionError as exc:
+            if getattr(exc, "retryable", False):  # no answer in time: alive but hung, maybe
+                self.log.warning("ucx: %s did not confirm revoking region %r (%s); keeping it mapped",
+                                 peer.address, region.name, exc)
+                return False
+            return True  # refused or reset: its engine is gone (a dead process accesses nothing)
+        except (UnknownRegionError, TransportUnavailable):
+            return True  # it no longer runs ucx
         except EngineClosedError:
             return False
         except MpcommError as exc:
@@ -599,6 +629,12 @@ class UcxTransport(Transport):
             self._report_fail(w, PeerConnectionError(f"peer {peer.address} is gone", peer=peer.address))
         for p in gone:
             self._force_close(p)
+        with self._lock:
+            # Target side: that process (or its old incarnation) holds no rkey of ours any more.
+            for served in self._served.values():
+                served[3].pop(peer.node_id, None)
+            if self._quarantine:
+                self._gone.add(peer.node_id)
         self._signal()
 
     # -- attach (connector threads) -------------------------------------------------------

@@ -8,6 +8,8 @@ answers one command per stdin line with one JSON line on stdout:
 * ``free NAME``: drop the last reference to the buffer (after unregister);
 * ``count NAME BYTE``: how many bytes of the buffer equal BYTE;
 * ``fill NAME BYTE``;
+* ``open ADDRESS NAME`` / ``write NAME OFFSET LENGTH BYTE``: act as an initiator towards
+  another engine (``write`` answers ``{"ok": ...}`` or ``{"failed": "ErrorClass"}``);
 * ``ping``, ``quit``.
 """
 
@@ -28,6 +30,7 @@ def main() -> int:
     engine = mpcomm.Engine(json.loads(sys.argv[1]) if len(sys.argv) > 1 else None, transports=["ucx"])
     regions: dict[str, object] = {}
     buffers: dict[str, object] = {}
+    remotes: dict[str, object] = {}
     out.write(json.dumps({"address": engine.address, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:
         cmd = line.split()
@@ -59,6 +62,16 @@ def main() -> int:
                 b = buffers[cmd[1]]
                 b[:] = bytes([int(cmd[2])]) * len(b)
                 res = {"ok": True}
+            elif cmd[0] == "open":
+                remotes[cmd[2]] = engine.open(cmd[1], cmd[2], timeout=10)
+                res = {"ok": True}
+            elif cmd[0] == "write":
+                name, off, ln, byte = cmd[1], int(cmd[2]), int(cmd[3]), int(cmd[4])
+                try:
+                    engine.write(bytes([byte]) * ln, remotes[name], off, ln, timeout=5).result(10)
+                    res = {"ok": True}
+                except mpcomm.MpcommError as exc:
+                    res = {"failed": type(exc).__name__}
             elif cmd[0] == "ping":
                 res = {"ok": True}
             elif cmd[0] == "quit":

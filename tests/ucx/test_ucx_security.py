@@ -305,3 +305,42 @@ def test_post_many_after_unregister_fails_every_index(target, engine):
         batch.result(10)
     assert len(batch.failed) == 16
     assert target.cmd("count kv 72")["n"] == 0
+
+
+def test_hung_initiator_quarantines_instead_of_freeing():
+    """An attached initiator that does not confirm the revocation (SIGSTOPped): unregister returns after
+    revoke_timeout, the pages stay mapped and referenced (a late write lands in allocated memory, never in
+    freed pages), and the target keeps asking: once the initiator runs again it drops the region, later
+    writes are refused, and the target lets the buffer go."""
+    cfg = {"plugins": {"ucx": {"revoke_timeout": 0.5}}}
+    ini = Target()
+    try:
+        with mpcomm.Engine(cfg, transports=["ucx"]) as tgt:
+            buf = bytearray(65536)
+            reg = tgt.register(buf, name="kv")
+            ini.cmd(f"open {tgt.address} kv")
+            assert ini.cmd("write kv 0 4096 73") == {"ok": True}
+            assert buf[:4096] == b"I" * 4096
+            t = tgt.transports["ucx"]
+            os.kill(ini.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                tgt.unregister(reg, timeout=30)
+                took = time.monotonic() - t0
+                assert len(t._quarantine) == 1 and t._quarantine[0][1].obj is buf
+                with pytest.raises(BufferError):
+                    buf.extend(b"x")  # still exported: it cannot move or shrink
+            finally:
+                os.kill(ini.pid, signal.SIGCONT)
+            assert took < 15, took
+            deadline = time.monotonic() + 20
+            while t._quarantine and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not t._quarantine, "the revocation was never confirmed after the initiator resumed"
+            buf[:] = bytes(len(buf))
+            res = ini.cmd("write kv 0 4096 74")
+            assert res.get("failed") in ("UnknownRegionError", "PermissionDeniedError", "StaleRegionError"), res
+            assert buf.count(74) == 0
+            buf.extend(b"x")  # released: the owner has its buffer back
+    finally:
+        ini.close()
