@@ -370,11 +370,12 @@ class Worker:
         return self._efd
 
     def arm(self) -> bool:
-        """Drain progress, then arm the efd. False means events are pending
-        (UCS_ERR_BUSY): progress again instead of sleeping, or they are lost.
+        """Arm the efd. False means there is work (a progress call just did some, or
+        UCS_ERR_BUSY): look at your requests and progress again instead of sleeping, or
+        completions that progress call produced are never looked at.
         Use with fileno() to sleep in your own select/poll/epoll loop."""
-        while self.progress():
-            pass
+        if self.progress():
+            return False
         st = self._lib.ucp_worker_arm(self._h)
         if st == UCS_ERR_BUSY:
             return False

@@ -803,6 +803,10 @@ class UcxTransport(Transport):
                         self._signal()
                         return
                     p.attached.move_to_end(att.key)
+                    if self._active:
+                        # Our progress calls may have completed requests of handed-off work (its
+                        # event is consumed now): let the progress thread look.
+                        self._signal()
                 else:
                     done = None
             if done:
@@ -883,6 +887,8 @@ class UcxTransport(Transport):
             if w.outstanding or w.group:
                 while progress():
                     pass
+                if self._active:
+                    self._signal()  # those calls may have completed handed-off work: let the thread look
             self._reap(w)
             if not w.outstanding and w.issued_all and ((w.kind == "read" and not w.group) or w.flushed
                                                         or w.error is not None or self._issue_flush(w)):
@@ -915,6 +921,8 @@ class UcxTransport(Transport):
         loc = op.local.address + op.local_offset
         st = ep.rma_now(write, loc, op.length, att.base + op.remote_offset, att.rkey, w.memh)
         w.next = 1
+        if self._active:
+            self._signal()  # rma_now's progress calls may have completed handed-off work
         if isinstance(st, int):
             if st != 0:
                 w.error = st
