@@ -100,6 +100,16 @@ def _error(kind: type[MpcommError], text: str, remote: Any) -> MpcommError:
     return kind(text, peer=getattr(remote, "address", None), region=getattr(remote, "name", None))
 
 
+def _fresh(exc: BaseException) -> BaseException:
+    """A new instance of a shared error (one per request: each gets its own traceback)."""
+    if isinstance(exc, MpcommError):
+        try:
+            return type(exc)(str(exc), region=exc.region, peer=exc.peer)
+        except TypeError:
+            return exc
+    return exc
+
+
 def map_status(status: int, remote: Any, kind: str, where: str) -> MpcommError:
     """A UCX status of a failed request as an mpcomm error."""
     ucp = _ucp_module()
@@ -844,7 +854,7 @@ class UcxTransport(Transport):
                 peer.attached[key] = att
                 self._trim(peer)
             if att.state == "revoked":
-                raise att.error or UnknownRegionError("region revoked", region=r.name)
+                raise _fresh(att.error or UnknownRegionError("region revoked", region=r.name))
             if att.state == "pending":
                 self._items(w)
                 att.waiting.append(w)
@@ -1102,7 +1112,7 @@ class UcxTransport(Transport):
     def _report_fail(self, w: _Work, exc: BaseException) -> None:
         with self._lock:
             self._forget(w)
-        w.op.fail(exc)
+        w.op.fail(_fresh(exc))
 
     def _step(self, w: _Work, now: float) -> None:
         """Advance ``w`` on the progress thread (lock held)."""
