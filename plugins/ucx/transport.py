@@ -763,7 +763,9 @@ class UcxTransport(Transport):
         op = w.op
         if w.group:
             lo = min(op.remote_offsets)
-            hi = max(map(operator.add, op.remote_offsets, op.lengths))
+            hi = max(op.remote_offsets) + max(op.lengths)  # an upper bound, cheap; exact only if needed
+            if hi > att.size:
+                hi = max(map(operator.add, op.remote_offsets, op.lengths))
         else:
             lo, hi = op.remote_offset, op.remote_offset + op.length
         if lo < 0 or hi > att.size:
@@ -894,7 +896,7 @@ class UcxTransport(Transport):
             # fragment inside progress); UCX marks requests done in progress calls, which are
             # local and never wait on the peer: progress while it makes progress.
             progress = self._worker.progress  # type: ignore[union-attr]
-            if w.outstanding or w.group:
+            if w.outstanding:  # (a group's rma_group already progressed)
                 while progress():
                     pass
                 if self._active:
