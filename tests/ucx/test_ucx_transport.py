@@ -55,7 +55,7 @@ def test_conformance(kit_env, check):
 
 
 TCP_CHECKS = [c for c in CHECKS if c.__name__ in ("check_read_integrity", "check_timeout", "check_cancel_after_post",
-                                                  "check_peer_killed")]
+                                                  "check_peer_killed", "check_timeout_stalled_target")]
 
 
 @pytest.fixture(scope="module")
