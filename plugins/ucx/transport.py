@@ -45,6 +45,15 @@ issued on the posting thread (cma copies are synchronous and need nothing
 from the target); what is not done right after issuing is left to the
 progress thread.
 
+Batches (``post_many``): the N puts/gets are issued as one unit (``Endpoint.rma_group``:
+a compiled loop when a C compiler is available, see ``_native.py``, else Python),
+their requests released at once, then one endpoint flush reports them all; an
+index UCX refuses at once fails alone, a failed flush fails every index.
+
+Wake-ups. Completions are seen only by whoever calls ``ucp_worker_progress``: a
+posting thread that progressed while work was handed off signals the progress
+thread, and ``Worker.arm`` reports work its progress call did instead of sleeping.
+
 Abort (timeout, cancel, peer lost, revocation). ``ucp_request_cancel`` does
 nothing to RMA requests, so an abort is a fence: stop issuing, wait for what
 was issued, flush the endpoint, then fail. A stalled target over tcp cannot
