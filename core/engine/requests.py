@@ -57,6 +57,7 @@ from ..remote import RemoteRegion
 from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _resolve_members
 from ..routing import RouteQuery
 from ..transport import FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, _int64, timeout_error
+from .completions import CompletionQueue
 from .notify import MAX_NOTIFY
 from .regions import release_view
 
@@ -137,16 +138,19 @@ class Pipeline:
         self._backlog: dict[str, deque[Any]] = {}
         self._backlog_lock = threading.Lock()
         self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
-        self._queue_dispatch: dict[int, _Dispatch] = {}
 
     # -- prepare ----------------------------------------------------------------------
 
     def _dispatch_for(self, cq: Any) -> _Dispatch:
         if cq is None:
             return self.dispatch
-        d = self._queue_dispatch.get(id(cq))
+        if not isinstance(cq, CompletionQueue):
+            raise MpcommError(f"completion_queue must come from Engine.completion_queue(), not {cq!r}")
+        # Kept on the queue itself (one per engine that posts to it): no table here to outlive it.
+        per_engine = cq.__dict__.setdefault("_dispatch", {})
+        d = per_engine.get(id(self))
         if d is None:
-            d = self._queue_dispatch[id(cq)] = _Dispatch(cq.push, cq.on_thread, self.cancel)
+            d = per_engine[id(self)] = _Dispatch(cq.push, cq.on_thread, self.cancel)
         return d
 
     def _local(self, buf: Any, name: str) -> tuple[Region, bool]:
