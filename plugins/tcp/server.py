@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import struct
 import time
 from array import array
 from typing import Any
@@ -36,6 +37,14 @@ from mpcomm.transport_kit import recv_into_by, sendmsg_by
 from . import wire
 
 _DISCARD = bytearray(256 << 10)  # shared by every connection: what lands here is thrown away
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a reset: what we still had queued for a misbehaving peer is dropped, not trickled out."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
 
 
 class _Closed(Exception):
@@ -75,8 +84,10 @@ class Server:
             pass
         except ProtocolError as exc:
             self.log.warning("tcp: closing data connection from %s: %s", peer, exc)
+            _reset(sock)
         except MpcommError as exc:  # authentication refused, a deadline passed mid-frame
             self.log.info("tcp: closing data connection from %s: %s", peer, exc)
+            _reset(sock)
         except OSError:
             pass  # the initiator went away
 
