@@ -20,7 +20,7 @@ import os
 import socket
 import time
 
-from .errors import AuthenticationError, PeerConnectionError, ProtocolError, TransferTimeout
+from .errors import AuthenticationError, PeerConnectionError, TransferTimeout
 
 __all__ = ["client_authenticate", "server_authenticate"]
 
@@ -66,7 +66,7 @@ def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
         except OSError as exc:
             raise PeerConnectionError(f"connection lost during authentication: {exc}") from exc
         if r == 0:
-            raise ProtocolError(f"connection closed during authentication after {got} of {n} bytes")
+            raise PeerConnectionError(f"connection closed during authentication after {got} of {n} bytes")
         got += r
     return bytes(buf)
 

@@ -72,7 +72,7 @@ def test_a_side_with_a_secret_and_a_side_without_refuse_each_other() -> None:
 
     th = threading.Thread(target=serve)
     th.start()
-    with pytest.raises((mpcomm.AuthenticationError, mpcomm.ProtocolError)):
+    with pytest.raises((mpcomm.AuthenticationError, mpcomm.PeerConnectionError)):
         client_authenticate(a, SECRET, time.monotonic() + 5, b"ctx")
     a.close()
     th.join(5)
