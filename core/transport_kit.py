@@ -98,15 +98,19 @@ class Pieces:
 
     def done(self, error: BaseException | None = None, *, confirmed: bool = True) -> bool:
         """One piece ended; returns True when this was the last one (the op is reported)."""
-        with self._lock:
-            if error is not None and self._error is None:
-                self._error = error
-            if not confirmed:
-                self._unconfirmed = True
-            self._left -= 1
-            if self._left:
-                return False
-            error, unconf = self._error, self._unconfirmed
+        if self._left == 1 and self._error is None:  # the common single piece: no lock to take
+            self._left = 0
+            unconf = not confirmed
+        else:
+            with self._lock:
+                if error is not None and self._error is None:
+                    self._error = error
+                if not confirmed:
+                    self._unconfirmed = True
+                self._left -= 1
+                if self._left:
+                    return False
+                error, unconf = self._error, self._unconfirmed
         if error is None:
             self.op.complete(None)
         elif unconf:

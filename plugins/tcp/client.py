@@ -90,6 +90,7 @@ class Conn:
         self.writer_busy = False
         self.load = 0  # payload bytes queued or in flight
         self.hard_closed = False
+        self.current: Piece | None = None  # the piece whose reply the reader is receiving
         self.last_used = time.monotonic()
         threading.Thread(target=self._writer, name=f"mpcomm-tcp-w-{pool.where}", daemon=True).start()
 
@@ -264,18 +265,18 @@ class Conn:
                 if magic != wire.RESP_MAGIC:
                     raise ProtocolError(f"bad reply magic from {self.pool.where}")
                 with self.lock:
-                    piece = self.pending.get(rid)
+                    piece = self.pending.pop(rid, None)
                     # SENDING too: the reply can overtake the writer's bookkeeping.
                     if piece is None or piece.state not in (SENDING, SENT, DONE):
                         raise ProtocolError(f"reply for a request {rid} that is not awaiting one")
                     discard = piece.state == DONE
                     if not discard:
                         piece.state = RECEIVING
-                self._reply(sock, piece, status, count, length, discard)
-                with self.lock:
-                    self.pending.pop(rid, None)
+                        self.current = piece  # _fail_all reports it if the reply breaks off
                     self.load -= piece.size
-                    self.last_used = time.monotonic()
+                self._reply(sock, piece, status, count, length, discard)
+                self.current = None
+                self.last_used = time.monotonic()
         except ProtocolError as exc:
             err = exc
             self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
@@ -359,11 +360,11 @@ class Conn:
         return error_from_code(code, f"{self.pool.where}: {message}", peer=self.pool.where)
 
     def _finish(self, piece: Piece, err: MpcommError | None, status: bytes | None, discard: bool) -> None:
+        if discard:
+            return  # aborted and reported already; its payload went to the discard buffer
         with self.lock:
-            already = piece.state == DONE and discard
             piece.state = DONE
-        if not already:
-            piece.report(err, status, True)
+        piece.report(err, status, True)
 
     def _fail_all(self, err: MpcommError, reader_started: bool) -> None:
         """The connection is gone: every piece still on it ends, from this (the last) thread touching it."""
@@ -372,6 +373,9 @@ class Conn:
             self.broken = True
             self.ready = False
             pieces = [(p, p.state) for p in self.pending.values() if p.state != DONE]
+            if self.current is not None and self.current.state != DONE:
+                pieces.append((self.current, self.current.state))
+                self.current = None
             for p, _ in pieces:
                 p.state = DONE
             self.pending.clear()

@@ -98,7 +98,7 @@ class TcpTransport(Transport):
         o = ctx.options
         self.copy_mode = ctx.mode == "copy"
         self.closed = False
-        self._pools: dict[tuple[str, int, str], Pool] = {}
+        self._pools: dict[tuple[str, str], Pool] = {}  # (peer address, peer epoch) -> its connections
         self._pools_lock = threading.Lock()
         self._accept: AcceptLoop | None = None
         self._conns = int(o["connections"])
@@ -134,16 +134,16 @@ class TcpTransport(Transport):
         return Availability.yes()
 
     def _pool(self, peer: PeerInfo, address: str) -> Pool:
-        info = peer.transports[self.name]
-        host, _ = parse_endpoint(address)
-        key = (host, int(info["port"]), peer.epoch)
+        key = (address, peer.epoch)
         pool = self._pools.get(key)
         if pool is None:
+            info = peer.transports[self.name]
+            host, _ = parse_endpoint(address)
             with self._pools_lock:
                 pool = self._pools.get(key)
                 if pool is None:
                     idle = info.get("idle_timeout_ms")
-                    pool = self._pools[key] = Pool(self, host, key[1], peer.epoch,
+                    pool = self._pools[key] = Pool(self, host, int(info["port"]), peer.epoch,
                                                    int(idle) if isinstance(idle, int) and idle > 0 else 60_000)
         return pool
 
@@ -165,7 +165,7 @@ class TcpTransport(Transport):
         n = 1
         if op.length >= self._stripe_threshold and self._conns > 1:
             n = min(self._conns, math.ceil(op.length / (self._stripe_threshold // 2)))
-        ranges = stripes(op.length, n)
+        ranges = stripes(op.length, n) if n > 1 else [(0, op.length)]
         pieces = Pieces(op, len(ranges))
         plist: list[Piece] = []
         op.state = plist
@@ -281,7 +281,7 @@ class TcpTransport(Transport):
             return
         port = info.get("port", -1)
         with self._pools_lock:
-            gone = [k for k in self._pools if k[0] == host and k[1] == port]
+            gone = [k for k, p in self._pools.items() if k[0] == peer.address or (p.host == host and p.port == port)]
             pools = [self._pools.pop(k) for k in gone]
         for p in pools:
             p.close()
