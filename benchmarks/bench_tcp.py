@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="", help="comma-separated subset of 4KiB,64KiB,4MiB,64MiB")
     ap.add_argument("--batch", type=int, default=0, help="also measure batches of this many 4 KiB writes")
     ap.add_argument("--concurrency", default="1,8", help="comma-separated in-flight counts")
+    ap.add_argument("--ops", default="write,read", help="comma-separated: write, read")
     args = ap.parse_args()
     names = {"4KiB": 4 * KiB, "64KiB": 64 * KiB, "4MiB": 4 * MiB, "64MiB": 64 * MiB}
     sizes = [names[x] for x in args.sizes.split(",")] if args.sizes else SIZES
@@ -127,7 +128,7 @@ def main() -> None:
                 socks.append(s)
             for size in sizes:
                 iters = max(3, min(2000, (256 * MiB) // size)) // (4 if args.quick else 1)
-                for op in ("write", "read"):
+                for op in args.ops.split(","):
                     for conc in concs:
                         n = max(2, iters // conc)
 

@@ -402,7 +402,7 @@ class Conn:
 class Pool:
     """Connections to one target instance; picks the least-loaded, dials more up to ``size``."""
 
-    BUSY = 256 << 10  # a connection carrying this many bytes is busy: prefer dialling another
+    BUSY = 64 << 10  # a connection carrying this many bytes is busy: prefer dialling another
 
     def __init__(self, transport: Any, host: str, port: int, epoch: str, idle_ms: int) -> None:
         ctx = transport.ctx
