@@ -14,7 +14,7 @@ import mpcomm
 from mpcomm.auth import client_authenticate, server_authenticate
 from mpcomm.plugins.tcp import wire
 
-SECRET = "0123456789abcdef0123456789abcdef"
+SECRET = "7f3c9a1e5b2d4c6e8a0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f708192a3b4c5"
 
 
 def test_engines_with_the_secret_move_data(spawn: Any, make_engine: Any) -> None:
