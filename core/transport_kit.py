@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import select
 import socket
 import threading
 import time
@@ -38,6 +39,7 @@ __all__ = [
     "Pieces",
     "check_options",
     "recv_into_by",
+    "recv_some_by",
     "send_nowait",
     "sendmsg_by",
     "stripes",
@@ -164,6 +166,9 @@ def _trim(views: list[memoryview], sent: int) -> list[memoryview]:
     return views[i:]
 
 
+_NOWAIT = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
+
+
 def send_nowait(sock: socket.socket, views: list[memoryview]) -> list[memoryview]:
     """Send what the socket buffer takes right now (``MSG_DONTWAIT``); returns what is left.
 
@@ -171,42 +176,70 @@ def send_nowait(sock: socket.socket, views: list[memoryview]) -> list[memoryview
     other than "would block" propagate.
     """
     try:
-        sent = sock.sendmsg(views, (), socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0))
+        sent = sock.sendmsg(views, (), _NOWAIT)
     except (BlockingIOError, InterruptedError):
         return views
     return _trim(views, sent)
 
 
+def _wait(sock: socket.socket, events: int, deadline: float) -> bool:
+    """Poll ``sock`` for ``events`` until ``deadline``; False when the deadline passed first."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    p = select.poll()
+    p.register(sock, events)
+    return bool(p.poll(left * 1000))
+
+
 def sendmsg_by(sock: socket.socket, views: list[memoryview], deadline: float, what: str = "send") -> None:
-    """Send every byte of ``views`` or raise TransferTimeout at ``deadline`` (monotonic)."""
+    """Send every byte of ``views`` or raise TransferTimeout at ``deadline`` (monotonic).
+
+    Each attempt is non-blocking (``MSG_DONTWAIT``) and only a full socket
+    buffer makes it poll: one system call when the peer keeps up. Keep the
+    socket in blocking mode (no ``settimeout``) so Python adds no poll of its own.
+    """
     views = [v for v in views if v.nbytes]
     while views:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferTimeout(f"{what}: the peer did not take the data before the deadline")
-        sock.settimeout(left)
         try:
-            sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux
-        except TimeoutError:
+            sent = sock.sendmsg(views[:512], (), _NOWAIT)  # IOV_MAX is 1024 on Linux
+        except (BlockingIOError, InterruptedError):
+            if not _wait(sock, select.POLLOUT, deadline):
+                raise TransferTimeout(f"{what}: the peer did not take the data before the deadline") from None
             continue
         views = _trim(views, sent)
 
 
 def recv_into_by(sock: socket.socket, view: memoryview, deadline: float, what: str = "receive") -> None:
-    """Fill ``view`` or raise: TransferTimeout at ``deadline``, PeerConnectionError on EOF."""
+    """Fill ``view`` or raise: TransferTimeout at ``deadline``, PeerConnectionError on EOF.
+
+    Non-blocking attempts and a poll only when nothing is there, like :func:`sendmsg_by`.
+    """
     got, n = 0, view.nbytes
     while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferTimeout(f"{what}: the peer did not send {n} bytes before the deadline ({got} came)")
-        sock.settimeout(left)
         try:
-            r = sock.recv_into(view[got:], n - got)
-        except TimeoutError:
+            r = sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            if not _wait(sock, select.POLLIN, deadline):
+                raise TransferTimeout(
+                    f"{what}: the peer did not send {n} bytes before the deadline ({got} came)") from None
             continue
         if r == 0:
             raise PeerConnectionError(f"{what}: connection closed by the peer after {got} of {n} bytes")
         got += r
+
+
+def recv_some_by(sock: socket.socket, view: memoryview, deadline: float) -> int:
+    """Receive what is there into ``view`` (at least one byte, 0 on EOF), waiting until ``deadline``.
+
+    Returns -1 when the deadline passed with nothing received.
+    """
+    while True:
+        try:
+            return sock.recv_into(view, view.nbytes, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            if not _wait(sock, select.POLLIN, deadline):
+                return -1
 
 
 # -- the accept loop ------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Any
 from mpcomm.auth import server_authenticate
 from mpcomm.errors import MpcommError, OutOfBoundsError, PeerConnectionError, ProtocolError, TransferTimeout
 from mpcomm.peer import format_endpoint
-from mpcomm.transport_kit import recv_into_by, sendmsg_by
+from mpcomm.transport_kit import recv_into_by, recv_some_by, sendmsg_by
 
 from . import wire
 
@@ -106,13 +106,9 @@ class Server:
         return initiator.rstrip(b"\0").decode("ascii", "replace")
 
     def _one(self, sock: socket.socket, head: memoryview) -> None:
-        sock.settimeout(self.idle)
-        try:
-            got = sock.recv_into(head, wire.REQ.size)
-        except TimeoutError:
-            raise _Closed() from None  # idle for idle_timeout_ms: the initiator dials again when needed
-        if got == 0:
-            raise _Closed()
+        got = recv_some_by(sock, head, time.monotonic() + self.idle)
+        if got <= 0:
+            raise _Closed()  # closed by the initiator, or idle for idle_timeout_ms (it dials again when needed)
         if got < wire.REQ.size:
             recv_into_by(sock, head[got:], time.monotonic() + self.handshake_time, "tcp request header")
         magic, op, _flags, count, req_id, region_id, token, epoch, offset, length, deadline = wire.REQ.unpack(head)
@@ -192,19 +188,15 @@ class Server:
         pos, n = 0, dest.nbytes
         bounce = bytearray(min(self.bounce_size, n)) if self.copy_mode and n else None
         while pos < n:
-            left = end - time.monotonic()
-            if left <= 0:
-                return pos
-            sock.settimeout(left)
             k = min(self.chunk, n - pos)
-            try:
-                if bounce is None:
-                    got = sock.recv_into(dest[pos : pos + k], k)
-                else:
-                    got = sock.recv_into(bounce, min(k, len(bounce)))
+            if bounce is None:
+                got = recv_some_by(sock, dest[pos : pos + k], end)
+            else:
+                got = recv_some_by(sock, memoryview(bounce)[: min(k, len(bounce))], end)
+                if got > 0:
                     dest[pos : pos + got] = memoryview(bounce)[:got]
-            except TimeoutError:
-                return pos
+            if got < 0:
+                return pos  # the deadline passed
             if got == 0:
                 raise PeerConnectionError(f"connection closed after {pos} of {n} payload bytes")
             pos += got

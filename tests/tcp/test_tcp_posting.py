@@ -76,7 +76,7 @@ def test_a_stalled_peer_slows_no_other(spawn: Any, make_engine: Any) -> None:
             ini.write(data, r_fast, i * 4096).result(2)
         assert time.monotonic() - t0 < 2.0
         assert fast.cmd(f"sha kv 0 {4096}") == hashlib.sha256(data).hexdigest()
-        assert not any(t.done() for t in stuck)
+        assert not any(t.done() for t in stuck), [(t.status, t.exception() if t.done() else None) for t in stuck]
     finally:
         slow.cont()
     for t in stuck:
@@ -88,7 +88,7 @@ def test_a_stalled_peer_slows_no_other(spawn: Any, make_engine: Any) -> None:
 
 def test_requests_are_pipelined_on_one_connection(spawn: Any, make_engine: Any) -> None:
     target = spawn({"kv": [1 << 20, "buffer"]})
-    ini = make_engine()
+    ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
     remote = ini.open(target.address, "kv")
     src = ini.allocate(64 * 4096)
     src.view[:] = bytes(range(256)) * (64 * 16)
