@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 import mpcomm
-from mpcomm.records import format_seconds, format_size, parse_size
+from mpcomm.cli.records import format_seconds, format_size, parse_size
 
 MiB = 1 << 20
 REGION = 64 * MiB

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import psutil
 
 import mpcomm
-from mpcomm.records import format_rate, format_record, format_seconds, format_size
+from mpcomm.cli.records import format_rate, format_record, format_seconds, format_size
 from mpcomm.testing import TargetProcess
 
 KiB, MiB = 1 << 10, 1 << 20

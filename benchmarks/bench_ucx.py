@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 import mpcomm
-from mpcomm.records import format_rate, format_seconds, format_size, proc_cpu, self_cpu
+from mpcomm.cli.records import format_rate, format_seconds, format_size, proc_cpu, self_cpu
 
 SIZES = [4 << 10, 4 << 20, 64 << 20]
 REGION = (64 << 20) + 4096

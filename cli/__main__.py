@@ -1,5 +1,5 @@
 """``python -m mpcomm.cli`` runs the ``mpcomm`` command."""
 
-from .app import main
+from . import main
 
 main()

@@ -17,8 +17,8 @@ import typer
 
 from mpcomm import __version__
 
-from . import bench, demo, doctor, plugins_cmd, serve, transfer
-from ._common import EXIT_CODES_EPILOG, State, err_console, handle_errors
+from . import bench, demo, doctor, plugins_cmd, secret, serve, transfer
+from ._common import EXIT_CODES_EPILOG, EXIT_USAGE, State, err_console, handle_errors, print_error
 from .otel import setup as setup_otel
 
 __all__ = ["app", "main"]
@@ -45,7 +45,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-for _module in (plugins_cmd, demo, doctor, serve, transfer, bench):
+for _module in (plugins_cmd, demo, doctor, serve, transfer, bench, secret):
     app.add_typer(_module.app)
 
 
@@ -67,7 +67,8 @@ def root(
     otel: Annotated[
         OtelMode,
         typer.Option("--otel", help="Send spans and metrics to the console (stderr) or to OTLP "
-                     "(OTEL_EXPORTER_OTLP_* variables); turns on observability.trace_transfers and metrics.",
+                     "(OTEL_EXPORTER_OTLP_* variables); turns on observability.metrics (a span per command, "
+                     "operation and batch; per-request spans need observability.trace_transfers).",
                      envvar="MPCOMM_OTEL", case_sensitive=False),
     ] = OtelMode.none,
     log_level: Annotated[
@@ -84,6 +85,14 @@ def root(
     if otel is not OtelMode.none:
         shutdown = setup_otel(otel.value)
         ctx.call_on_close(shutdown)
+        # One span for the whole command, parent of the operations' spans; it ends
+        # before the providers flush (close callbacks run last-in, first-out).
+        from mpcomm.telemetry import operation_span
+
+        span = operation_span(f"mpcomm {ctx.invoked_subcommand or ''}".strip(), {"mpcomm.cli.command":
+                                                                                  ctx.invoked_subcommand})
+        span.__enter__()
+        ctx.call_on_close(lambda: span.__exit__(None, None, None))
 
 
 def _configure_logging(level: str) -> None:
@@ -99,8 +108,28 @@ def _configure_logging(level: str) -> None:
 
 
 def main() -> None:
-    """Console-script entry point (``mpcomm = "mpcomm.cli.app:main"``)."""
-    app()
+    """Console-script entry point: usage errors, like every other error, are one line (exit 2)."""
+    # typer >= 0.20 vendors click; BadParameter's bases are the click exception classes either way.
+    usage_error, click_exception = typer.BadParameter.__mro__[1], typer.BadParameter.__mro__[2]
+    try:
+        code = app(standalone_mode=False)
+    except usage_error as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `mpcomm`: the help, as before
+            exc.show()
+            raise SystemExit(EXIT_USAGE) from None
+        ctx = getattr(exc, "ctx", None)
+        command = ctx.command_path if ctx is not None else "mpcomm"
+        print_error(f"UsageError: {exc.format_message()} (see {command} --help)")
+        raise SystemExit(EXIT_USAGE) from None
+    except click_exception as exc:
+        print_error(f"{type(exc).__name__}: {exc.format_message()}")
+        raise SystemExit(getattr(exc, "exit_code", 1)) from None
+    except typer.Abort:
+        print_error("Aborted")
+        raise SystemExit(130) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

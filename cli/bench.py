@@ -1,10 +1,14 @@
-"""``mpcomm bench``: the seed's benchmark matrix, between two processes.
+"""``mpcomm bench``: the seed's benchmark matrix, between two processes or two hosts.
 
-For every chosen transport the target is a separate ``mpcomm serve``
-process (spawned here, so every figure is inter-process); this process is
-the initiator. Cases (``--case``, repeatable; default all but ``otel``):
+Without ``--target``, for every chosen transport the target is a separate
+``mpcomm serve`` process (spawned here, so every figure is inter-process);
+this process is the initiator. With ``--target ADDRESS REGION`` the target is
+a ``mpcomm serve`` started separately, on this host or another one, and only
+the initiator runs here (as ``ucx_perftest``, ``nixlbench`` or Mooncake's
+``tebench`` do). Cases (``--case``, repeatable; default all but ``otel`` and
+``sweep``):
 
-* ``latency``      small messages, one in flight: p50/p99 latency
+* ``latency``      small messages, one in flight: latency percentiles
 * ``throughput``   large messages, one in flight, write and read
 * ``concurrency``  64 KiB writes at growing numbers in flight
 * ``memory``       memory kinds: host is measured by every case above;
@@ -14,19 +18,28 @@ the initiator. Cases (``--case``, repeatable; default all but ``otel``):
                    peer killed mid-run (SIGKILL: which errors, how fast)
 * ``otel``         small-message latency with observability off, metrics on,
                    traces and metrics on (``--otel-overhead`` adds it)
+* ``sweep``        sizes from ``--start-size`` doubling to ``--max-size``, for
+                   every ``--batch`` and ``--depth``, with ``--threads``
+                   initiator threads and ``--op`` write/read/mix; chosen by
+                   default when any of those options is given
 
-Each case prints one line in the seed's record format::
+Each case prints one line in the seed's record format, then extra fields::
 
     transport=tcp mode=zero-copy memory=host message_size=4MiB concurrency=1 numa_binding=none
     throughput=2.41GB/s p50_latency=1.62ms p99_latency=2.10ms cpu_utilization=131% case=throughput op=write ...
 
-``cpu_utilization`` is the CPU time of both processes (user + system,
-from ``getrusage`` and ``/proc/<pid>/stat``) over the wall time, in percent
-of one core.
+``--json`` prints the same records as JSON Lines (one object per line, as
+they are measured) with plain numbers: bytes, bytes/s, seconds, fractions.
+``cpu_utilization`` is the CPU time of both processes (user + system, from
+``getrusage`` and ``/proc/<pid>/stat``) over the wall time, in percent of one
+core; with ``--target`` the target's CPU is not visible and it is the
+initiator's alone (``cpu_target`` is absent).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import logging
 import os
@@ -35,6 +48,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -49,23 +63,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import mpcomm
 from mpcomm.errors import MpcommError
-from mpcomm.records import proc_cpu, self_cpu
+from mpcomm.peer import parse_endpoint
+from mpcomm.telemetry import operation_span
 
 from ._common import (
     EXIT_USAGE,
+    EXIT_VERIFY,
     CliError,
     ConfigOption,
-    JsonOption,
+    EndpointOption,
     State,
     build_config,
+    client_engine,
     err_console,
     format_rate,
     format_seconds,
     format_size,
     get_state,
     handle_errors,
+    parse_size,
     print_json,
 )
+from .records import proc_cpu, self_cpu
 
 app = typer.Typer()
 
@@ -78,9 +97,32 @@ class Case(str, Enum):
     modes = "modes"
     fault = "fault"
     otel = "otel"
+    sweep = "sweep"
 
 
-DEFAULT_CASES = [c for c in Case if c is not Case.otel]
+class Op(str, Enum):
+    write = "write"
+    read = "read"
+    mix = "mix"
+
+
+DEFAULT_CASES = [c for c in Case if c not in (Case.otel, Case.sweep)]
+#: What a separately started target allows: no restart in copy mode, no signals to it.
+REMOTE_CASES = (Case.latency, Case.throughput, Case.concurrency, Case.memory, Case.sweep)
+#: Local memory per point at most: slots are reused beyond it.
+LOCAL_CAP = 256 << 20
+
+
+@dataclass
+class Load:
+    """How one point is driven: op, requests per submit, units in flight per thread, threads."""
+
+    op: str = "write"
+    batch: int = 1
+    depth: int = 1
+    threads: int = 1
+    iterations: int | None = None  # measured requests per point (all threads), None: until the time budget
+    warmup: int = 5  # units per thread before the clock starts
 
 
 @dataclass
@@ -93,23 +135,43 @@ class Plan:
     max_requests: int
     fault_requests: int
     otel_rounds: int
+    sweep_sizes: list[int] = field(default_factory=list)
+    sweep_batches: list[int] = field(default_factory=lambda: [1])
+    sweep_depths: list[int] = field(default_factory=lambda: [1])
+    sweep_op: str = "write"
+    threads: int = 1
+    iterations: int | None = None
+    warmup: int = 5
+    check_data: bool = False
 
     @classmethod
     def make(cls, quick: bool) -> Plan:
         if quick:
             return cls([8, 4096], [64 << 10, 1 << 20, 4 << 20], [1, 4, 16], [64 << 10, 4 << 20],
-                       0.25, 2000, 8, 3)
+                       0.25, 2000, 8, 3, sweep_sizes=sizes_between(4096, 4 << 20))
         return cls([8, 512, 4096, 64 << 10], [64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20],
-                   [1, 2, 4, 8, 16, 32, 64], [64 << 10, 4 << 20, 64 << 20], 2.0, 100_000, 32, 10)
+                   [1, 2, 4, 8, 16, 32, 64], [64 << 10, 4 << 20, 64 << 20], 2.0, 100_000, 32, 10,
+                   sweep_sizes=sizes_between(8, 64 << 20))
 
     @property
     def region_size(self) -> int:
-        return max(max(self.throughput_sizes + self.mode_sizes) * 2, (64 << 10) * max(self.concurrency) * 2)
+        sweep = max(self.sweep_sizes or [0]) * min(4, self.threads * max(self.sweep_depths) * max(self.sweep_batches))
+        return max(max(self.throughput_sizes + self.mode_sizes) * 2, (64 << 10) * max(self.concurrency) * 2, sweep)
+
+
+def sizes_between(start: int, stop: int) -> list[int]:
+    """``start``, doubling, up to and including ``stop`` (which ends the list even off the doubling)."""
+    out, n = [], start
+    while n < stop:
+        out.append(n)
+        n *= 2
+    out.append(stop)
+    return out
 
 
 @dataclass
 class Record:
-    """One case; :meth:`line` renders the seed's record format."""
+    """One case; :meth:`line` renders the seed's record format, :meth:`to_dict` the JSON one."""
 
     transport: str
     mode: str
@@ -124,7 +186,11 @@ class Record:
     case: str = ""
     op: str = ""
     requests: int = 0
-    status: str = "ok"  # ok | skipped | fault
+    p90_latency: float | None = None
+    p999_latency: float | None = None
+    batch: int = 1
+    threads: int = 1
+    status: str = "ok"  # ok | skipped | fault | failed
     reason: str = ""
     errors: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -139,21 +205,44 @@ class Record:
             f"numa_binding={self.numa_binding}", f"throughput={opt(self.throughput, format_rate)}",
             f"p50_latency={opt(self.p50_latency, format_seconds)}",
             f"p99_latency={opt(self.p99_latency, format_seconds)}",
-            f"cpu_utilization={opt(self.cpu_utilization, lambda c: f'{c * 100:.0f}%')}",
+            f"cpu_utilization={opt(self.cpu_utilization, _percent)}",
             f"case={self.case}", f"op={self.op or '-'}", f"requests={self.requests}",
         ]
+        if self.p90_latency is not None:
+            parts.append(f"p90_latency={format_seconds(self.p90_latency)}")
+        if self.p999_latency is not None:
+            parts.append(f"p999_latency={format_seconds(self.p999_latency)}")
+        if self.batch != 1 or self.threads != 1:
+            parts += [f"batch={self.batch}", f"threads={self.threads}"]
         if self.status != "ok":
             parts.append(f"status={self.status}")
         if self.errors:
             parts.append("errors=" + ",".join(f"{k}:{v}" for k, v in sorted(self.errors.items())))
         for k, v in self.extra.items():
-            parts.append(f"{k}={format_seconds(v) if isinstance(v, float) else v}")
+            parts.append(f"{k}={_render_extra(k, v)}")
         if self.reason:
             parts.append(f"reason={json.dumps(self.reason)}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.0f}%"
+
+
+def _render_extra(key: str, v: Any) -> str:
+    """Extra fields are numbers in JSON; in the line, fractions read as percent and times as times."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if key.startswith("cpu_") and key != "cpu_per_request":
+            return _percent(v)
+        if key.startswith("overhead_"):
+            return f"{v * 100:+.1f}%"
+        return format_seconds(v)
+    return str(v)
 
 
 # -- the target process -------------------------------------------------------------
@@ -247,59 +336,145 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[i]
 
 
+def percentiles(lat: list[float]) -> dict[str, float]:
+    """p50/p90/p99/p999 of sorted latencies, as Record fields."""
+    return {"p50_latency": _percentile(lat, 0.5), "p90_latency": _percentile(lat, 0.9),
+            "p99_latency": _percentile(lat, 0.99), "p999_latency": _percentile(lat, 0.999)}
+
+
 def measure(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, op: str, size: int, concurrency: int,
-            plan: Plan, tgt: Target | None, local: mpcomm.Region | None = None) -> dict[str, Any]:
-    """Keep ``concurrency`` requests of ``size`` bytes in flight for the case's time budget."""
-    slots = max(1, min(concurrency, remote.size // size))
-    own = local is None
-    if local is None:
-        local = engine.allocate(size * slots)
-    issue = engine.write if op == "write" else engine.read
+            plan: Plan, tgt: Target | None, load: Load | None = None) -> dict[str, Any]:
+    """Drive one point: ``load.threads`` threads each keep ``concurrency`` units in flight
+    (a unit is one request, or one ``submit`` of ``load.batch`` requests) for the
+    time budget or ``load.iterations`` requests, after ``load.warmup`` units each.
+
+    Latencies are per unit (submit to completion). Throughput counts every
+    byte of every completed request over the wall time of the measured part.
+    """
+    load = load or Load(op=op, depth=concurrency, iterations=plan.iterations, warmup=plan.warmup)
+    cap = remote.size // size  # request-sized slots in the remote region
+    if cap < 1:
+        raise CliError(f"message size {format_size(size)} is larger than region {remote.name!r} "
+                       f"({format_size(remote.size)})")
+    local_slots = max(1, min(load.threads * concurrency * load.batch, cap, LOCAL_CAP // size))
+    local = engine.allocate(size * local_slots)
     timeout = max(engine.config.request_timeout, 5.0)
-    for i in range(min(5, slots * 2)):  # warm-up: connections, routes
-        issue(local, remote, (i % slots) * size, size, local_offset=(i % slots) * size).result(timeout + 5)
-    lat: list[float] = []
-    pending: deque[mpcomm.Transfer] = deque()
-    cpu0, tcpu0 = self_cpu(), (tgt.cpu() if tgt else 0.0)
-    t0 = time.perf_counter()
-    end = t0 + plan.seconds
-    n = 0
-    while True:
-        while len(pending) < concurrency and n < plan.max_requests and time.perf_counter() < end:
-            s = n % slots
-            pending.append(issue(local, remote, s * size, size, local_offset=s * size, timeout=timeout))
-            n += 1
-        if not pending:
-            break
-        t = pending.popleft()
-        t.result(timeout + 5)
-        lat.append(t.elapsed or 0.0)
-    wall = time.perf_counter() - t0
-    cpu, tcpu = self_cpu() - cpu0, (tgt.cpu() if tgt else 0.0) - tcpu0
-    if own:
-        engine.unregister(local, timeout=5.0)
-    lat.sort()
+    ids = itertools.count()
+    max_units = -(-(load.iterations or plan.max_requests) // load.batch)
+    budget = itertools.count()
+
+    def unit() -> mpcomm.Transfer:
+        i = next(ids)
+        kind = op if op != "mix" else ("write" if i % 2 == 0 else "read")
+        first = i * load.batch
+        if load.batch == 1:
+            issue = engine.write if kind == "write" else engine.read
+            return issue(local, remote, (first % cap) * size, size, local_offset=(first % local_slots) * size,
+                         timeout=timeout)
+        return engine.submit([mpcomm.Request(kind, local, remote, ((first + k) % cap) * size, size,
+                                             ((first + k) % local_slots) * size, timeout=timeout)
+                              for k in range(load.batch)])
+
+    barrier = threading.Barrier(load.threads + 1)
+    results: list[list[float]] = [[] for _ in range(load.threads)]
+    failures: list[BaseException] = []
+
+    def worker(tid: int) -> None:
+        lat = results[tid]
+        try:
+            for _ in range(load.warmup):  # connections, routes, registrations
+                unit().result(timeout + 5)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+        barrier.wait()
+        if failures:
+            return
+        end = time.perf_counter() + plan.seconds
+        pending: deque[mpcomm.Transfer] = deque()
+        try:
+            while True:
+                while len(pending) < concurrency and time.perf_counter() < end and next(budget) < max_units:
+                    pending.append(unit())
+                if not pending:
+                    break
+                t = pending.popleft()
+                t.result(timeout + 5)
+                lat.append(t.elapsed or 0.0)
+        except BaseException as exc:  # noqa: BLE001
+            failures.append(exc)
+            for t in pending:
+                t.cancel(timeout=1.0)
+
+    threads = [threading.Thread(target=worker, args=(i,), name=f"bench-{i}", daemon=True)
+               for i in range(load.threads)]
+    try:
+        for th in threads:
+            th.start()
+        barrier.wait()
+        cpu0, tcpu0 = self_cpu(), (tgt.cpu() if tgt else 0.0)
+        t0 = time.perf_counter()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        cpu, tcpu = self_cpu() - cpu0, (tgt.cpu() if tgt else 0.0) - tcpu0
+    finally:
+        engine.unregister(local, timeout=10.0)
+    if failures:
+        raise failures[0]
+    lat = sorted(x for r in results for x in r)
+    units = len(lat)
+    extra: dict[str, Any] = {"cpu_initiator": cpu / wall if wall > 0 else 0.0}
+    if tgt is not None:
+        extra["cpu_target"] = tcpu / wall if wall > 0 else 0.0
     return {
-        "throughput": size * len(lat) / wall if wall > 0 else None,
-        "p50_latency": _percentile(lat, 0.5),
-        "p99_latency": _percentile(lat, 0.99),
+        "throughput": size * load.batch * units / wall if wall > 0 else None,
+        **percentiles(lat),
         "cpu_utilization": (cpu + tcpu) / wall if wall > 0 else None,
-        "requests": len(lat),
-        "extra": {"cpu_initiator": f"{cpu / wall * 100:.0f}%", "cpu_target": f"{tcpu / wall * 100:.0f}%"},
+        "requests": units * load.batch,
+        "extra": extra,
     }
+
+
+def _pattern(seed: str, n: int) -> bytes:
+    block = hashlib.sha256(seed.encode()).digest() * 2048  # 64 KiB
+    return (block * (n // len(block) + 1))[:n]
+
+
+def check_data(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, size: int, slots: int = 4) -> bool:
+    """Write a pattern to ``slots`` request-sized slots, read it back into fresh memory, compare."""
+    slots = max(1, min(slots, remote.size // size, max(1, LOCAL_CAP // size)))
+    n = size * slots
+    src, dst = engine.allocate(n), engine.allocate(n)
+    try:
+        src.view[:] = _pattern(f"mpcomm bench {size} {time.time_ns()}", n)
+        timeout = max(engine.config.request_timeout, 5.0)
+        for k in range(slots):
+            engine.write(src, remote, k * size, size, local_offset=k * size, timeout=timeout).result(timeout + 5)
+        for k in range(slots):
+            engine.read(dst, remote, k * size, size, local_offset=k * size, timeout=timeout).result(timeout + 5)
+        return hashlib.sha256(src.view).digest() == hashlib.sha256(dst.view).digest()
+    finally:
+        engine.unregister(src, timeout=5.0)
+        engine.unregister(dst, timeout=5.0)
 
 
 class Runner:
     def __init__(self, ctx: typer.Context, config: Path | None, plan: Plan, numa: int | None,
-                 progress: Progress, task: Any, emit: Any) -> None:
+                 progress: Progress, task: Any, emit: Any, *, endpoint: str | None = None,
+                 secret: str | None = None) -> None:
         self.state = get_state(ctx)
         self.ctx, self.config, self.plan = ctx, config, plan
         self.cpus = _cpulist(numa) if numa is not None else None
         self.numa = f"node{numa}" if numa is not None else "none"
         self.progress, self.task, self.emit = progress, task, emit
+        self.endpoint, self.secret = endpoint, secret
+        self.mismatches = 0
 
     def cfg(self, mode: str, **runtime: Any) -> mpcomm.Config:
-        return build_config(self.ctx, self.config, transport={"mode": mode}, runtime=runtime)
+        return build_config(self.ctx, self.config, transport={"mode": mode} if mode else {}, runtime=runtime)
+
+    def engine(self, cfg: mpcomm.Config, transports: list[str] | None) -> mpcomm.Engine:
+        return client_engine(cfg, endpoint=self.endpoint, secret=self.secret, transports=transports)
 
     def record(self, transport: str, mode: str, size: int, conc: int, case: str, op: str = "", **kw: Any) -> Record:
         rec = Record(transport, mode, "host", size, conc, self.numa, case=case, op=op, **kw)
@@ -312,30 +487,74 @@ class Runner:
     def done(self) -> None:
         self.progress.advance(self.task)
 
+    def jobs(self, mode: str, cases: list[Case]) -> list[tuple[str, str, int, int, Load | None]]:
+        """(case, op, size, in flight, load) for every measured point of ``cases``."""
+        p = self.plan
+        jobs: list[tuple[str, str, int, int, Load | None]] = []
+        if mode == "zero-copy":
+            if Case.latency in cases:
+                jobs += [("latency", op, s, 1, None) for s in p.latency_sizes for op in ("write", "read")]
+            if Case.throughput in cases:
+                jobs += [("throughput", op, s, 1, None) for s in p.throughput_sizes for op in ("write", "read")]
+            if Case.concurrency in cases:
+                jobs += [("concurrency", "write", 64 << 10, c, None) for c in p.concurrency]
+            if Case.sweep in cases:
+                jobs += [("sweep", p.sweep_op, s, d, Load(p.sweep_op, b, d, p.threads, p.iterations, p.warmup))
+                         for b in p.sweep_batches for d in p.sweep_depths for s in p.sweep_sizes]
+        if Case.modes in cases:
+            jobs += [("modes", op, s, 1, None) for s in p.mode_sizes for op in ("write", "read")]
+        return jobs
+
     def run_mode(self, transport: str, mode: str, cases: list[Case]) -> None:
         p = self.plan
         with target(self.state, transport, mode, p.region_size, self.cpus) as tgt, \
-                mpcomm.Engine(self.cfg(mode), transports=[transport]) as eng:
+                self.engine(self.cfg(mode), [transport]) as eng:
             remote = eng.open(tgt.address, "bench")
-            jobs: list[tuple[str, str, int, int]] = []
-            if mode == "zero-copy":
-                if Case.latency in cases:
-                    jobs += [("latency", op, s, 1) for s in p.latency_sizes for op in ("write", "read")]
-                if Case.throughput in cases:
-                    jobs += [("throughput", op, s, 1) for s in p.throughput_sizes for op in ("write", "read")]
-                if Case.concurrency in cases:
-                    jobs += [("concurrency", "write", 64 << 10, c) for c in p.concurrency]
-            if Case.modes in cases:
-                jobs += [("modes", op, s, 1) for s in p.mode_sizes for op in ("write", "read")]
-            for case, op, size, conc in jobs:
-                self.step(f"{transport} {mode} {case} {op} {format_size(size)} x{conc}")
-                try:
-                    m = measure(eng, remote, op, size, conc, p, tgt)
-                    self.record(transport, mode, size, conc, case, op, **m)
-                except MpcommError as exc:
-                    self.record(transport, mode, size, conc, case, op, status="failed",
-                                errors={exc.code: 1}, reason=str(exc))
-                self.done()
+            self.run_jobs(eng, remote, transport, mode, self.jobs(mode, cases), tgt)
+
+    def run_remote(self, address: str, region: str, transports: list[str] | None, cases: list[Case]) -> None:
+        """Against a separately started ``mpcomm serve`` (``--target``): the initiator's side only."""
+        with self.engine(self.cfg(""), transports) as eng:
+            remote = eng.open(address, region)
+            probe = eng.allocate(4096)
+            first = (eng.read if remote.readable else eng.write)(probe, remote, 0, min(remote.size, 4096))
+            first.result(max(eng.config.request_timeout, 5.0) + 5)
+            eng.unregister(probe, timeout=5.0)
+            transport, mode = first.transport or "?", eng.config.transport.mode
+            err_console.print(f"[dim]target {remote.name}@{remote.address}: {format_size(remote.size)}, "
+                              f"access={remote.access}, carried by {transport}[/]", highlight=False)
+            self.run_jobs(eng, remote, transport, mode, self.jobs("zero-copy", cases), None)
+            if Case.memory in cases:
+                from . import plugins_cmd
+
+                caps = {t["name"]: t["capabilities"] for t in plugins_cmd.collect()["transports"]}
+                self.memory_kinds(transport, caps.get(transport, {}))
+
+    def run_jobs(self, eng: mpcomm.Engine, remote: mpcomm.RemoteRegion, transport: str, mode: str,
+                 jobs: list[tuple[str, str, int, int, Load | None]], tgt: Target | None) -> None:
+        p = self.plan
+        for case, op, size, conc, load in jobs:
+            batch, threads = (load.batch, load.threads) if load else (1, 1)
+            self.step(f"{transport} {mode} {case} {op} {format_size(size)} x{conc}"
+                      + (f" batch {batch}" if batch > 1 else "") + (f" {threads} threads" if threads > 1 else ""))
+            try:
+                with operation_span("mpcomm.bench.point", {"mpcomm.case": case, "mpcomm.direction": op,
+                                                           "mpcomm.size": size, "mpcomm.transport": transport}):
+                    m = measure(eng, remote, op, size, conc, p, tgt, load)
+                if p.check_data:
+                    ok = check_data(eng, remote, size)
+                    m["extra"]["verified"] = ok
+                    if not ok:
+                        self.mismatches += 1
+                        m["status"], m["reason"] = "failed", "the bytes read back differ from those written"
+                self.record(transport, mode, size, conc, case, op, batch=batch, threads=threads, **m)
+            except CliError as exc:
+                self.record(transport, mode, size, conc, case, op, batch=batch, threads=threads,
+                            status="skipped", reason=str(exc))
+            except MpcommError as exc:
+                self.record(transport, mode, size, conc, case, op, batch=batch, threads=threads, status="failed",
+                            errors={exc.code: 1}, reason=str(exc))
+            self.done()
 
     def memory_kinds(self, transport: str, caps: dict[str, Any]) -> None:
         self.step(f"{transport} memory kinds")
@@ -355,7 +574,7 @@ class Runner:
         # A stopped peer: every request must time out, within its deadline plus the abort grace.
         self.step(f"{transport} fault: stopped peer")
         with target(self.state, transport, "zero-copy", p.region_size, self.cpus) as tgt, \
-                mpcomm.Engine(self.cfg("zero-copy", abort_grace_ms=300), transports=[transport]) as eng:
+                self.engine(self.cfg("zero-copy", abort_grace_ms=300), [transport]) as eng:
             remote = eng.open(tgt.address, "bench")
             local = eng.allocate(size * p.fault_requests)
             eng.write(local, remote, 0, size).result(10)
@@ -374,7 +593,7 @@ class Runner:
         self.step(f"{transport} fault: killed peer")
         size = 1 << 20
         with target(self.state, transport, "zero-copy", p.region_size, self.cpus) as tgt, \
-                mpcomm.Engine(self.cfg("zero-copy", abort_grace_ms=300), transports=[transport]) as eng:
+                self.engine(self.cfg("zero-copy", abort_grace_ms=300), [transport]) as eng:
             remote = eng.open(tgt.address, "bench")
             conc = 4
             local = eng.allocate(size * conc)
@@ -483,7 +702,7 @@ class Runner:
             try:
                 for name, (tr, mx) in settings.items():
                     cfg = self.cfg("zero-copy").with_overrides(observability={"trace_transfers": tr, "metrics": mx})
-                    engines[name] = mpcomm.Engine(cfg, transports=[transport])
+                    engines[name] = self.engine(cfg, [transport])
                 remotes = {k: e.open(tgt.address, "bench") for k, e in engines.items()}
                 locals_ = {k: e.allocate(4096) for k, e in engines.items()}
                 sub = Plan(**{**asdict(p), "seconds": p.seconds / 2})
@@ -508,7 +727,7 @@ class Runner:
                         throughput=size * len(lat) / sum(lat) if lat else None,
                         cpu_utilization=None,
                         extra={"otel": name, "mean_latency": mean,
-                               "overhead_p50": f"{(p50 / base - 1) * 100:+.1f}%" if base else "-",
+                               "overhead_p50": (p50 / base - 1) if base else 0.0,
                                "cpu_per_request": cpu[name] / len(lat) if lat else 0.0})
         self.done()
 
@@ -587,33 +806,49 @@ def ensure_sdk() -> None:
 
 
 def plot(records: list[Record], path: Path) -> None:
-    """Throughput and p50 latency against message size, one line per transport (and op)."""
+    """Throughput (log axis) and p50/p99 latency against message size, one colour per series."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator
     except ImportError as exc:
         raise CliError("--plot needs matplotlib: pip install 'mpcomm[plot]'", EXIT_USAGE) from exc
-    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(13, 4.8))
     series: dict[str, list[Record]] = {}
     for r in records:
-        if r.status == "ok" and r.case in ("latency", "throughput") and r.concurrency == 1 and r.memory == "host":
-            series.setdefault(f"{r.transport} {r.op}", []).append(r)
-    for label, rs in sorted(series.items()):
+        if r.status != "ok" or r.memory != "host" or not r.throughput:
+            continue
+        if r.case in ("latency", "throughput") and r.concurrency == 1:
+            label = f"{r.transport} {r.op}"
+        elif r.case == "sweep":
+            label = f"{r.transport} {r.op} depth {r.concurrency}" + (f" batch {r.batch}" if r.batch > 1 else "") \
+                + (f" x{r.threads} threads" if r.threads > 1 else "")
+        else:
+            continue
+        series.setdefault(label, []).append(r)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, rs) in enumerate(sorted(series.items())):
         rs.sort(key=lambda r: r.message_size)
         xs = [r.message_size for r in rs]
-        ax_t.plot(xs, [(r.throughput or 0) / 1e9 for r in rs], marker="o", label=label)
-        ax_l.plot(xs, [(r.p50_latency or 0) * 1e6 for r in rs], marker="o", label=label)
-    for ax, ylabel in ((ax_t, "throughput (GB/s)"), (ax_l, "p50 latency (us)")):
+        c = colours[i % len(colours)]
+        ax_t.plot(xs, [(r.throughput or 0) / 1e9 for r in rs], marker="o", color=c, label=label)
+        ax_l.plot(xs, [(r.p50_latency or 0) * 1e6 for r in rs], marker="o", color=c, label=f"{label} p50")
+        ax_l.plot(xs, [(r.p99_latency or 0) * 1e6 for r in rs], marker="^", linestyle="--", color=c,
+                  label=f"{label} p99")
+    size_fmt = FuncFormatter(lambda v, _pos: format_size(v) if v >= 1 else "")
+    for ax, ylabel in ((ax_t, "throughput (GB/s, log)"), (ax_l, "latency (us, log): p50 solid, p99 dashed")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("message size (bytes)")
+        ax.set_yscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=4))
+        ax.xaxis.set_major_formatter(size_fmt)
+        ax.set_xlabel("message size")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         if series:
-            ax.legend()
-    ax_l.set_yscale("log")
-    fig.suptitle("mpcomm bench (one request in flight)")
+            ax.legend(fontsize="small")
+    fig.suptitle("mpcomm bench")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -643,6 +878,12 @@ def _transports(ctx: typer.Context, config: Path | None, wanted: list[str] | Non
     return chosen
 
 
+def _positive(values: list[int] | None, name: str) -> list[int] | None:
+    if values and any(v < 1 for v in values):
+        raise CliError(f"{name} must be at least 1", EXIT_USAGE)
+    return values
+
+
 @app.command("bench")
 @handle_errors
 def bench(
@@ -654,24 +895,56 @@ def bench(
     ] = None,
     case: Annotated[
         Optional[list[Case]],
-        typer.Option("--case", help="Case to run (repeatable); default: all but otel.", show_default=False),
+        typer.Option("--case", help="Case to run (repeatable); default: all but otel and sweep.",
+                     show_default=False),
     ] = None,
+    target_: Annotated[
+        Optional[tuple[str, str]],
+        typer.Option("--target", metavar="ADDRESS REGION", help="Measure against a separately started "
+                     "`mpcomm serve` (this or another host) instead of spawning one: its address and a region "
+                     "(give it room for --max-size x in-flight requests).", show_default=False),
+    ] = None,
+    secret: Annotated[Optional[str], typer.Option(help="Shared secret of the --target (HMAC handshake).",
+                                                  envvar="MPCOMM_SECRET", show_default=False)] = None,
+    endpoint: EndpointOption = None,
+    op: Annotated[Optional[Op], typer.Option(help="sweep: write, read, or mix (alternating).",
+                                             show_default=False)] = None,
+    start_size: Annotated[Optional[str], typer.Option(help="sweep: first message size (default 8B; "
+                                                      "--quick: 4KiB).", show_default=False)] = None,
+    max_size: Annotated[Optional[str], typer.Option(help="sweep: last message size; sizes double from "
+                                                    "--start-size (default 64MiB; --quick: 4MiB).",
+                                                    show_default=False)] = None,
+    batch: Annotated[Optional[list[int]], typer.Option(help="sweep: requests per submit() (repeatable; "
+                                                       "default 1: one write()/read() each).",
+                                                       show_default=False)] = None,
+    depth: Annotated[Optional[list[int]], typer.Option(help="sweep: units (requests or batches) in flight per "
+                                                       "thread (repeatable; default 1).", show_default=False)] = None,
+    threads: Annotated[int, typer.Option(min=1, max=64, help="sweep: initiator threads, each with its own "
+                                         "--depth in flight.")] = 1,
+    iterations: Annotated[Optional[int], typer.Option(min=1, help="Measured requests per point (stops early "
+                                                      "when the time budget ends first).", show_default=False)] = None,
+    warmup: Annotated[int, typer.Option(min=0, help="Unmeasured units per thread before each point.")] = 5,
+    duration: Annotated[Optional[float], typer.Option("--duration", "--seconds", min=0.01,
+                                                      help="Time budget per point in seconds (default 2; "
+                                                      "--quick: 0.25).", show_default=False)] = None,
+    check: Annotated[bool, typer.Option("--check", help="Consistency check after every point: write a "
+                                        "pattern, read it back, compare (exit 4 on a mismatch).")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="CI-sized run (fewer sizes, ~0.25 s per case).",
                                         envvar="MPCOMM_BENCH_QUICK")] = False,
     otel_overhead: Annotated[bool, typer.Option("--otel-overhead", help="Add the otel case: small-message latency "
                                                 "with observability off / metrics / traces+metrics.")] = False,
-    seconds: Annotated[Optional[float], typer.Option(min=0.01, help="Time budget per case (overrides --quick's).",
-                                                     show_default=False)] = None,
-    numa_node: Annotated[Optional[int], typer.Option(min=0, help="Bind both processes to this NUMA node's CPUs.",
-                                                     show_default=False)] = None,
-    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write throughput and latency against message "
-                                                      "size to this PNG (needs the 'plot' extra).", dir_okay=False,
-                                                      show_default=False)] = None,
+    numa_node: Annotated[Optional[int], typer.Option(min=0, help="Bind this process (and a spawned target) to "
+                                                     "this NUMA node's CPUs.", show_default=False)] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write throughput and p50/p99 latency "
+                                                      "against message size to this PNG (needs the 'plot' extra).",
+                                                      dir_okay=False, show_default=False)] = None,
     config: ConfigOption = None,
-    json_: JsonOption = False,
+    json_: Annotated[bool, typer.Option("--json", help="Print the records as JSON Lines on stdout.")] = False,
 ) -> None:
-    """Run the seed's benchmark matrix against a target in a separate process; one record line per case."""
-    cases = list(dict.fromkeys(case or DEFAULT_CASES))
+    """Benchmark transports: the seed's matrix and size sweeps, against a spawned or a --target peer."""
+    sweep_opts = any(v is not None for v in (op, start_size, max_size, batch, depth)) or threads > 1
+    defaults = [c for c in DEFAULT_CASES if c in REMOTE_CASES] if target_ is not None else DEFAULT_CASES
+    cases = list(dict.fromkeys(case or ([Case.sweep] if sweep_opts else defaults)))
     if otel_overhead and Case.otel not in cases:
         cases.append(Case.otel)
     if plot_path is not None:
@@ -679,53 +952,86 @@ def bench(
             import matplotlib  # noqa: F401
         except ImportError as exc:
             raise CliError("--plot needs matplotlib: pip install 'mpcomm[plot]'", EXIT_USAGE) from exc
-    transports = _transports(ctx, config, transport)
     plan = Plan.make(quick)
-    if seconds is not None:
-        plan.seconds = seconds
+    if duration is not None:
+        plan.seconds = duration
+    first, last = parse_size(start_size) if start_size else None, parse_size(max_size) if max_size else None
+    if first is not None or last is not None:
+        first = first or plan.sweep_sizes[0]
+        last = last or max(first, plan.sweep_sizes[-1])
+        if first < 1 or last < first:
+            raise CliError(f"--start-size {format_size(first)} must be at least 1 byte and at most --max-size "
+                           f"{format_size(last)}", EXIT_USAGE)
+        plan.sweep_sizes = sizes_between(first, last)
+    plan.sweep_batches = _positive(batch, "--batch") or [1]
+    plan.sweep_depths = _positive(depth, "--depth") or [1]
+    plan.sweep_op, plan.threads = (op.value if op else "write"), threads
+    plan.iterations, plan.warmup, plan.check_data = iterations, warmup, check
+    if numa_node is not None:
+        os.sched_setaffinity(0, _cpulist(numa_node))
+
+    if target_ is not None:
+        address, region = target_
+        try:
+            parse_endpoint(address)
+        except ValueError as exc:
+            raise CliError(f"--target {address!r}: {exc}", EXIT_USAGE) from exc
+        transports: dict[str, dict[str, Any]] = {}
+        wanted_transports = transport or None
+    else:
+        transports = _transports(ctx, config, transport)
     records: list[Record] = []
 
     def emit(rec: Record) -> None:
         records.append(rec)
-        if not json_:
-            sys.stdout.write(rec.line() + "\n")
-            sys.stdout.flush()
+        # JSON Lines or record lines, as they are measured: a long run can be read while it goes.
+        sys.stdout.write((json.dumps(rec.to_dict()) if json_ else rec.line()) + "\n")
+        sys.stdout.flush()
 
-    total = 0
-    for name, info in transports.items():
-        modes = info["capabilities"]["modes"]
-        p = plan
-        zc = (len(p.latency_sizes) * 2 * (Case.latency in cases) + len(p.throughput_sizes) * 2 * (Case.throughput in cases)
-              + len(p.concurrency) * (Case.concurrency in cases))
-        total += zc + (Case.memory in cases) + 2 * (Case.fault in cases) + (Case.otel in cases)
-        if Case.modes in cases:
-            total += len(p.mode_sizes) * 2 * len([m for m in ("zero-copy", "copy") if m in modes])
     progress = Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=err_console, transient=True,
                         # on a terminal stdout and stderr share the screen: print records above the bar
                         redirect_stdout=sys.stdout.isatty(), redirect_stderr=False)
     with progress:
-        task = progress.add_task("starting", total=total)
-        runner = Runner(ctx, config, plan, numa_node, progress, task, emit)
-        for name, info in transports.items():
-            modes = info["capabilities"]["modes"]
-            for mode in ("zero-copy", "copy"):
-                wants = [c for c in cases if c in (Case.latency, Case.throughput, Case.concurrency, Case.modes)]
-                if mode == "copy":
-                    wants = [c for c in wants if c is Case.modes]
-                if wants and mode in modes:
-                    runner.run_mode(name, mode, wants)
-            if Case.modes in cases and "copy" not in modes:
-                emit(Record(name, "copy", "host", 4 << 20, 1, runner.numa, case="modes", status="skipped",
-                            reason=f"{name} has no copy mode (modes={','.join(modes)})"))
-            if Case.memory in cases:
-                runner.memory_kinds(name, info["capabilities"])
-            if Case.fault in cases:
-                runner.fault(name)
-            if Case.otel in cases:
-                runner.otel_overhead(name)
-    if json_:
-        print_json({"records": [r.to_dict() for r in records]})
+        task = progress.add_task("starting", total=None)
+        runner = Runner(ctx, config, plan, numa_node, progress, task, emit, endpoint=endpoint, secret=secret)
+        if target_ is not None:
+            remote_cases = [c for c in cases if c in REMOTE_CASES]
+            progress.update(task, total=len(runner.jobs("zero-copy", remote_cases)) + (Case.memory in cases))
+            runner.run_remote(address, region, wanted_transports, remote_cases)
+            for c in cases:
+                if c not in REMOTE_CASES:
+                    emit(Record("-", "-", "host", 0, 1, runner.numa, case=c.value, status="skipped",
+                                reason=f"the {c.value} case restarts or signals its target: run it without --target"))
+        else:
+            total = 0
+            for name, info in transports.items():
+                modes = info["capabilities"]["modes"]
+                total += len(runner.jobs("zero-copy", cases)) + (Case.memory in cases) + 2 * (Case.fault in cases) \
+                    + (Case.otel in cases)
+                if "copy" in modes:
+                    total += len(runner.jobs("copy", cases))
+            progress.update(task, total=total)
+            for name, info in transports.items():
+                modes = info["capabilities"]["modes"]
+                for mode in ("zero-copy", "copy"):
+                    wants = [c for c in cases if c in (Case.latency, Case.throughput, Case.concurrency, Case.modes,
+                                                       Case.sweep)]
+                    if mode == "copy":
+                        wants = [c for c in wants if c is Case.modes]
+                    if wants and mode in modes:
+                        runner.run_mode(name, mode, wants)
+                if Case.modes in cases and "copy" not in modes:
+                    emit(Record(name, "copy", "host", 4 << 20, 1, runner.numa, case="modes", status="skipped",
+                                reason=f"{name} has no copy mode (modes={','.join(modes)})"))
+                if Case.memory in cases:
+                    runner.memory_kinds(name, info["capabilities"])
+                if Case.fault in cases:
+                    runner.fault(name)
+                if Case.otel in cases:
+                    runner.otel_overhead(name)
     if plot_path is not None:
         plot(records, plot_path)
         err_console.print(f"plot written to {plot_path}")
+    if runner.mismatches:
+        raise CliError(f"--check: {runner.mismatches} point(s) read back different bytes", EXIT_VERIFY)

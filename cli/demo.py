@@ -16,11 +16,13 @@ from rich.markup import escape
 from rich.table import Table
 
 import mpcomm
+from mpcomm.telemetry import operation_span
 
 from ._common import (
     ConfigOption,
     JsonOption,
     build_config,
+    client_engine,
     err_console,
     fail,
     format_rate,
@@ -43,7 +45,8 @@ def _fill(view: memoryview) -> None:
 
 def run_pair(cfg: mpcomm.Config, transport: str, size: int, reps: int) -> dict[str, Any]:
     """Write and read ``size`` bytes ``reps`` times between two engines that run only ``transport``."""
-    with mpcomm.Engine(cfg, transports=[transport]) as target, mpcomm.Engine(cfg, transports=[transport]) as initiator:
+    # Both engines live in this process: each listens on a free port, whatever transport.endpoint says.
+    with client_engine(cfg, transports=[transport]) as target, client_engine(cfg, transports=[transport]) as initiator:
         target.allocate(size, name="demo")
         remote = initiator.open(target.address, "demo")
         src = initiator.allocate(size)
@@ -84,7 +87,7 @@ def demo(
     nbytes = parse_size(size)
     if nbytes <= 0:
         fail("--size must be positive", 2)
-    with mpcomm.Engine(cfg) as probe:
+    with client_engine(cfg) as probe:
         running = list(probe.transports)
         skipped = {s.name: s.availability.reason for s in probe.transport_status() if not s.running}
     best = running[0]
@@ -93,7 +96,9 @@ def demo(
         for name in running:
             status.update(f"{name}: {format_size(nbytes)} x {reps} each way")
             try:
-                r = run_pair(cfg, name, nbytes, reps)
+                with operation_span("mpcomm.demo.pair", {"mpcomm.transport": name, "mpcomm.size": nbytes,
+                                                         "mpcomm.reps": reps}):
+                    r = run_pair(cfg, name, nbytes, reps)
                 r["best"] = name == best
                 results.append(r)
             except mpcomm.MpcommError as exc:
@@ -110,8 +115,6 @@ def demo(
     for r in results:
         table.add_row(r["transport"] + (" (best)" if r["best"] else ""), format_rate(r["write_throughput"]),
                       format_rate(r["read_throughput"]), format_seconds(r["latency_4KiB_p50"]))
-    from rich.console import Console
-
-    Console().print(table)
+    err_console.print(table)  # tables are for humans: stderr; --json for data on stdout
     for name, reason in skipped.items():
         err_console.print(f"[dim]{name}: not used ({escape(reason)})[/]")

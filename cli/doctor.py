@@ -15,7 +15,7 @@ from mpcomm import nodecheck
 from mpcomm.nodecheck import Check, Status
 
 from . import plugins_cmd
-from ._common import EXIT_FAILURE, JsonOption, handle_errors, parse_size, print_json
+from ._common import EXIT_FAILURE, JsonOption, err_console, handle_errors, parse_size, print_json
 
 app = typer.Typer()
 
@@ -44,8 +44,9 @@ def manifest_extra(found: dict[str, Any]) -> dict[str, str]:
     extra: dict[str, str] = {}
     for t in found["transports"]:
         extra[f"plugin:{t['name']}"] = f"{t['distribution']} {t['version']}".strip()
-        if t["native_version"]:
-            extra[f"transport:{t['name']}"] = t["native_version"]
+        # Every transport, so a manifest diff shows one appearing or going away.
+        native = t["native_version"] or "none (no native library)"
+        extra[f"transport:{t['name']}"] = native if t["available"] else f"{native}; unavailable: {t['reason']}"
     return extra
 
 
@@ -58,8 +59,17 @@ def doctor(
     min_shm: Annotated[str, typer.Option(help="Warn below this /dev/shm size.", envvar="MPCOMM_DOCTOR_MIN_SHM")] = "1GiB",
     min_memlock: Annotated[str, typer.Option(help="Warn below this locked-memory limit.",
                                              envvar="MPCOMM_DOCTOR_MIN_MEMLOCK")] = "64MiB",
+    rdma: Annotated[bool, typer.Option("--rdma", help="Run the rdma_zerocopy hardware validation instead "
+                                       "(one verdict line per step; see docs/rdma.md).")] = False,
 ) -> None:
     """Check this node (CPU, NUMA, NICs, RDMA, huge pages, memlock, /dev/shm, ptrace scope, plugins). Exits 1 only on FAIL."""
+    if rdma:
+        from mpcomm.plugins.rdma_zerocopy.validate import main as validate_rdma
+
+        code = validate_rdma([], echo=typer.echo)
+        if code:
+            raise typer.Exit(code)
+        return
     found = plugins_cmd.collect()
     if manifest:
         data = nodecheck.manifest(manifest_extra(found))
@@ -82,10 +92,8 @@ def doctor(
         for c in checks:
             st = Status(c.status).value
             table.add_row(c.section, escape(c.name), f"[{_STYLE[st]}]{st.upper()}[/]", escape(c.value), escape(c.hint))
-        from rich.console import Console
-
-        out = Console(width=max(Console().width, 140))
-        out.print(table)
-        out.print(f"overall: [{_STYLE[worst.value]}]{worst.value.upper()}[/]")
+        # Tables are for humans: stderr, at the terminal's width (rich folds the cells).
+        err_console.print(table)
+        err_console.print(f"overall: [{_STYLE[worst.value]}]{worst.value.upper()}[/]")
     if worst is Status.FAIL:
         raise typer.Exit(EXIT_FAILURE)

@@ -68,10 +68,8 @@ def plugins(json_: JsonOption = False) -> None:
             *(escape(str(v)) for v in (t["name"], t["distribution"], t["version"], t["native_version"] or "-")),
             "[green]yes[/]" if t["available"] else "[red]no[/]", escape(t["reason"]), escape(_caps(t["capabilities"])),
         )
-    from rich.console import Console
-
-    out = Console(width=max(Console().width, 140))
-    out.print(table)
+    # Tables are for humans: stderr, at the terminal's width (rich folds the cells).
+    err_console.print(table)
     if not data["transports"]:
         err_console.print("no transport plugins found (MPCOMM_PLUGINS / MPCOMM_DISABLE_PLUGIN_AUTOLOAD?)")
     if data["failures"]:
@@ -80,4 +78,4 @@ def plugins(json_: JsonOption = False) -> None:
             broken.add_column(col, overflow="fold")
         for f in data["failures"]:
             broken.add_row(*(escape(str(f[k])) for k in ("name", "distribution", "reason")))
-        out.print(broken)
+        err_console.print(broken)

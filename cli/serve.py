@@ -22,6 +22,8 @@ import typer
 from rich.markup import escape
 
 import mpcomm
+from mpcomm.errors import AllocationError
+from mpcomm.memory import check_allocatable
 
 from ._common import (
     EXIT_USAGE,
@@ -34,6 +36,7 @@ from ._common import (
     handle_errors,
     parse_size,
     print_json,
+    start_engine,
 )
 
 app = typer.Typer()
@@ -63,6 +66,41 @@ def parse_region(text: str) -> RegionSpec:
     if size <= 0:
         raise CliError(f"--region {text!r}: size must be positive", EXIT_USAGE)
     return RegionSpec(name, size=size)
+
+
+def check_sizes(specs: list[RegionSpec], transports: list[str] | None) -> None:
+    """Refuse, before any engine or memory exists, regions this host cannot hold (exit 2).
+
+    Allocated regions are pre-faulted, so an oversized one would not fail but
+    summon the OOM killer; their sizes together must fit (see
+    :func:`mpcomm.memory.check_allocatable`). shm backs them with shared memory.
+    """
+    total = sum(s.size for s in specs if s.path is None)
+    if not total:
+        return
+    shm = transports is None or "shm" in transports
+    try:
+        check_allocatable(total, shm=shm)
+    except AllocationError as exc:
+        which = ", ".join(f"{s.name}={format_size(s.size)}" for s in specs if s.path is None)
+        raise AllocationError(f"--region {which}: {exc}") from None
+
+
+def read_secret_file(path: Path) -> str:
+    """The secret in ``path`` (surrounding whitespace stripped); warns when others may read the file."""
+    try:
+        st = os.stat(path)
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise CliError(f"--secret-file {path}: {exc.strerror}", EXIT_USAGE) from exc
+    except UnicodeDecodeError:
+        raise CliError(f"--secret-file {path}: not UTF-8 text", EXIT_USAGE) from None
+    if not text:
+        raise CliError(f"--secret-file {path}: the file is empty", EXIT_USAGE)
+    if st.st_mode & 0o077:
+        err_console.print(f"[yellow]warning: {escape(str(path))} is readable by other users "
+                          f"(mode {st.st_mode & 0o777:o}); chmod 600 it[/]")
+    return text
 
 
 def _map_file(path: Path, readonly: bool) -> mmap.mmap:
@@ -110,8 +148,14 @@ def serve(
     ] = None,
     secret: Annotated[
         Optional[str],
-        typer.Option(help="Shared secret peers must prove (HMAC handshake).", envvar="MPCOMM_SECRET",
-                     show_default=False),
+        typer.Option(help="Refused: a secret on the command line shows in the process list. "
+                     "Use --secret-file or MPCOMM_SECRET.", hidden=True, show_default=False),
+    ] = None,
+    secret_file: Annotated[
+        Optional[Path],
+        typer.Option("--secret-file", help="File holding the shared secret peers must prove (make one with "
+                     "`mpcomm secret --file`); default: MPCOMM_SECRET, else transport.secret.",
+                     dir_okay=False, show_default=False),
     ] = None,
     transport: Annotated[
         Optional[list[str]],
@@ -123,19 +167,25 @@ def serve(
     json_: JsonOption = False,
 ) -> None:
     """Expose named regions on an engine until SIGINT/SIGTERM; print the address on stdout."""
+    if secret is not None:
+        raise CliError("--secret is refused: a secret on the command line shows in the process list; "
+                       "use --secret-file FILE (see `mpcomm secret --file`) or the MPCOMM_SECRET environment variable",
+                       EXIT_USAGE)
+    secret = read_secret_file(secret_file) if secret_file is not None else None
     specs = [parse_region(r) for r in region or []]
     names = [s.name for s in specs]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise CliError(f"--region: {sorted(dupes)[0]!r} given twice", EXIT_USAGE)
     cfg = build_config(ctx, config, transport={"mode": mode.value} if mode else {})
+    check_sizes(specs, transport)
     stop = threading.Event()
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, lambda *_: stop.set())
     maps: list[mmap.mmap] = []
     try:
-        with mpcomm.Engine(cfg, endpoint=endpoint, secret=secret, transports=transport or None) as engine:
+        with start_engine(cfg, endpoint=endpoint, secret=secret, transports=transport) as engine:
             maps = open_regions(engine, specs, readonly)
             descriptors = [engine.describe(r).to_dict() for r in engine.regions()]
             if json_:

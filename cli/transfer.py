@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import mmap
 import os
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,32 +24,29 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 import mpcomm
 from mpcomm.errors import OutOfBoundsError, PermissionDeniedError
 from mpcomm.peer import parse_endpoint
+from mpcomm.telemetry import operation_span
 
 from ._common import (
     EXIT_USAGE,
     EXIT_VERIFY,
     CliError,
     ConfigOption,
+    EndpointOption,
     JsonOption,
     build_config,
+    client_engine,
     err_console,
     format_rate,
     format_size,
     handle_errors,
     parse_size,
     print_json,
+    progress_bar,
+    stop_clock,
 )
 
 app = typer.Typer()
@@ -98,12 +96,23 @@ def _remote(engine: mpcomm.Engine, address: str | None, region: str | None, desc
 
 
 def _check_range(remote: mpcomm.RemoteRegion, offset: int, length: int) -> None:
+    if offset > remote.size:
+        raise OutOfBoundsError(
+            f"offset {offset} is past the end of region {remote.name!r} ({remote.size} bytes, "
+            f"{format_size(remote.size)}) on {remote.address}; nothing was moved",
+            region=remote.name, peer=remote.address,
+        )
     if offset < 0 or length < 0 or offset + length > remote.size:
         raise OutOfBoundsError(
             f"[{offset}, {offset + length}) is outside region {remote.name!r} of {remote.size} bytes "
             f"({format_size(remote.size)}) on {remote.address}; nothing was moved",
             region=remote.name, peer=remote.address,
         )
+
+
+def _span_attrs(remote: mpcomm.RemoteRegion, offset: int, length: int) -> dict[str, Any]:
+    return {"mpcomm.peer": remote.address, "mpcomm.region": remote.name, "mpcomm.offset": offset,
+            "mpcomm.size": length}
 
 
 def move(engine: mpcomm.Engine, op: str, local: mpcomm.Region, remote: mpcomm.RemoteRegion, remote_offset: int,
@@ -128,13 +137,6 @@ def move(engine: mpcomm.Engine, op: str, local: mpcomm.Region, remote: mpcomm.Re
         raise
 
 
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=err_console, transient=False,
-    )
-
-
 def _digest_remote(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, offset: int, length: int, *, chunk: int,
                    inflight: int, timeout: float | None) -> str:
     buf = engine.allocate(length)
@@ -157,7 +159,7 @@ def _summary(what: str, nbytes: int, seconds: float, remote: mpcomm.RemoteRegion
     arrow = "->" if what == "put" else "<-"
     extra = "" if verified is None else (" verified" if verified else " VERIFY MISMATCH")
     err_console.print(escape(f"{what}: {file} {arrow} {remote.name}@{remote.address}+{offset}: {format_size(nbytes)} in "
-                      f"{seconds:.3f}s ({format_rate(rate)}){extra}"), highlight=False)
+                      f"{seconds:.3f}s ({format_rate(rate)}){extra}"), highlight=False, soft_wrap=True)
 
 
 @app.command("put")
@@ -176,6 +178,7 @@ def put(
     inflight: InflightOption = 4,
     timeout: TimeoutOption = None,
     transport: TransportOption = None,
+    endpoint: EndpointOption = None,
     config: ConfigOption = None,
     json_: JsonOption = False,
 ) -> None:
@@ -189,26 +192,24 @@ def put(
         raise CliError(f"{file}: {exc.strerror}", EXIT_USAGE) from exc
     try:
         size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+        if size == 0:
+            raise CliError(f"{file}: the file is empty; nothing to put", EXIT_USAGE)
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
     cfg = build_config(ctx, config)
-    with mpcomm.Engine(cfg, secret=secret, transports=transport or None) as engine:
+    with client_engine(cfg, endpoint=endpoint, secret=secret, transports=transport) as engine:
         remote = _remote(engine, address, region, descriptor)
         if not remote.writable:
             raise PermissionDeniedError(f"region {remote.name!r} on {remote.address} is read-only",
                                         region=remote.name, peer=remote.address)
         _check_range(remote, off, size)
-        if mm is None:
-            _summary("put", 0, 0.0, remote, off, file, None, None, json_)
-            return
         src = engine.register(mm, name=f"put:{file.name}")
-        t0 = time.perf_counter()
-        with _progress() as progress:
-            task = progress.add_task(f"put {file.name}", total=size)
+        with progress_bar() as progress, operation_span("mpcomm.put", _span_attrs(remote, off, size)):
+            task = progress.add_task(f"put {file.name}", total=size, t0=time.perf_counter())
             move(engine, "write", src, remote, off, size, chunk=chunk_n, inflight=inflight, timeout=timeout,
                  advance=lambda n: progress.advance(task, n))
-        elapsed = time.perf_counter() - t0
+            elapsed = stop_clock(progress, task)
         digest = hashlib.sha256(mm).hexdigest()
         verified = None
         if verify:
@@ -226,8 +227,8 @@ def get(
     ctx: typer.Context,
     address: Annotated[Optional[str], typer.Argument(help="Peer address host:port.", show_default=False)],
     region: Annotated[Optional[str], typer.Argument(help="Remote region name.", show_default=False)],
-    file: Annotated[Path, typer.Argument(help="Local file to write (created or truncated).", dir_okay=False,
-                                         show_default=False)],
+    file: Annotated[Path, typer.Argument(help="Local file to write: replaced only once every byte arrived "
+                                         "(and --verify passed).", dir_okay=False, show_default=False)],
     offset: OffsetOption = "0",
     length: Annotated[Optional[str], typer.Option(help="Bytes to copy (default: to the end of the region).",
                                                   show_default=False)] = None,
@@ -238,53 +239,97 @@ def get(
     inflight: InflightOption = 4,
     timeout: TimeoutOption = None,
     transport: TransportOption = None,
+    endpoint: EndpointOption = None,
     config: ConfigOption = None,
     json_: JsonOption = False,
 ) -> None:
     """Copy REGION on the peer at ADDRESS (from --offset, --length bytes) into FILE.
 
-    With --descriptor, pass "-" for ADDRESS and REGION to take both from it.
+    The bytes land in a temporary file next to FILE, renamed over FILE only on
+    success: a failed get leaves an existing FILE as it was. With --descriptor,
+    pass "-" for ADDRESS and REGION to take both from it.
     """
     address = None if address == "-" else address
     region = None if region == "-" else region
     off, chunk_n = parse_size(offset), parse_size(chunk)
     if chunk_n <= 0:
         raise CliError("--chunk must be positive", EXIT_USAGE)
+    if file.is_dir():
+        raise CliError(f"{file}: is a directory", EXIT_USAGE)
     cfg = build_config(ctx, config)
-    with mpcomm.Engine(cfg, secret=secret, transports=transport or None) as engine:
+    with client_engine(cfg, endpoint=endpoint, secret=secret, transports=transport) as engine:
         remote = _remote(engine, address, region, descriptor)
-        n = parse_size(length) if length is not None else max(remote.size - off, 0)
         if not remote.readable:
             raise PermissionDeniedError(f"region {remote.name!r} on {remote.address} may not be read",
                                         region=remote.name, peer=remote.address)
+        n = parse_size(length) if length is not None else max(remote.size - off, 0)
         _check_range(remote, off, n)
+        if n == 0:
+            raise CliError(f"nothing to get: [{off}, {off}) of region {remote.name!r} is empty", EXIT_USAGE)
+        tmp = _temp_next_to(file)
         try:
-            fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as exc:
-            raise CliError(f"{file}: {exc.strerror}", EXIT_USAGE) from exc
+            digest, elapsed, verified = _get_into(engine, remote, tmp, off, n, chunk=chunk_n, inflight=inflight,
+                                                  timeout=timeout, verify=verify, label=file.name)
+            if verified is False:
+                raise CliError(f"--verify: the remote range changed or arrived damaged (sha256 of what arrived: "
+                               f"{digest}); {file} was not replaced", EXIT_VERIFY)
+            os.replace(tmp, file)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        _summary("get", n, elapsed, remote, off, file, digest, verified, json_)
+
+
+def _temp_next_to(file: Path) -> Path:
+    """A new file in FILE's directory (so the rename is atomic) with FILE's mode, or 0666 & ~umask."""
+    parent = file.parent if str(file.parent) else Path(".")
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".mpcomm-get", dir=parent)
+    except OSError as exc:
+        raise CliError(f"{file}: cannot create a file in {parent}: {exc.strerror}", EXIT_USAGE) from exc
+    try:
         try:
-            os.ftruncate(fd, n)
-            mm = mmap.mmap(fd, n, access=mmap.ACCESS_WRITE) if n else None
+            mode = os.stat(file).st_mode & 0o7777
+        except OSError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return Path(name)
+
+
+def _get_into(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, path: Path, off: int, n: int, *, chunk: int,
+              inflight: int, timeout: float | None, verify: bool, label: str) -> tuple[str, float, bool | None]:
+    """Read ``n`` bytes into ``path`` (mmapped); returns (sha256, seconds, verified)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, n)
+        mm = mmap.mmap(fd, n, access=mmap.ACCESS_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        dst = engine.register(mm, name=f"get:{label}")
+        try:
+            with progress_bar() as progress, operation_span("mpcomm.get", _span_attrs(remote, off, n)):
+                task = progress.add_task(f"get {label}", total=n, t0=time.perf_counter())
+                move(engine, "read", dst, remote, off, n, chunk=chunk, inflight=inflight, timeout=timeout,
+                     advance=lambda k: progress.advance(task, k))
+                elapsed = stop_clock(progress, task)
         finally:
-            os.close(fd)
-        if mm is None:
-            _summary("get", 0, 0.0, remote, off, file, None, None, json_)
-            return
-        dst = engine.register(mm, name=f"get:{file.name}")
-        t0 = time.perf_counter()
-        with _progress() as progress:
-            task = progress.add_task(f"get {file.name}", total=n)
-            move(engine, "read", dst, remote, off, n, chunk=chunk_n, inflight=inflight, timeout=timeout,
-                 advance=lambda k: progress.advance(task, k))
-        elapsed = time.perf_counter() - t0
-        engine.unregister(dst, timeout=5.0)
+            engine.unregister(dst, timeout=5.0)
         mm.flush()
         digest = hashlib.sha256(mm).hexdigest()
-        verified = None
-        if verify:
-            verified = _digest_remote(engine, remote, off, n, chunk=chunk_n, inflight=inflight,
-                                      timeout=timeout) == digest
-        _summary("get", n, elapsed, remote, off, file, digest, verified, json_)
-    if verified is False:
-        raise CliError(f"--verify: the remote range changed or arrived damaged (sha256 of {file}: {digest})",
-                       EXIT_VERIFY)
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a transport still holds a view (a failed request): the GC unmaps it
+            pass
+    verified = None
+    if verify:
+        verified = _digest_remote(engine, remote, off, n, chunk=chunk, inflight=inflight, timeout=timeout) == digest
+    return digest, elapsed, verified

@@ -17,14 +17,17 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .config import Config, load_config
-from .engine import Engine, Notification, TransportStatus
+from .engine import CompletionQueue, Engine, Notification, TransportStatus
 from .errors import (
     AccessError,
     AlignmentError,
+    AllocationError,
     AuthenticationError,
     BackPressureError,
     ConfigError,
     EngineClosedError,
+    HandshakeTimeout,
+    LimitError,
     MpcommError,
     OutOfBoundsError,
     PeerConnectionError,
@@ -43,24 +46,37 @@ from .errors import (
 from .hookspecs import hookimpl
 from .memory import Region
 from .remote import RemoteRegion
-from .transfer import Batch, Operation, Request, Transfer, TransferStatus
-from .transport import Availability, Capabilities, Transport, TransportContext
+from .transfer import Batch, Request, Transfer, TransferStatus
+from .transport import (
+    Availability,
+    Capabilities,
+    Operation,
+    OperationGroup,
+    Transport,
+    TransportBusy,
+    TransportContext,
+)
 
 __all__ = [
     "AccessError",
     "AlignmentError",
+    "AllocationError",
     "AuthenticationError",
     "Availability",
     "BackPressureError",
     "Batch",
     "Capabilities",
+    "CompletionQueue",
     "Config",
     "ConfigError",
     "Engine",
     "EngineClosedError",
+    "HandshakeTimeout",
+    "LimitError",
     "MpcommError",
     "Notification",
     "Operation",
+    "OperationGroup",
     "OutOfBoundsError",
     "PeerConnectionError",
     "PermissionDeniedError",
@@ -78,6 +94,7 @@ __all__ = [
     "TransferStatus",
     "TransferTimeout",
     "Transport",
+    "TransportBusy",
     "TransportContext",
     "TransportStatus",
     "TransportUnavailable",

@@ -8,8 +8,9 @@
     mode = "zero-copy"         # or "copy" (bounce buffers; for comparison)
     endpoint = "0.0.0.0:18400" # control endpoint; port 0 picks a free one
     advertise = ""             # host peers dial, when endpoint binds a wildcard
-    secret = ""                # shared secret (HMAC handshake); or MPCOMM_SECRET
+    secret = ""                # shared secret (HMAC handshake, >= 128 bits); or MPCOMM_SECRET
     handshake_timeout_ms = 5000
+    tls = false                # TLS on the control channel (needs [tls])
 
     [memory]
     types = ["host", "device"]
@@ -27,16 +28,38 @@
     metrics = true
     trace_transfers = false
 
+    [limits]                   # what one peer can make this node hold (docs/security.md)
+    max_connections = 1024     # control connections in total
+    max_connections_per_peer = 64   # per source address, counted from accept
+    idle_timeout_ms = 600000   # a control connection with no request is closed
+    frame_timeout_ms = 10000   # one frame must arrive whole once it started
+    max_frame_bytes = 1048576  # largest control frame accepted
+    max_notify_bytes = 65536   # largest notification payload accepted (<= 64 KiB)
+    notify_rate = 10000        # notifications per second per connection (burst as many)
+    max_queued_notifications = 16384     # notifications held for wait_notification()
+    max_queued_notify_bytes = 16777216   # and their bytes
+
+    [tls]                      # used when transport.tls = true
+    cert = "node.pem"          # this node's certificate chain (PEM)
+    key = "node.key"
+    ca = "ca.pem"              # CA that signs every node's certificate
+    require_client_cert = true # mutual authentication
+    check_hostname = false     # also match the dialled host against the peer's certificate
+
     [plugins.tcp]              # per-transport options (each transport lists its keys)
     connections = 4
+    # optional = true          # no error when this transport is not installed here
 
 Unknown keys and bad values raise :class:`~mpcomm.ConfigError` naming the key
-and the file. ``Config()`` is the embedded default: loopback endpoint on a free
+and the file. Every integer is range-checked (:data:`RANGES`); a
+``[plugins.<name>]`` section naming no installed transport is an error that
+lists the installed ones, unless it sets ``optional = true``. ``Config()`` is the embedded default: loopback endpoint on a free
 port, no metadata service, no secret.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field, fields, replace
@@ -52,6 +75,8 @@ else:  # pragma: no cover
 
 __all__ = ["Config", "load_config"]
 
+DAY_MS = 86_400_000
+
 DEFAULT_ORDER = ["shm", "rdma_zerocopy", "ucx", "tcp"]
 
 
@@ -64,6 +89,7 @@ class TransportSection:
     advertise: str = ""
     secret: str = ""
     handshake_timeout_ms: int = 5000
+    tls: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,12 +114,63 @@ class ObservabilitySection:
     trace_transfers: bool = False
 
 
+@dataclass(frozen=True)
+class LimitsSection:
+    """Bounds on what peers can make this node hold; see docs/security.md."""
+
+    max_connections: int = 1024
+    max_connections_per_peer: int = 64
+    idle_timeout_ms: int = 600_000
+    frame_timeout_ms: int = 10_000
+    max_frame_bytes: int = 1 << 20
+    max_notify_bytes: int = 64 << 10
+    notify_rate: int = 10_000
+    max_queued_notifications: int = 16384
+    max_queued_notify_bytes: int = 16 << 20
+
+
+@dataclass(frozen=True)
+class TlsSection:
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    require_client_cert: bool = True
+    check_hostname: bool = False
+
+
 _SECTIONS = {
     "transport": TransportSection,
     "memory": MemorySection,
     "runtime": RuntimeSection,
     "observability": ObservabilitySection,
+    "limits": LimitsSection,
+    "tls": TlsSection,
 }
+
+#: Inclusive ranges of every integer key; values outside are ConfigErrors naming the key.
+RANGES: dict[tuple[str, str], tuple[int, int]] = {
+    ("transport", "handshake_timeout_ms"): (1, 600_000),
+    ("memory", "alignment"): (1, 1 << 30),
+    ("runtime", "worker_threads"): (1, 1024),
+    ("runtime", "queue_depth"): (1, 1 << 20),
+    ("runtime", "request_timeout_ms"): (1, DAY_MS),
+    ("runtime", "abort_grace_ms"): (1, 3_600_000),
+    ("limits", "max_connections"): (1, 1 << 20),
+    ("limits", "max_connections_per_peer"): (1, 1 << 20),
+    ("limits", "idle_timeout_ms"): (100, DAY_MS),
+    ("limits", "frame_timeout_ms"): (1, 3_600_000),
+    ("limits", "max_frame_bytes"): (4096, 64 << 20),
+    ("limits", "max_notify_bytes"): (1, 64 << 10),
+    ("limits", "notify_rate"): (1, 1 << 24),
+    ("limits", "max_queued_notifications"): (1, 1 << 24),
+    ("limits", "max_queued_notify_bytes"): (1, 1 << 36),
+}
+
+#: Plugin options without a declared range still get these: integers and floats within
+#: +-2**53 (exact as floats, far below an OverflowError), floats finite, strings short,
+#: and a key naming a timeout between 0 and one day in its unit (_ms, _us, else seconds).
+_GENERIC_LIMIT = 1 << 53
+_MAX_STRING = 4096
 
 _CHOICES = {
     ("transport", "mode"): ("zero-copy", "copy"),
@@ -110,6 +187,8 @@ class Config:
     memory: MemorySection = field(default_factory=MemorySection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     observability: ObservabilitySection = field(default_factory=ObservabilitySection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    tls: TlsSection = field(default_factory=TlsSection)
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: str = "<defaults>"
 
@@ -143,7 +222,9 @@ class Config:
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: [{key}] must be a table")
             kwargs[key] = _build_section(key, section_cls, value, source)
-        return cls(**kwargs)
+        cfg = cls(**kwargs)
+        _check_whole(cfg)
+        return cfg
 
     def with_overrides(self, **sections: dict[str, Any]) -> Config:
         """A copy with some keys replaced, validated like a file: ``with_overrides(runtime={"queue_depth": 8})``."""
@@ -161,24 +242,55 @@ class Config:
             current = {f.name: getattr(getattr(new, key), f.name) for f in fields(section_cls)}
             current.update(values)
             new = replace(new, **{key: _build_section(key, section_cls, current, self.source)})
+        _check_whole(new)
         return new
 
-    def plugin_options(self, name: str, defaults: dict[str, Any]) -> dict[str, Any]:
-        """``[plugins.<name>]`` merged over ``defaults``; unknown keys are errors."""
-        given = self.plugins.get(name, {})
+    def check_plugin_sections(self, installed: Any) -> None:
+        """Refuse a ``[plugins.<name>]`` section that names no installed transport.
+
+        A typo would otherwise be ignored silently. A section for a transport
+        that is only installed on some nodes sets ``optional = true``.
+        """
+        known = sorted(set(installed) | _installed_entry_points())
+        for name, opts in self.plugins.items():
+            if name in known or opts.get("optional") is True:
+                continue
+            raise ConfigError(
+                f"{self.source}: [plugins.{name}] names no installed transport (installed: "
+                f"{', '.join(known) or 'none'}); a typo? If {name!r} is only installed on some nodes, "
+                f"set plugins.{name}.optional = true"
+            )
+
+    def plugin_options(self, name: str, defaults: dict[str, Any],
+                       ranges: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``[plugins.<name>]`` merged over ``defaults``; unknown keys and bad values are errors.
+
+        ``ranges`` is the transport's ``option_ranges`` (see docs/plugin-authors.md):
+        ``key -> (low, high)`` inclusive, either side ``None`` for open, or a
+        tuple/list/set of allowed values. Keys without a range get the generic
+        checks (finite, within +-2**53, timeouts within a day).
+        """
+        given = {k: v for k, v in self.plugins.get(name, {}).items() if k != "optional"}
+        opt = self.plugins.get(name, {}).get("optional")
+        if opt is not None and not isinstance(opt, bool):
+            raise ConfigError(f"{self.source}: plugins.{name}.optional must be true or false, not {opt!r}")
         unknown = sorted(set(given) - set(defaults))
         if unknown:
             raise ConfigError(
                 f"{self.source}: unknown key plugins.{name}.{unknown[0]} (known: {', '.join(sorted(defaults)) or 'none'})"
             )
+        ranges = ranges or {}
         out = dict(defaults)
         for k, v in given.items():
-            if defaults[k] is not None and not isinstance(v, type(defaults[k])) and not (
-                isinstance(defaults[k], float) and isinstance(v, int)
-            ):
-                raise ConfigError(
-                    f"{self.source}: plugins.{name}.{k} must be {type(defaults[k]).__name__}, not {type(v).__name__}"
-                )
+            d = defaults[k]
+            where = f"{self.source}: plugins.{name}.{k}"
+            if d is not None:
+                ok = isinstance(v, type(d)) or (isinstance(d, float) and isinstance(v, int))
+                if isinstance(v, bool) and not isinstance(d, bool):
+                    ok = False
+                if not ok:
+                    raise ConfigError(f"{where} must be {type(d).__name__}, not {type(v).__name__}")
+            _check_option(where, k, v, ranges.get(k))
             out[k] = v
         return out
 
@@ -202,8 +314,9 @@ def _build_section(key: str, section_cls: type, values: dict[str, Any], source: 
         elif isinstance(default, int):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{where} must be an integer, not {value!r}")
-            if value < 0 or (value == 0 and name not in ()):
-                raise ConfigError(f"{where} must be positive, not {value}")
+            lo, hi = RANGES.get((key, name), (1, _GENERIC_LIMIT))
+            if not lo <= value <= hi:
+                raise ConfigError(f"{where} must be between {lo} and {hi}, not {value}")
         elif isinstance(default, str):
             if not isinstance(value, str):
                 raise ConfigError(f"{where} must be a string, not {value!r}")
@@ -222,6 +335,13 @@ def _build_section(key: str, section_cls: type, values: dict[str, Any], source: 
         bad = [t for t in out.get("types", ()) if t not in ("host", "device")]
         if bad:
             raise ConfigError(f"{source}: memory.types may hold 'host' and 'device', not {bad[0]!r}")
+    if key == "transport" and out.get("secret"):
+        from .auth import validate_secret
+
+        try:
+            validate_secret(out["secret"])
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: transport.secret: {exc}") from None
     if key == "transport" and "endpoint" in out:
         from .peer import parse_endpoint
 
@@ -230,6 +350,54 @@ def _build_section(key: str, section_cls: type, values: dict[str, Any], source: 
         except ValueError as exc:
             raise ConfigError(f"{source}: transport.endpoint: {exc}") from exc
     return section_cls(**out)
+
+
+def _installed_entry_points() -> set[str]:
+    """Transports installed on this node, loaded or not (disabled, failed to import)."""
+    from importlib import metadata
+
+    try:
+        eps = metadata.entry_points()
+        group = eps.select(group="mpcomm.transports") if hasattr(eps, "select") else eps.get("mpcomm.transports", [])
+        return {ep.name for ep in group}
+    except Exception:  # noqa: BLE001 - broken metadata must not break config checks
+        return set()
+
+
+def _check_whole(cfg: Config) -> None:
+    """Checks that span sections."""
+    if cfg.transport.tls:
+        missing = [k for k in ("cert", "key", "ca") if not getattr(cfg.tls, k)]
+        if missing:
+            raise ConfigError(f"{cfg.source}: transport.tls = true needs tls.{missing[0]} "
+                              "(the node's certificate, its key and the CA that signs every node)")
+
+
+def _check_option(where: str, key: str, value: Any, rng: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, not {value}")
+    if isinstance(value, str) and len(value) > _MAX_STRING:
+        raise ConfigError(f"{where} is longer than {_MAX_STRING} characters")
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    is_span = isinstance(rng, tuple) and len(rng) == 2 and all(
+        r is None or (isinstance(r, (int, float)) and not isinstance(r, bool)) for r in rng)
+    if is_span and numeric:
+        lo, hi = rng
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            span = f"between {lo} and {hi}" if lo is not None and hi is not None else (
+                f"at least {lo}" if lo is not None else f"at most {hi}")
+            raise ConfigError(f"{where} must be {span}, not {value}")
+    elif rng is not None and not is_span:
+        if value not in rng:
+            raise ConfigError(f"{where} must be one of {', '.join(map(repr, rng))}, not {value!r}")
+    if numeric:
+        if abs(value) > _GENERIC_LIMIT:
+            raise ConfigError(f"{where} is out of range: {value} (at most {_GENERIC_LIMIT} in magnitude)")
+        if "timeout" in key:
+            unit, top = ("ms", DAY_MS) if key.endswith("_ms") else (
+                ("us", DAY_MS * 1000) if key.endswith("_us") else ("s", DAY_MS // 1000))
+            if not 0 <= value <= top:
+                raise ConfigError(f"{where} must be between 0 and {top} ({unit}; one day), not {value}")
 
 
 def load_config(config: Config | str | os.PathLike[str] | dict[str, Any] | None) -> Config:

@@ -10,6 +10,7 @@ not)::
     ├── PluginError                  a transport plugin failed to load or misbehaved
     ├── TransportUnavailable         no usable transport for this peer / memory kind
     ├── RegionError                  local registration problems
+    │   ├── AllocationError          size larger than memory, /dev/shm or memlock can hold
     │   ├── AlignmentError           buffer does not satisfy memory.alignment
     │   ├── RegionBusyError          unregister/close refused: the region is leased
     │   └── RegionClosedError        the region was unregistered
@@ -20,9 +21,11 @@ not)::
     │   └── StaleRegionError         descriptor from an earlier epoch of the target (re-open it)
     ├── TransferError                the transfer itself failed
     │   ├── TransferTimeout          (also builtin TimeoutError) deadline passed
+    │   │   └── HandshakeTimeout     a connection's handshake did not finish in time
     │   ├── PeerConnectionError      (also builtin ConnectionError) peer unreachable / died
     │   ├── ProtocolError            malformed or unexpected frame; the connection is closed
     │   ├── AuthenticationError      shared-secret handshake failed
+    │   ├── LimitError               a peer's request exceeds a limit of the target ([limits])
     │   └── BackPressureError        queue_depth requests already in flight
     └── EngineClosedError            the engine was closed
 
@@ -46,10 +49,13 @@ from typing import Any
 __all__ = [
     "AccessError",
     "AlignmentError",
+    "AllocationError",
     "AuthenticationError",
     "BackPressureError",
     "ConfigError",
     "EngineClosedError",
+    "HandshakeTimeout",
+    "LimitError",
     "MpcommError",
     "OutOfBoundsError",
     "PeerConnectionError",
@@ -112,6 +118,12 @@ class RegionError(MpcommError):
     code = "region"
 
 
+class AllocationError(RegionError):
+    """A size this host cannot hold (memory, /dev/shm, RLIMIT_MEMLOCK); nothing was allocated."""
+
+    code = "allocation"
+
+
 class AlignmentError(RegionError):
     code = "alignment"
 
@@ -164,6 +176,16 @@ class TransferTimeout(TransferError, TimeoutError):
     confirmed: bool = True
 
 
+class HandshakeTimeout(TransferTimeout):
+    """A connection's handshake (authentication, hello) did not finish by its deadline.
+
+    The deadline covers the whole exchange, not each read: a peer trickling one
+    byte at a time is cut when the handshake's time is up.
+    """
+
+    code = "handshake_timeout"
+
+
 class PeerConnectionError(TransferError, ConnectionError):
     code = "connection"
     retryable = True
@@ -175,6 +197,12 @@ class ProtocolError(TransferError):
 
 class AuthenticationError(TransferError):
     code = "auth"
+
+
+class LimitError(TransferError):
+    """The request exceeds one of the target's ``[limits]`` (a notification too large, say); nothing was done."""
+
+    code = "limit"
 
 
 class BackPressureError(TransferError):
@@ -190,10 +218,10 @@ _BY_CODE: dict[str, type[MpcommError]] = {
     cls.code: cls
     for cls in [
         MpcommError, ConfigError, PluginError, TransportUnavailable, RegionError,
-        AlignmentError, RegionBusyError, RegionClosedError, AccessError,
+        AllocationError, AlignmentError, RegionBusyError, RegionClosedError, AccessError,
         UnknownRegionError, OutOfBoundsError, PermissionDeniedError, StaleRegionError,
-        TransferError, TransferTimeout, PeerConnectionError, ProtocolError,
-        AuthenticationError, BackPressureError, EngineClosedError,
+        TransferError, TransferTimeout, HandshakeTimeout, PeerConnectionError, ProtocolError,
+        AuthenticationError, LimitError, BackPressureError, EngineClosedError,
     ]
 }
 

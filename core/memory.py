@@ -21,15 +21,17 @@ from __future__ import annotations
 import ctypes
 import itertools
 import mmap
+import os
+import resource
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import AlignmentError, RegionBusyError, RegionClosedError, RegionError
+from .errors import AlignmentError, AllocationError, RegionBusyError, RegionClosedError, RegionError
 
-__all__ = ["Region", "buffer_address", "allocate_host"]
+__all__ = ["Region", "allocate_host", "buffer_address", "check_allocatable"]
 
 _region_ids = itertools.count(1)
 
@@ -85,11 +87,98 @@ def as_byte_view(obj: Any) -> memoryview:
     return view
 
 
+def _fmt(n: int) -> str:
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor:
+            return f"{n / factor:.1f}{unit}"
+    return f"{n}B"
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_room() -> int | None:
+    """Bytes this process's cgroup (v2) may still charge, or None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
+        if rel is None:
+            return None
+        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as f:
+            return max(0, int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def check_allocatable(size: int, *, shm: bool = False, locked: bool = False) -> None:
+    """Refuse, before anything is allocated, a size this host cannot hold.
+
+    Pre-faulted memory (``MAP_POPULATE``) larger than what the kernel can give
+    does not fail cleanly: the OOM killer takes down this or another process.
+    So ``size`` is compared with ``MemAvailable`` (``MemTotal`` where the
+    kernel has no estimate) and the cgroup's remaining ``memory.max``; with
+    ``shm`` also with the free space of ``/dev/shm``; with ``locked`` (memory
+    that will be pinned) also with ``RLIMIT_MEMLOCK``.
+
+    Raises AllocationError naming the size and the limit it exceeds.
+    """
+    if size <= 0:
+        raise AllocationError(f"size must be positive, not {size}")
+    info = _meminfo()
+    avail = info.get("MemAvailable", info.get("MemTotal"))
+    if avail is not None and size > avail:
+        what = "MemAvailable" if "MemAvailable" in info else "MemTotal"
+        raise AllocationError(
+            f"cannot allocate {_fmt(size)} ({size} bytes): only {_fmt(avail)} of memory is available "
+            f"({what} in /proc/meminfo; MemTotal {_fmt(info.get('MemTotal', 0))}); nothing was allocated")
+    room = _cgroup_room()
+    if room is not None and size > room:
+        raise AllocationError(
+            f"cannot allocate {_fmt(size)} ({size} bytes): this cgroup may use only {_fmt(room)} more "
+            "(memory.max - memory.current); nothing was allocated")
+    if shm:
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError:
+            st = None
+        if st is not None:
+            free = st.f_bavail * st.f_frsize
+            if size > free:
+                raise AllocationError(
+                    f"cannot allocate {_fmt(size)} ({size} bytes) of shared memory: /dev/shm has only "
+                    f"{_fmt(free)} free (docker: --shm-size); nothing was allocated")
+    if locked:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if soft != resource.RLIM_INFINITY and size > soft:
+            raise AllocationError(
+                f"cannot lock {_fmt(size)} ({size} bytes): RLIMIT_MEMLOCK is {_fmt(soft)} "
+                "(ulimit -l; systemd LimitMEMLOCK=, docker --ulimit memlock=-1); nothing was allocated")
+
+
 def allocate_host(size: int, alignment: int) -> tuple[memoryview, Any]:
     """Page-aligned anonymous memory, pre-faulted, aligned to ``alignment``.
 
-    Returns the view and the object that owns the mapping.
+    Returns the view and the object that owns the mapping. Raises
+    AllocationError (see :func:`check_allocatable`) before mapping anything
+    when the host cannot hold ``size`` bytes.
     """
+    check_allocatable(size)
     extra = alignment if alignment > mmap.PAGESIZE else 0
     mm = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
     view = memoryview(mm)

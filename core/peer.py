@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
 from dataclasses import asdict, dataclass, field
@@ -86,9 +87,37 @@ def same_host(a: dict[str, Any], b: dict[str, Any], *, need: tuple[str, ...] = (
     return all(a.get(k) and a.get(k) == b.get(k) for k in need)
 
 
+# Bounds on what a peer may say about itself (PeerInfo.from_dict); far above real values.
+MAX_ID = 128  # node_id, epoch
+MAX_ADDRESS = 300
+MAX_HOST_KEYS = 32
+MAX_HOST_VALUE = 512
+MAX_TRANSPORTS = 16
+MAX_TRANSPORT_INFO = 16 << 10  # bytes of JSON per transport entry
+
+
+def _text(d: dict[str, Any], key: str, limit: int, required: bool = True) -> str:
+    if key not in d:
+        if required:
+            raise ValueError(f"missing {key!r}")
+        return ""
+    v = d[key]
+    if not isinstance(v, str):
+        raise ValueError(f"{key} must be a string, not {type(v).__name__}")
+    if len(v) > limit:
+        raise ValueError(f"{key} is {len(v)} characters long (at most {limit})")
+    return v
+
+
 @dataclass
 class PeerInfo:
-    """A peer as its handshake described it."""
+    """A peer as its handshake described it.
+
+    Everything here is the peer's own claim; ``authenticated`` (never sent,
+    set by the control server) says whether the connection it arrived on
+    proved the shared secret. See docs/security.md for which claims the
+    handshake checks.
+    """
 
     node_id: str
     epoch: str
@@ -96,17 +125,51 @@ class PeerInfo:
     host: dict[str, Any] = field(default_factory=dict)
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
     protocol: int = 1
+    authenticated: bool = field(default=False, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        del d["authenticated"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PeerInfo:
+        """Validate a peer's self-description: types, lengths and sizes are bounded (ValueError)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"peer info must be an object, not {type(d).__name__}")
+        node_id = _text(d, "node_id", MAX_ID)
+        epoch = _text(d, "epoch", MAX_ID)
+        if not node_id or not epoch:
+            raise ValueError("node_id and epoch must not be empty")
+        address = _text(d, "address", MAX_ADDRESS)
+        host = d.get("host") or {}
+        if not isinstance(host, dict):
+            raise ValueError(f"host must be an object, not {type(host).__name__}")
+        if len(host) > MAX_HOST_KEYS:
+            raise ValueError(f"host has {len(host)} keys (at most {MAX_HOST_KEYS})")
+        for k, v in host.items():
+            if len(k) > MAX_ID or not (v is None or isinstance(v, (str, int, float, bool))):
+                raise ValueError(f"host.{k[:MAX_ID]} must be a short scalar")
+            if isinstance(v, str) and len(v) > MAX_HOST_VALUE:
+                raise ValueError(f"host.{k} is longer than {MAX_HOST_VALUE} characters")
+        transports = d.get("transports") or {}
+        if not isinstance(transports, dict):
+            raise ValueError(f"transports must be an object, not {type(transports).__name__}")
+        if len(transports) > MAX_TRANSPORTS:
+            raise ValueError(f"transports has {len(transports)} entries (at most {MAX_TRANSPORTS})")
+        for k, v in transports.items():
+            if len(k) > MAX_ID or not isinstance(v, dict):
+                raise ValueError(f"transports.{k[:MAX_ID]} must be an object")
+            if len(json.dumps(v)) > MAX_TRANSPORT_INFO:
+                raise ValueError(f"transports.{k} is larger than {MAX_TRANSPORT_INFO} bytes")
+        protocol = d.get("protocol", 1)
+        if isinstance(protocol, bool) or not isinstance(protocol, int) or not 0 < protocol < 1 << 16:
+            raise ValueError(f"protocol must be a small positive integer, not {protocol!r}")
         return cls(
-            node_id=str(d["node_id"]),
-            epoch=str(d["epoch"]),
-            address=str(d["address"]),
-            host=dict(d.get("host") or {}),
-            transports={str(k): dict(v) for k, v in (d.get("transports") or {}).items()},
-            protocol=int(d.get("protocol", 1)),
+            node_id=node_id,
+            epoch=epoch,
+            address=address,
+            host=dict(host),
+            transports={str(k): dict(v) for k, v in transports.items()},
+            protocol=protocol,
         )

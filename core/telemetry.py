@@ -7,10 +7,24 @@ API. With ``observability.trace_transfers`` and ``observability.metrics``
 both off (the default) the engine's per-request cost is one attribute check
 (``Telemetry.enabled``): nothing of this module runs.
 
-Spans (``observability.trace_transfers``): one ``mpcomm.write`` /
-``mpcomm.read`` span per posted request, kind CLIENT, child of the caller's
-current span, started when the request is posted and ended when its
-:class:`~mpcomm.Transfer` is resolved. Attributes:
+Spans: one per public operation and per batch, so a console trace stays
+readable; what happens to each request is in the metrics.
+
+* ``mpcomm.submit`` (kind CLIENT): one per :meth:`~mpcomm.Engine.submit`
+  batch, from its first post to the batch's resolution. Attributes
+  ``mpcomm.requests``, ``mpcomm.size`` (bytes requested, all requests),
+  ``mpcomm.direction`` (``write``, ``read`` or ``mixed``), ``mpcomm.peer``,
+  ``mpcomm.region`` (of the first request), then ``mpcomm.outcome``,
+  ``mpcomm.failed`` (requests that did not complete) and ``mpcomm.bytes_moved``.
+* :meth:`Telemetry.operation` wraps other public operations (``mpcomm.open``,
+  ``mpcomm.connect``...; the engine names them) and the CLI's commands
+  (``mpcomm demo``...), with status ERROR and an exception event on failure.
+
+These are emitted whenever the engine's telemetry is on (either switch).
+``observability.trace_transfers`` adds a span per *request* for
+investigations: ``mpcomm.write`` / ``mpcomm.read``, kind CLIENT, a child of the
+batch's span or of the caller's current span, started when the request is
+posted and ended when its :class:`~mpcomm.Transfer` is resolved. Attributes:
 
 =========================  ===============================================
 ``mpcomm.transport``       transport that carried it (``tcp``, ``shm``...)
@@ -54,6 +68,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -62,7 +77,7 @@ if TYPE_CHECKING:
 
 from . import __version__
 
-__all__ = ["DURATION_BUCKETS", "Telemetry", "outcome_of"]
+__all__ = ["DURATION_BUCKETS", "Telemetry", "operation_span", "outcome_of"]
 
 #: Histogram boundaries in seconds: 10 us .. 30 s (the SDK's defaults suit milliseconds).
 DURATION_BUCKETS = (
@@ -152,12 +167,56 @@ class _Tallies:
 _tallies = _Tallies()
 
 
+@contextmanager
+def operation_span(name: str, attributes: dict[str, Any] | None = None, *, kind: str = "internal") -> Iterator[Any]:
+    """A span around one public operation, current while it runs (a no-op without an SDK).
+
+    An exception leaving the block sets status ERROR, ``error.type`` and an
+    exception event, and propagates.
+    """
+    from opentelemetry import trace
+
+    tracer = trace.get_tracer("mpcomm", __version__)
+    span_kind = trace.SpanKind.CLIENT if kind == "client" else trace.SpanKind.INTERNAL
+    with tracer.start_as_current_span(name, kind=span_kind, record_exception=False,
+                                      set_status_on_exception=False) as span:
+        if attributes and span.is_recording():
+            span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+        try:
+            yield span
+        except BaseException as exc:
+            if span.is_recording():
+                from opentelemetry.trace import Status, StatusCode
+
+                span.set_attribute("error.type", type(exc).__name__)
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, str(exc) or type(exc).__name__))
+            raise
+
+
+def _batch_of(transfer: Transfer) -> Any:
+    """The Batch a transfer belongs to, found through the done-callback the Batch put on it.
+
+    A bridge until the engine calls :meth:`Telemetry.on_submit` itself.
+    """
+    from .transfer import Batch
+
+    for cb in getattr(transfer, "_done_callbacks", ()):
+        owner = getattr(cb, "__self__", None)
+        if isinstance(owner, Batch):
+            return owner
+    return None
+
+
 class Telemetry:
     """The engine's link to OpenTelemetry; one per :class:`~mpcomm.Engine`.
 
     The engine calls :meth:`on_post` (only when :attr:`enabled`) for every
-    posted request, :meth:`on_register` for every (un)registration, and may
-    call :meth:`on_retry` when it retries part of a request.
+    posted request, :meth:`on_finish` when a transport finishes one,
+    :meth:`on_register` for every (un)registration, :meth:`on_submit` for a
+    batch (optional: on_post finds the batch otherwise), may call
+    :meth:`on_retry` when it retries part of a request, and wraps other
+    public operations in :meth:`operation`.
     """
 
     def __init__(self, config: Config) -> None:
@@ -165,22 +224,82 @@ class Telemetry:
         self.metrics = bool(config.observability.metrics)
         self.enabled = self.tracing or self.metrics
         self._tracer: Any = None
+        self._ops_tracer: Any = None
         self._hist_attrs: dict[tuple[str, str, str], dict[str, str]] = {}
-        if self.tracing:
+        if self.enabled:
             from opentelemetry import trace
 
-            self._tracer = trace.get_tracer("mpcomm", __version__)
+            self._ops_tracer = trace.get_tracer("mpcomm", __version__)
             self._span_kind = trace.SpanKind.CLIENT
+            if self.tracing:
+                self._tracer = self._ops_tracer
         if self.metrics:
             self._latency = _tallies.setup()
+
+    # -- spans for operations ------------------------------------------------------------
+
+    @contextmanager
+    def operation(self, name: str, **attributes: Any) -> Iterator[Any]:
+        """Span ``name`` (e.g. ``mpcomm.open``) around a public operation; nothing when telemetry is off."""
+        if not self.enabled:
+            yield None
+            return
+        with operation_span(name, attributes, kind="client") as span:
+            yield span
+
+    def on_submit(self, batch: Any, ops: list[Operation] | None = None) -> Any:
+        """Open the batch's ``mpcomm.submit`` span (once) and end it when the batch resolves."""
+        span = getattr(batch, "_mpcomm_span", None)
+        if span is not None or self._ops_tracer is None:
+            return span
+        span = self._ops_tracer.start_span("mpcomm.submit", kind=self._span_kind)
+        batch._mpcomm_span = span
+        if span.is_recording():
+            ops = ops if ops is not None else getattr(batch, "_ops", [])
+            kinds = {o.kind for o in ops}
+            attrs: dict[str, Any] = {
+                "mpcomm.requests": len(batch.transfers),
+                "mpcomm.size": sum(o.length for o in ops),
+                "mpcomm.direction": kinds.pop() if len(kinds) == 1 else "mixed",
+            }
+            if ops:
+                attrs["mpcomm.peer"] = ops[0].remote.address
+                attrs["mpcomm.region"] = ops[0].remote.name
+            span.set_attributes(attrs)
+        batch.add_done_callback(lambda b: self._batch_resolved(b, span))
+        return span
+
+    def _batch_resolved(self, batch: Any, span: Any) -> None:
+        if span.is_recording():
+            members = batch.transfers
+            failed = [t for t in members if t.cancelled() or t.exception() is not None]
+            error = None if batch.cancelled() else batch.exception()
+            outcome = "cancelled" if batch.cancelled() else outcome_of(error)
+            span.set_attributes({"mpcomm.outcome": outcome, "mpcomm.failed": len(failed),
+                                 "mpcomm.bytes_moved": sum(t.bytes_moved for t in members)})
+            if error is not None:
+                from opentelemetry.trace import Status, StatusCode
+
+                span.set_attribute("error.type", type(error).__name__)
+                span.set_status(Status(StatusCode.ERROR, str(error) or outcome))
+        span.end()
 
     # -- hooks the engine calls -------------------------------------------------------
 
     def on_post(self, op: Operation, transport: str) -> None:
-        """``op`` was handed to ``transport``: open its span, count it in flight."""
+        """``op`` was handed to ``transport``: count it in flight (and open its span when tracing)."""
+        parent = None
+        batch = _batch_of(op.transfer)
+        if batch is not None:
+            parent = self.on_submit(batch)
         span = None
         if self._tracer is not None:
-            span = self._tracer.start_span(f"mpcomm.{op.kind}", kind=self._span_kind)
+            context = None
+            if parent is not None:
+                from opentelemetry import trace
+
+                context = trace.set_span_in_context(parent)
+            span = self._tracer.start_span(f"mpcomm.{op.kind}", context=context, kind=self._span_kind)
             if span.is_recording():
                 peer = op.remote.address
                 span.set_attributes({

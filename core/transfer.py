@@ -15,18 +15,28 @@ Lifecycle (``Transfer.status``)::
 **Completion** means every byte is in the destination memory (the remote
 region for a write, the local one for a read) and no lease is held any more.
 
+**Threads.** Handles are resolved by the engine: on the caller's thread when a
+request finished inside ``write()``, otherwise on the engine's completion
+thread, which also runs the callbacks. No callback runs on a transport's
+thread, on the deadline timer or under a lock, so a callback may submit more
+transfers and wait on them with ``result()``. ``result()`` itself wakes as
+soon as the transport reported (one thread hop, not two).
+
 **Timeouts.** Every request has a deadline (``runtime.request_timeout_ms``
 unless given). When it passes, the engine asks the transport to abort; the
 handle becomes TIMED_OUT only when the transport guarantees no more bytes of
-the request will land. Before that moment some, all or none of the bytes may
-have landed: the destination range is undefined and must be rewritten.
+the request will land (``TransferTimeout.confirmed``). Before that moment
+some, all or none of the bytes may have landed: the destination range is
+undefined and must be rewritten.
 
-**Cancellation.** ``cancel()`` before the request is posted always succeeds and
-nothing is transferred. After posting, a transport that declares
-``Capabilities.inflight_cancel`` aborts the request: ``cancel()`` waits until no
-more bytes can land and returns True, or returns False when the request
-completed first. Without that capability ``cancel()`` returns False once
-posted, as Future.cancel does for a running future. A cancelled write may have
+**Cancellation.** ``cancel()`` never blocks. Before the request is posted it
+always succeeds: the lease is released, then callbacks run, and nothing was
+transferred. After posting, a transport that declares
+``Capabilities.inflight_cancel`` is asked to abort: ``cancel()`` returns at once
+(False while the abort is under way) and the handle becomes CANCELLED once no
+more bytes can land — ``await transfer.acancel()`` or ``cancel(timeout=...)``
+waits for that. Without the capability ``cancel()`` returns False once posted,
+as Future.cancel does for a running future. A cancelled write may have
 written part of its range; a cancelled read may have filled part of the local
 buffer.
 """
@@ -40,16 +50,13 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import CancelledError, Future
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, RUNNING
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import MpcommError, TransferTimeout
+from .transport import DONE, FAILED, Operation, OperationGroup
 
 if TYPE_CHECKING:
-    from .memory import Region
     from .remote import RemoteRegion
-    from .transport import Transport
 
 __all__ = ["Batch", "Operation", "Request", "Transfer", "TransferStatus"]
 
@@ -65,12 +72,18 @@ class TransferStatus(str, enum.Enum):
     TIMED_OUT = "timed_out"
 
 
+PENDING = TransferStatus.PENDING
+POSTED = TransferStatus.POSTED
+COMPLETED = TransferStatus.COMPLETED
+CANCELLED = TransferStatus.CANCELLED
+
+
 @dataclass
 class Request:
     """One transfer to describe for :meth:`Engine.submit`.
 
     ``op`` is ``"write"`` (local → remote) or ``"read"`` (remote → local).
-    ``length`` defaults to what fits in both regions from their offsets.
+    ``length`` defaults to the local buffer's length from ``local_offset``.
     ``notify`` is a small message (≤ 64 KiB) delivered to the target after the data.
     ``timeout`` in seconds overrides ``runtime.request_timeout_ms``.
     """
@@ -85,21 +98,54 @@ class Request:
     timeout: float | None = None
 
 
-class Transfer(Future):  # type: ignore[type-arg]
-    """Completion handle of one request (see the module docstring)."""
+class _Dispatch:
+    """What the engine plugs into a handle (its completion thread and canceller)."""
 
-    def __init__(self, request: Request | None = None) -> None:
+    __slots__ = ("push", "on_dispatch_thread", "cancel")
+
+    def __init__(self, push: Callable[[Any], None], on_dispatch_thread: Callable[[], bool],
+                 cancel: Callable[[Transfer], None]) -> None:
+        self.push = push
+        self.on_dispatch_thread = on_dispatch_thread
+        self.cancel = cancel
+
+
+_depth = threading.local()
+_MAX_INLINE_DEPTH = 16
+
+
+class Transfer(Future):  # type: ignore[type-arg]
+    """Completion handle of one request (see the module docstring).
+
+    Attributes:
+        status: a :class:`TransferStatus`.
+        transport: name of the transport that carried it (None until posted).
+        route_rule: the routing rule that chose the transport (None until posted).
+        bytes_moved: bytes in the destination once COMPLETED.
+        submitted_at, finished_at: ``time.monotonic()`` stamps.
+    """
+
+    def __init__(self, request: Request | None = None, *, _dispatch: _Dispatch | None = None) -> None:
         super().__init__()
-        self.request = request
-        self.status = TransferStatus.PENDING
-        #: Name of the transport that carried it (None until posted).
+        self._request = request
+        self.status = PENDING
         self.transport: str | None = None
+        self.route_rule: str | None = None
         self.bytes_moved = 0
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None
-        self._finalizers: list[Callable[[], None]] = []
-        self._canceller: Callable[[float | None], bool] | None = None
-        self._fin_lock = threading.Lock()
+        #: The engine's request behind this handle (Operation or group); engine-private.
+        self._op: Any = None
+        self._dispatch = _dispatch
+        self._outcome: tuple[BaseException | None, int] | None = None
+        self._settled = False
+        self._cbs_ran = False
+        self._callbacks: list[Callable[[Transfer], Any]] = []
+        self._lock = threading.Lock()
+        # Released by whoever records the outcome: result() waiters wake on it
+        # directly, without waiting for the completion thread.
+        self._wake = threading.Lock()
+        self._wake.acquire()
 
     def __repr__(self) -> str:
         return f"<Transfer {self.status.value} via={self.transport} bytes={self.bytes_moved}>"
@@ -108,216 +154,298 @@ class Transfer(Future):  # type: ignore[type-arg]
         return asyncio.wrap_future(self).__await__()
 
     @property
+    def request(self) -> Request | None:
+        """The request this handle stands for."""
+        if self._request is None and isinstance(self._op, Operation):
+            op = self._op
+            self._request = Request(op.kind, op.local, op.remote, op.remote_offset, op.length, op.local_offset)
+        return self._request
+
+    @property
     def elapsed(self) -> float | None:
         """Seconds from submit to completion (None while pending)."""
         return None if self.finished_at is None else self.finished_at - self.submitted_at
 
-    def cancel(self, timeout: float | None = None) -> bool:
-        """Cancel the request; see the module docstring for what may have happened.
+    # -- observing -----------------------------------------------------------------
 
-        ``timeout`` bounds the wait for an in-flight abort (default: until the
-        request's own deadline plus the abort grace).
+    def _sync(self) -> None:
+        if not self._settled and self._outcome is not None:
+            self._settle()
+
+    def done(self) -> bool:
+        self._sync()
+        return super().done()
+
+    def running(self) -> bool:
+        return self.status is POSTED and not self.done()
+
+    def cancelled(self) -> bool:
+        self._sync()
+        return super().cancelled()
+
+    def _await_outcome(self, timeout: float | None) -> None:
+        if self._settled or self._outcome is not None:
+            self._sync()
+            return
+        got = self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+        if got:
+            self._wake.release()  # pass it on to the next waiter
+            self._sync()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._await_outcome(timeout)
+        return super().result(0 if self._settled else timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._await_outcome(timeout)
+        return super().exception(0 if self._settled else timeout)
+
+    def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:  # type: ignore[override]
+        """Run ``fn(transfer)`` once done: on the engine's completion thread, or
+        at once when already done (queued instead when called from a callback,
+        so chains of callbacks never recurse)."""
+        self._sync()
+        with self._lock:
+            if not self._cbs_ran:
+                self._callbacks.append(fn)
+                return
+        d = self._dispatch
+        depth = getattr(_depth, "n", 0)
+        if d is not None and (d.on_dispatch_thread() or depth >= _MAX_INLINE_DEPTH):
+            d.push((self, fn))
+            return
+        _depth.n = depth + 1
+        try:
+            _call(fn, self)
+        finally:
+            _depth.n = depth
+
+    # -- cancelling ----------------------------------------------------------------
+
+    def cancel(self, timeout: float | None = 0) -> bool:  # type: ignore[override]
+        """Request cancellation; never blocks unless ``timeout`` is given.
+
+        Returns True once the handle is CANCELLED (at once for a request not
+        yet posted). For a posted request on a transport with in-flight cancel
+        the abort is started and, with ``timeout``, waited for up to that many
+        seconds (None: until done).
         """
-        with self._condition:
-            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED):
-                return self._state != FINISHED
-            if self._state != RUNNING:
-                ok = super().cancel()
-                if ok:
-                    self.status = TransferStatus.CANCELLED
-                    self.finished_at = time.monotonic()
-        if self._state != RUNNING:
-            self._run_finalizers()
+        if self.done():
             return self.cancelled()
-        canceller = self._canceller
-        if canceller is None:
-            return False
-        return canceller(timeout)
-
-    # -- producer side (the engine and transports), not for users -------------
-
-    def _add_finalizer(self, fn: Callable[[], None]) -> None:
-        self._finalizers.append(fn)
-
-    def _run_finalizers(self) -> None:
-        with self._fin_lock:
-            fins, self._finalizers = self._finalizers, []
-        for fn in reversed(fins):
+        d = self._dispatch
+        if d is None:  # a handle no engine owns (tests, wrappers)
+            ok = Future.cancel(self)
+            if ok:
+                self.status = CANCELLED
+                self.finished_at = time.monotonic()
+                Future.set_running_or_notify_cancel(self)
+                self._run_callbacks()
+            return ok
+        d.cancel(self)
+        if timeout != 0 and not self.done():
             try:
-                fn()
-            except Exception:  # a finalizer must never stop completion
-                log.exception("transfer finalizer failed")
+                self.exception(timeout)
+            except (CancelledError, TimeoutError):
+                pass
+        return self.cancelled()
 
-    def _mark_posted(self, transport: str) -> bool:
-        """PENDING → POSTED; False if it was cancelled meanwhile."""
-        if not self.set_running_or_notify_cancel():
-            return False
-        self.transport = transport
-        self.status = TransferStatus.POSTED
+    async def acancel(self) -> bool:
+        """Cancel and wait, without blocking the event loop, until the outcome is known."""
+        self.cancel()
+        if not self.done():
+            try:
+                await asyncio.wrap_future(self)
+            except BaseException:  # noqa: BLE001 - the outcome is read below
+                pass
+        return self.cancelled()
+
+    # -- the engine's side ---------------------------------------------------------
+
+    def _record(self, error: BaseException | None, nbytes: int) -> bool:
+        """The request ended (any thread): remember how, wake result() waiters.
+
+        The first outcome wins; False if one was recorded already.
+        """
+        with self._lock:
+            if self._outcome is not None:
+                return False
+            self._outcome = (error, nbytes)
+        self._wake.release()
         return True
 
-    def _complete(self, nbytes: int) -> None:
-        self.bytes_moved = nbytes
-        self.status = TransferStatus.COMPLETED
+    def _settle(self) -> bool:
+        """Apply the recorded outcome (caller's or completion thread); True if this call did."""
+        with self._lock:
+            if self._settled:
+                return False
+            self._settled = True
+        error, nbytes = self._outcome  # type: ignore[misc]
         self.finished_at = time.monotonic()
-        self._run_finalizers()
-        self.set_result(nbytes)
+        if isinstance(error, CancelledError):
+            self.status = CANCELLED
+            Future.cancel(self)  # never RUNNING: the Future is PENDING until settled
+            Future.set_running_or_notify_cancel(self)  # tell concurrent.futures.wait()
+        elif error is None:
+            self.bytes_moved = nbytes
+            self.status = COMPLETED
+            Future.set_result(self, nbytes)
+        else:
+            self.status = TransferStatus.TIMED_OUT if isinstance(error, TimeoutError) else TransferStatus.FAILED
+            Future.set_exception(self, error)
+        return True
 
-    def _fail(self, exc: BaseException) -> None:
-        self.finished_at = time.monotonic()
-        self._run_finalizers()
-        if isinstance(exc, CancelledError):
-            self.status = TransferStatus.CANCELLED
-            with self._condition:
-                # A running future cannot be cancelled through the public API;
-                # this is the same transition Future.cancel() makes for pending ones.
-                self._state = CANCELLED_AND_NOTIFIED
-                for waiter in self._waiters:
-                    waiter.add_cancelled(self)
-                self._condition.notify_all()
-            self._invoke_callbacks()
-            return
-        self.status = TransferStatus.TIMED_OUT if isinstance(exc, TimeoutError) else TransferStatus.FAILED
-        self.set_exception(exc)
+    def _run_callbacks(self) -> None:
+        while True:
+            with self._lock:
+                cbs, self._callbacks = self._callbacks, []
+                if not cbs:
+                    self._cbs_ran = True
+                    return
+            for fn in cbs:
+                _call(fn, self)
+
+    def _finish_inline(self) -> None:
+        """Settle on the posting thread; callbacks (only the engine's own can exist yet) run here."""
+        self._settle()
+        self._run_callbacks()
+
+
+def _call(fn: Callable[[Any], Any], arg: Any) -> None:
+    try:
+        fn(arg)
+    except Exception:  # a callback must never stop completion
+        log.exception("transfer callback %r failed", fn)
 
 
 class Batch(Transfer):
-    """Handle for :meth:`Engine.submit`: one Transfer per request in ``transfers``.
+    """Handle of many requests (:meth:`Engine.submit`, ``write_many``, ``read_many``).
 
-    The batch completes when every member is done: with the total byte count
-    if all succeeded, else with the first member's error (the others stay
-    inspectable). Cancelling the batch cancels every member.
+    Completes when every request is done: with the total byte count if all
+    succeeded, else with the error of the first failed request (in index order;
+    the others stay inspectable through :attr:`errors`, :attr:`failed` and
+    :attr:`statuses`). Cancelling the batch cancels every request in it.
+
+    Attributes:
+        count: number of requests.
+        statuses: one :class:`TransferStatus` per request, in submission order.
+        errors: ``{index: exception}`` for the requests that failed.
+        failed: indices of failed requests, ascending.
+        bytes_per_request: bytes in the destination per request (0 for failed ones).
+        transfers: one :class:`Transfer` per request (made on first access).
     """
 
-    def __init__(self, transfers: Sequence[Transfer]) -> None:
-        super().__init__(None)
-        self.transfers = list(transfers)
-        self._left = len(self.transfers)
-        self._lock = threading.Lock()
-        self.set_running_or_notify_cancel()
-        self.status = TransferStatus.POSTED
-        if not self.transfers:
-            self._complete(0)
-        for t in self.transfers:
-            t.add_done_callback(self._member_done)
+    def __init__(self, count: int, *, _dispatch: _Dispatch | None = None) -> None:
+        super().__init__(None, _dispatch=_dispatch)
+        self.count = count
+        #: (first index, group or op) for each part of the batch; engine-private.
+        self._parts: list[tuple[int, Any]] = []
+        self._members: list[Transfer] | None = None
+        self._requests: Sequence[Request] | None = None
 
-    def _member_done(self, _t: Future) -> None:  # type: ignore[type-arg]
-        with self._lock:
-            self._left -= 1
-            if self._left:
-                return
-        failed = [t for t in self.transfers if t.cancelled() or t.exception() is not None]
-        if not failed:
-            self._complete(sum(t.bytes_moved for t in self.transfers))
-            return
-        first = failed[0]
-        self._fail(CancelledError() if first.cancelled() else first.exception())  # type: ignore[arg-type]
+    def __repr__(self) -> str:
+        return f"<Batch x{self.count} {self.status.value} bytes={self.bytes_moved}>"
 
-    def cancel(self, timeout: float | None = None) -> bool:
-        results = [t.cancel(timeout) for t in self.transfers]
-        return all(results)
+    def _index_state(self) -> tuple[list[TransferStatus], dict[int, BaseException], list[int]]:
+        statuses = [PENDING] * self.count
+        errors: dict[int, BaseException] = {}
+        lengths = [0] * self.count
+        for start, part in self._parts:
+            if isinstance(part, OperationGroup):
+                st = part.status
+                for i in range(part.count):
+                    code = st[i]
+                    if code == DONE:
+                        statuses[start + i] = COMPLETED
+                        lengths[start + i] = part.lengths[i]
+                    elif code == FAILED:
+                        err = part.errors.get(i)
+                        errors[start + i] = err  # type: ignore[assignment]
+                        statuses[start + i] = _status_of(err)
+                    elif self.status is not PENDING:
+                        statuses[start + i] = POSTED
+            else:
+                t: Transfer = part.transfer
+                t._sync()
+                statuses[start] = t.status
+                if t.status is COMPLETED:
+                    lengths[start] = t.bytes_moved
+                elif t.done():
+                    errors[start] = CancelledError() if t.cancelled() else t.exception()  # type: ignore[assignment]
+        return statuses, errors, lengths
+
+    @property
+    def statuses(self) -> list[TransferStatus]:
+        return self._index_state()[0]
+
+    @property
+    def errors(self) -> dict[int, BaseException]:
+        return self._index_state()[1]
+
+    @property
+    def failed(self) -> list[int]:
+        return sorted(self._index_state()[1])
+
+    @property
+    def bytes_per_request(self) -> list[int]:
+        return self._index_state()[2]
+
+    @property
+    def transfers(self) -> list[Transfer]:
+        if self._members is None:
+            self._members = _members_of(self)
+        return self._members
+
+    def cancel(self, timeout: float | None = 0) -> bool:  # type: ignore[override]
+        return super().cancel(timeout)
 
 
-@dataclass(eq=False)
-class Operation:
-    """What a transport receives for one posted request.
+def _status_of(err: BaseException | None) -> TransferStatus:
+    if isinstance(err, CancelledError):
+        return CANCELLED
+    if isinstance(err, TimeoutError):
+        return TransferStatus.TIMED_OUT
+    return TransferStatus.FAILED
 
-    The transport moves ``length`` bytes between ``local_view`` and
-    ``remote`` at ``remote_offset`` and then calls exactly one of
-    :meth:`complete` or :meth:`fail`. Bounds and access were checked against
-    the descriptor before posting; targets whose CPU serves the request check
-    them again.
 
-    When :attr:`abort_exc` becomes set (timeout, cancel, peer lost), the
-    transport's :meth:`Transport.abort` is called; the transport stops as soon
-    as it can and calls :meth:`fail` only once no more bytes can land.
+class _Member(Transfer):
+    """One request of a vectorised part of a :class:`Batch`; resolves when its part does.
+
+    It can be cancelled alone while its part is not posted yet; once posted,
+    the part is one posting and only the whole batch can be cancelled.
     """
 
-    kind: str  # "write" | "read"
-    local: Region
-    local_offset: int
-    remote: RemoteRegion
-    remote_offset: int
-    length: int
-    deadline: float  # time.monotonic()
-    deadline_wall: float  # time.time(), for the peer's own guard
-    transfer: Transfer
-    peer: Any = None
-    transport: Transport | None = None
-    abort_exc: BaseException | None = None
-    #: Free slot for the transport's per-operation state.
-    state: Any = None
-    #: Run before completing (the engine sends a notification here); an error fails the request.
-    before_complete: Callable[[], None] | None = None
-    _done: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _on_finish: list[Callable[[Operation, BaseException | None], None]] = field(default_factory=list)
-
-    @property
-    def local_view(self) -> memoryview:
-        return self.local.view[self.local_offset : self.local_offset + self.length]
-
-    @property
-    def aborted(self) -> bool:
-        return self.abort_exc is not None
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def time_left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def abort(self, exc: BaseException) -> None:
-        """Ask the transport to stop (first reason wins)."""
-        with self._lock:
-            if self._done or self.abort_exc is not None:
-                return
-            self.abort_exc = exc
-        if self.transport is not None:
-            try:
-                self.transport.abort(self)
-            except Exception:
-                log.exception("transport %s failed to abort", self.transport.name)
-
-    def _finish(self, error: BaseException | None) -> bool:
-        with self._lock:
-            if self._done:
-                return False
-            self._done = True
-        for fn in self._on_finish:
-            fn(self, error)
-        return True
-
-    def complete(self, nbytes: int | None = None) -> None:
-        """Every byte landed (the transport's word)."""
-        if self.before_complete is not None and not self._done:
-            try:
-                self.before_complete()
-            except BaseException as exc:  # noqa: BLE001
-                self.fail(exc if isinstance(exc, MpcommError) else MpcommError(f"after the data landed: {exc}"))
-                return
-        if self._finish(None):
-            self.transfer._complete(self.length if nbytes is None else nbytes)
-
-    def fail(self, exc: BaseException) -> None:
-        """The request failed and no more of its bytes can land.
-
-        If an abort was requested, its reason (timeout, cancel) is reported
-        instead of the incidental error the abort caused.
-        """
-        if self.abort_exc is not None:
-            if isinstance(self.abort_exc, MpcommError) and exc is not self.abort_exc:
-                self.abort_exc.__cause__ = self.abort_exc.__cause__ or exc
-            exc = self.abort_exc
-        if self._finish(exc):
-            self.transfer._fail(exc)
+    _group: OperationGroup | None = None
+    _index = -1
 
 
-def timeout_error(op: Operation) -> TransferTimeout:
-    return TransferTimeout(
-        f"{op.kind} of {op.length} bytes to region {op.remote.name!r} on {op.remote.address} "
-        "timed out; the destination range is undefined",
-        region=op.remote.name,
-        peer=op.remote.address,
-    )
+def _members_of(batch: Batch) -> list[Transfer]:
+    out: list[Transfer | None] = [None] * batch.count
+    reqs = batch._requests
+    for start, part in batch._parts:
+        if isinstance(part, OperationGroup):
+            for i in range(part.count):
+                m = _Member(reqs[start + i] if reqs is not None else None, _dispatch=batch._dispatch)
+                m._group, m._index = part, i
+                m.transport = batch.transport
+                m.status = POSTED if batch.status is not PENDING else PENDING
+                out[start + i] = m
+            part.__dict__.setdefault("members", []).append((start, out))
+            if part.done:
+                _resolve_members(part)
+        else:
+            out[start] = part.transfer
+    return out  # type: ignore[return-value]
+
+
+def _resolve_members(group: OperationGroup) -> None:
+    """The group finished: settle the member handles made for it (if any)."""
+    for start, out in group.__dict__.get("members", ()):
+        for i in range(group.count):
+            m = out[start + i]
+            if m is None:
+                continue
+            if group.status[i] == DONE:
+                m._record(None, group.lengths[i])
+            else:
+                m._record(group.errors.get(i) or CancelledError(), 0)
+            m._finish_inline()

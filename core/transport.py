@@ -2,45 +2,86 @@
 
 A transport moves bytes between a local :class:`~mpcomm.Region` and a
 :class:`~mpcomm.RemoteRegion`. The engine does everything else: handshake and
-peer identity, region look-ups, leases, deadlines, back-pressure, notifications
-and tracing. A transport class:
+peer identity, region look-ups, leases, deadlines, back-pressure,
+notifications, completion handles, user callbacks and tracing.
 
-* declares ``name`` and ``capabilities`` and answers :meth:`Transport.availability`
-  without side effects (a missing native library makes it *unavailable with a
-  reason*, never an ImportError: import pyverbs/ucp inside the methods);
-* is instantiated once per engine with a :class:`TransportContext`;
-* gets :meth:`post` called on the **caller's thread**. It may finish small
-  requests right there (no thread hop) or hand work to
-  ``ctx.executor``; either way it calls exactly one of ``op.complete()`` /
-  ``op.fail()`` per operation;
-* on :meth:`abort` stops the operation where it can, and calls ``op.fail()``
-  only once no further byte of that operation can land. If it cannot abort
-  in-flight work it must not declare ``inflight_cancel``; the engine then waits
-  for the natural end, up to the deadline plus ``runtime.abort_grace_ms``;
-* maps native errors onto :mod:`mpcomm.errors` (``map_errors``) before they
-  reach ``op.fail``;
-* releases everything in :meth:`close`, even when a graceful close fails.
+**What a transport receives.** One :class:`Operation` per request
+(:meth:`Transport.post`), or one :class:`OperationGroup` for a vectorised
+batch of N requests between one local region and one remote region
+(:meth:`Transport.post_many`). Bounds and access were checked against the
+descriptor before either reaches the transport; targets whose CPU serves the
+request check them again (the target's word is final).
 
-The caller of a transport (the engine) guarantees: the local slice and the
-remote range were bounds- and access-checked against the descriptor, the
-local region is leased until the operation finishes, and ``post`` is never
-called after ``close``.
+**Threads.** ``post``/``post_many`` are called on an engine-chosen thread
+(usually the caller's) and must **never wait on the peer**: they start the
+work and return. Small requests may be finished right there when that needs no
+round trip (a shared-memory copy). A transport whose queues are full raises
+:class:`TransportBusy` from ``post``; the engine keeps the request and posts it
+again after one of the transport's operations finished.
+
+**Reporting.** The transport calls exactly one of ``op.complete(n)`` /
+``op.fail(exc)`` per operation (for a group: every index is reported once, by
+``group.complete(...)`` / ``group.fail(...)``), from any thread. Reporting is
+cheap and takes no engine lock; user callbacks and Future transitions never
+run on the reporting thread.
+
+**Aborts.** On :meth:`Transport.abort` (deadline, cancel, peer lost, engine
+closed) the transport stops where it can and reports failure only once *no
+further byte of that operation can land*. If it cannot stop in-flight work it
+must not declare ``Capabilities.inflight_cancel``; the engine then waits for the
+natural end, up to the deadline plus ``runtime.abort_grace_ms``, and reports an
+unconfirmed timeout after that.
+
+**Revocation.** When :meth:`Transport.unregister` returns, no peer can read or
+write the region through this transport any more (``Capabilities.revocation``
+says how that is achieved); the conformance kit checks it.
+
+Native errors are mapped onto :mod:`mpcomm.errors` (``map_errors``) before
+they reach ``fail``. :meth:`Transport.close` releases everything, even when a
+graceful close fails.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from .errors import MpcommError, TransferTimeout
 
 if TYPE_CHECKING:
     from .config import Config
     from .memory import Region
     from .peer import PeerInfo
-    from .transfer import Operation
+    from .remote import RemoteRegion
 
-__all__ = ["Availability", "Capabilities", "Transport", "TransportContext"]
+__all__ = [
+    "Availability",
+    "Capabilities",
+    "ControlRequester",
+    "Operation",
+    "OperationGroup",
+    "RegionServer",
+    "Transport",
+    "TransportBusy",
+    "TransportContext",
+]
+
+log = logging.getLogger("mpcomm.transport")
+
+
+class TransportBusy(Exception):
+    """Raised by ``post``/``post_many`` when the transport's queues are full.
+
+    Not an error the user sees: the engine holds the request (within
+    ``runtime.queue_depth``) and posts it again once one of this transport's
+    operations finished.
+    """
 
 
 @dataclass(frozen=True)
@@ -64,7 +105,22 @@ class Availability:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a transport can do; shown by ``mpcomm plugins`` and used for routing."""
+    """What a transport can do; shown by ``mpcomm plugins`` and used for routing.
+
+    Attributes:
+        memory_kinds: memory it can move (``host``, ``device``).
+        intra_node, inter_node: same-host and cross-host reach.
+        one_sided: the target's CPU takes no part in a transfer.
+        zero_copy: no staging copy on either side in the default mode.
+        inflight_cancel: it can stop a posted request before its natural end.
+        modes: ``transport.mode`` values it supports.
+        revocation: how ``unregister`` stops peers (``"target-check"``: the
+            target's CPU checks every access; ``"fence"``: initiators are told
+            and acknowledge before unregister returns; ``"key"``: the target
+            destroys the memory key).
+        bandwidth_class: rough expected bandwidth rank (0 = slowest); the
+            default route order prefers higher classes, never plugin names.
+    """
 
     memory_kinds: frozenset[str] = frozenset({"host"})
     intra_node: bool = True
@@ -73,6 +129,8 @@ class Capabilities:
     zero_copy: bool = True
     inflight_cancel: bool = False
     modes: frozenset[str] = frozenset({"zero-copy"})
+    revocation: str = "target-check"
+    bandwidth_class: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,7 +141,30 @@ class Capabilities:
             "zero_copy": self.zero_copy,
             "inflight_cancel": self.inflight_cancel,
             "modes": sorted(self.modes),
+            "revocation": self.revocation,
+            "bandwidth_class": self.bandwidth_class,
         }
+
+
+class RegionServer(Protocol):
+    """The target-side region table a transport checks peers' accesses against."""
+
+    def serve(self, region_id: int, token: int, epoch: str | None, offset: int, length: int,
+              access: str) -> Region:
+        """Check a peer's access and lease the region; the caller must ``release()`` it.
+
+        Raises the :class:`~mpcomm.AccessError` subclass that says why nothing
+        may be touched (unknown region, bad token, rights, bounds, stale epoch).
+        """
+        ...
+
+
+class ControlRequester(Protocol):
+    """Sends a request to ``peer``'s instance of ``transport`` over the control channel."""
+
+    def __call__(self, peer: PeerInfo, transport: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Blocks up to ``timeout`` seconds; never call it from ``post``."""
+        ...
 
 
 @dataclass
@@ -100,7 +181,8 @@ class TransportContext:
             listen should listen there too.
         advertise_host: the host peers should dial.
         executor: the engine's worker pool (``runtime.worker_threads``).
-        regions: look-up of local regions for serving peers' requests.
+        regions: the target-side region table (:class:`RegionServer`).
+        control: control-channel requests to a peer (:class:`ControlRequester`).
         log: a logger named after the transport.
     """
 
@@ -113,9 +195,288 @@ class TransportContext:
     bind_host: str
     advertise_host: str
     executor: Executor
-    regions: Any  # RegionTable: .serve(region_id, token, epoch, offset, length, access) -> lease ctx
-    control: Any  # callable(peer, transport, body, timeout) -> dict: a request over the control channel
+    regions: RegionServer
+    control: ControlRequester
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("mpcomm.transport"))
+
+
+# -- what a transport receives ------------------------------------------------------
+
+
+class Operation:
+    """One posted request, as a transport sees it.
+
+    The transport moves ``length`` bytes between ``local_view`` and
+    ``remote`` at ``remote_offset`` and then calls exactly one of
+    :meth:`complete` or :meth:`fail`, from any thread.
+
+    When :attr:`abort_exc` becomes set (timeout, cancel, peer lost, close),
+    the transport's :meth:`Transport.abort` is called; the transport stops as
+    soon as it can and calls :meth:`fail` only once no more bytes can land.
+
+    Attributes:
+        kind: ``"write"`` (local → remote) or ``"read"`` (remote → local).
+        local, local_offset: the local region and where in it.
+        remote, remote_offset: the remote descriptor and where in it.
+        length: bytes to move.
+        deadline: ``time.monotonic()`` by which it must be done.
+        deadline_wall: the same as ``time.time()``, for the target's own guard.
+        peer: the target's :class:`~mpcomm.peer.PeerInfo` (from the handshake).
+        transport: the transport it was posted to.
+        state: a free slot for the transport's per-operation state.
+        index: position in its :class:`OperationGroup` (-1 for a lone request).
+    """
+
+    __slots__ = ("kind", "local", "local_offset", "remote", "remote_offset", "length", "deadline",
+                 "deadline_wall", "peer", "transport", "abort_exc", "state", "index", "before_complete",
+                 "_done", "_lock", "_sink", "__weakref__", "__dict__")
+
+    def __init__(self, kind: str, local: Region, local_offset: int, remote: RemoteRegion, remote_offset: int,
+                 length: int, deadline: float, deadline_wall: float, peer: PeerInfo | None = None,
+                 sink: Callable[[Operation, BaseException | None, int], None] | None = None,
+                 index: int = -1) -> None:
+        self.kind = kind
+        self.local = local
+        self.local_offset = local_offset
+        self.remote = remote
+        self.remote_offset = remote_offset
+        self.length = length
+        self.deadline = deadline
+        self.deadline_wall = deadline_wall
+        self.peer = peer
+        self.transport: Transport | None = None
+        self.abort_exc: BaseException | None = None
+        self.state: Any = None
+        self.index = index
+        #: Kept for transports written against the first contract; the engine
+        #: no longer sets it (notifications are the engine's business).
+        self.before_complete: Callable[[], None] | None = None
+        self._done = False
+        self._lock = threading.Lock()
+        self._sink = sink
+
+    def __repr__(self) -> str:
+        return (f"<Operation {self.kind} {self.length}B local+{self.local_offset} -> "
+                f"{self.remote.name}+{self.remote_offset} done={self._done}>")
+
+    @property
+    def local_view(self) -> memoryview:
+        return self.local.view[self.local_offset : self.local_offset + self.length]
+
+    @property
+    def aborted(self) -> bool:
+        return self.abort_exc is not None
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def abort(self, exc: BaseException) -> None:
+        """Ask the transport to stop (first reason wins); thread-safe, never blocks."""
+        with self._lock:
+            if self._done or self.abort_exc is not None:
+                return
+            self.abort_exc = exc
+        t = self.transport
+        if t is not None:
+            try:
+                t.abort(self)
+            except Exception:
+                log.exception("transport %s failed to abort", t.name)
+
+    def _finish(self, error: BaseException | None, nbytes: int) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+        sink = self._sink
+        if sink is not None:
+            sink(self, error, nbytes)
+        return True
+
+    def complete(self, nbytes: int | None = None) -> None:
+        """Every byte landed (the transport's word). Later reports are ignored."""
+        self._finish(None, self.length if nbytes is None else nbytes)
+
+    def fail(self, exc: BaseException) -> None:
+        """The request failed and no more of its bytes can land.
+
+        If an abort was requested, its reason (timeout, cancel, close) is
+        reported instead of the incidental error the abort caused.
+        """
+        abort = self.abort_exc
+        if abort is not None:
+            if isinstance(abort, MpcommError) and exc is not abort and abort.__cause__ is None:
+                abort.__cause__ = exc
+            exc = abort
+        self._finish(exc, 0)
+
+
+def _int64(values: Any, count: int | None, what: str) -> array:  # type: ignore[type-arg]
+    """Sequences, ``array('q')`` and numpy integer arrays → ``array('q')`` (no per-item Python work for numpy)."""
+    if isinstance(values, array) and values.typecode == "q":
+        out = values
+    elif hasattr(values, "__array_interface__") or hasattr(values, "dtype"):
+        import numpy as np  # only reached when the caller already uses numpy
+
+        a = np.ascontiguousarray(values, dtype=np.int64)
+        if a.ndim != 1:
+            raise MpcommError(f"{what} must be one-dimensional, not shape {a.shape}")
+        out = array("q")
+        out.frombytes(a.tobytes())
+    else:
+        try:
+            out = array("q", values)
+        except (TypeError, OverflowError) as exc:
+            raise MpcommError(f"{what} must be a sequence of integers: {exc}") from None
+    if count is not None and len(out) != count:
+        raise MpcommError(f"{what} has {len(out)} entries, expected {count}")
+    return out
+
+
+#: Per-index states of an :class:`OperationGroup` (``group.status[i]``).
+PENDING, DONE, FAILED = 0, 1, 2
+
+
+class OperationGroup:
+    """A vectorised batch, as a transport sees it: N requests of one ``kind``
+    between one local region and one remote region.
+
+    ``local_offsets[i]``, ``remote_offsets[i]`` and ``lengths[i]`` describe
+    request ``i`` (``array('q')``; pass them to native code through the buffer
+    protocol). Every request was bounds- and access-checked, vectorised,
+    before the group reached the transport.
+
+    The transport reports every index exactly once, from any thread:
+    :meth:`complete` (all still pending, or the given indices) or :meth:`fail`
+    (with one error, for all still pending or the given indices). Aborts work
+    as for :class:`Operation`: :meth:`Transport.abort` is called with the group,
+    and failure is reported only once no byte of a failed index can land.
+    """
+
+    def __init__(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+                 lengths: Any, deadline: float, deadline_wall: float, peer: PeerInfo | None = None,
+                 sink: Callable[[OperationGroup], None] | None = None) -> None:
+        self.kind = kind
+        self.local = local
+        self.remote = remote
+        self.lengths = _int64(lengths, None, "lengths")
+        self.count = len(self.lengths)
+        self.local_offsets = _int64(local_offsets, self.count, "local_offsets")
+        self.remote_offsets = _int64(remote_offsets, self.count, "remote_offsets")
+        self.deadline = deadline
+        self.deadline_wall = deadline_wall
+        self.peer = peer
+        self.transport: Transport | None = None
+        self.abort_exc: BaseException | None = None
+        self.state: Any = None
+        #: ``PENDING``/``DONE``/``FAILED`` per index.
+        self.status = bytearray(self.count)
+        #: The error of each failed index.
+        self.errors: dict[int, BaseException] = {}
+        self._left = self.count
+        self._lock = threading.Lock()
+        self._sink = sink
+        self._members: list[Operation] | None = None
+
+    def __repr__(self) -> str:
+        return f"<OperationGroup {self.kind} x{self.count} -> {self.remote.name} left={self._left}>"
+
+    @property
+    def done(self) -> bool:
+        return self._left == 0
+
+    @property
+    def aborted(self) -> bool:
+        return self.abort_exc is not None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.lengths)
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def abort(self, exc: BaseException) -> None:
+        """Ask the transport to stop the group (first reason wins); never blocks."""
+        with self._lock:
+            if self._left == 0 or self.abort_exc is not None:
+                return
+            self.abort_exc = exc
+            members = self._members
+        if members is not None:  # the default post_many: abort each member
+            for op in members:
+                op.abort(exc)
+            return
+        t = self.transport
+        if t is not None:
+            try:
+                t.abort(self)  # type: ignore[arg-type]
+            except Exception:
+                log.exception("transport %s failed to abort a group", t.name)
+
+    def _report(self, indices: Iterable[int] | None, code: int, exc: BaseException | None) -> None:
+        status = self.status
+        with self._lock:
+            if self._left == 0:
+                return
+            if indices is None:
+                if self._left == self.count:
+                    status[:] = bytes((code,)) * self.count
+                    hit = range(self.count) if exc is not None else ()
+                    self._left = 0
+                else:
+                    hit = [i for i in range(self.count) if status[i] == PENDING]
+                    for i in hit:
+                        status[i] = code
+                    self._left = 0
+            else:
+                hit = []
+                for i in indices:
+                    if status[i] == PENDING:
+                        status[i] = code
+                        hit.append(i)
+                self._left -= len(hit)
+            if exc is not None:
+                for i in hit:
+                    self.errors[i] = exc
+            last = self._left == 0
+        if last and self._sink is not None:
+            self._sink(self)
+
+    def complete(self, indices: Iterable[int] | None = None) -> None:
+        """These indices (default: every one still pending) landed in full."""
+        self._report(indices, DONE, None)
+
+    def fail(self, exc: BaseException, indices: Iterable[int] | None = None) -> None:
+        """These indices (default: every one still pending) failed; none of their bytes can land any more.
+
+        An abort's reason (timeout, cancel, close) is reported instead of the
+        incidental error the abort caused.
+        """
+        abort = self.abort_exc
+        if abort is not None:
+            if isinstance(abort, MpcommError) and exc is not abort and abort.__cause__ is None:
+                abort.__cause__ = exc
+            exc = abort
+        self._report(indices, FAILED, exc)
+
+    def member(self, i: int) -> Operation:
+        """Request ``i`` as a lone :class:`Operation` that reports back to this group."""
+        op = Operation(self.kind, self.local, self.local_offsets[i], self.remote, self.remote_offsets[i],
+                       self.lengths[i], self.deadline, self.deadline_wall, self.peer,
+                       sink=self._member_done, index=i)
+        op.transport = self.transport
+        return op
+
+    def _member_done(self, op: Operation, error: BaseException | None, _nbytes: int) -> None:
+        if error is None:
+            self._report((op.index,), DONE, None)
+        else:
+            self._report((op.index,), FAILED, error)
 
 
 class Transport:
@@ -126,19 +487,16 @@ class Transport:
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: Accepted ``[plugins.<name>]`` keys and their defaults; others are config errors.
     default_options: ClassVar[dict[str, Any]] = {}
-    #: True when :meth:`post` may wait on the peer (the network) on the caller's
-    #: thread: the engine then arms the request's deadline before posting. A
-    #: transport whose post() only runs bounded local work (or waits with the
-    #: request's own deadline) sets False, and requests it finishes inline never
-    #: touch the deadline timer.
-    post_may_block: ClassVar[bool] = True
+    #: Allowed ranges of numeric options, ``{"chunk": (4096, 1 << 30)}``; the core
+    #: refuses a value outside with a ConfigError naming the option.
+    option_ranges: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
 
     @classmethod
     def availability(cls) -> Availability:
-        """Can this transport run on this machine? Must be cheap and side-effect free."""
+        """Can this transport run on this machine? Cheap and side-effect free; any thread."""
         return Availability.yes()
 
     @classmethod
@@ -147,18 +505,26 @@ class Transport:
         return ""
 
     def start(self) -> dict[str, Any]:
-        """Start listening if needed; return JSON-able info peers receive in the handshake."""
+        """Start listening if needed; return JSON-able info peers receive in the handshake.
+
+        Called once, on the thread that creates the engine. Raising makes the
+        transport unavailable on this engine (with the error as the reason).
+        """
         return {}
 
     def reach(self, peer: PeerInfo) -> Availability:
-        """Can this transport talk to ``peer`` (which published ``peer.transports[name]``)?"""
+        """Can this transport talk to ``peer`` (which published ``peer.transports[name]``)?
+
+        Called on the posting thread; must not wait on the peer (cache it).
+        """
         return Availability.yes()
 
     def allocate(self, size: int, alignment: int) -> tuple[memoryview, Any] | None:
         """Optionally back ``Engine.allocate`` memory (shared or pinned memory).
 
         Returns ``(view, backing)`` or None to let the next transport or the
-        engine's anonymous mapping serve it.
+        engine's anonymous mapping serve it. Raises RegionError when the size
+        cannot be had.
         """
         return None
 
@@ -167,25 +533,86 @@ class Transport:
 
         Returns JSON-able info that peers receive in the RemoteRegion
         (``transports[name]``), or None when the transport cannot serve it.
+        Called at most once per region (the engine serialises it); may block
+        (never on the request path of another peer).
         """
         return {}
 
     def unregister(self, region: Region) -> None:
-        """Undo :meth:`register`; called only when the region holds no lease."""
+        """Undo :meth:`register`; called only when the region holds no lease.
+
+        When it returns, no peer can reach the region through this transport
+        (see ``Capabilities.revocation``).
+        """
 
     def post(self, op: Operation) -> None:
-        """Start moving ``op``'s bytes; see the module docstring."""
+        """Start moving ``op``'s bytes; never waits on the peer.
+
+        Raises :class:`TransportBusy` when full (the engine retries later), or
+        an :class:`~mpcomm.MpcommError` for a request it refuses before anything
+        moved (the engine fails the request with it). Anything else is
+        reported through ``op.complete``/``op.fail``.
+        """
         raise NotImplementedError
 
-    def abort(self, op: Operation) -> None:
-        """``op.abort_exc`` is set: stop ``op`` as soon as possible (thread-safe)."""
+    def post_many(self, group: OperationGroup) -> None:
+        """Start a vectorised batch; the same rules as :meth:`post`.
+
+        The default posts each request on its own through :meth:`post`, which
+        is correct for every transport; transports override it to move the
+        whole group with one native call, frame or work-request list.
+        """
+        members = [group.member(i) for i in range(group.count)]
+        group._members = members
+        for i, op in enumerate(members):
+            if group.abort_exc is not None:
+                op.fail(group.abort_exc)
+                continue
+            try:
+                self.post(op)
+            except TransportBusy:
+                # The engine cannot retry part of a group: fail the rest clearly.
+                err = MpcommError(f"transport {self.name} is full; {group.count - i} requests of the batch "
+                                  "were not posted", retryable=True)
+                for rest in members[i:]:
+                    rest.fail(err)
+                return
+            except MpcommError as exc:
+                op.fail(exc)
+            except Exception as exc:  # noqa: BLE001 - a plugin bug fails the request, not the caller
+                log.exception("transport %s failed to post", self.name)
+                op.fail(MpcommError(f"transport {self.name} failed: {exc}"))
+
+    def abort(self, op: Operation | OperationGroup) -> None:
+        """``op.abort_exc`` is set: stop ``op`` as soon as possible.
+
+        Called from any thread (the deadline timer, a canceller, close); must
+        not block.
+        """
 
     def peer_changed(self, peer: PeerInfo) -> None:
-        """``peer`` died or restarted: drop connections, mappings and keys for it."""
+        """``peer`` died or restarted: drop connections, mappings and keys for it.
+
+        Called on a control thread; may block briefly (no peer round trips).
+        """
 
     def handle_control(self, peer: PeerInfo | None, body: dict[str, Any]) -> dict[str, Any]:
-        """Answer a control-channel request a peer's instance of this transport sent."""
+        """Answer a control-channel request a peer's instance of this transport sent.
+
+        ``peer`` is the authenticated sender; ``body`` is untrusted input.
+        Called on that peer's control thread.
+        """
         return {}
 
     def close(self) -> None:
-        """Release every resource; must not raise."""
+        """Release every resource; must not raise. Called once, after the last post."""
+
+
+def timeout_error(op: Operation | OperationGroup) -> TransferTimeout:
+    size = op.length if isinstance(op, Operation) else f"{op.count} requests"
+    return TransferTimeout(
+        f"{op.kind} of {size}{' bytes' if isinstance(op, Operation) else ''} to region {op.remote.name!r} "
+        f"on {op.remote.address} timed out; the destination range is undefined",
+        region=op.remote.name,
+        peer=op.remote.address,
+    )

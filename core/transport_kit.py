@@ -16,15 +16,12 @@ use these; a third-party transport may too (``from mpcomm.transport_kit import .
   confirm that it stopped.
 * :func:`send_nowait`, :func:`sendmsg_by`, :func:`recv_into_by` -- socket calls
   that either cannot wait on the peer, or wait at most until a deadline.
-* :func:`check_options` -- range checks for ``[plugins.<name>]`` values, with
-  errors that name the option.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import math
 import select
 import socket
 import threading
@@ -32,12 +29,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import ConfigError, PeerConnectionError, TransferError, TransferTimeout
+from .errors import PeerConnectionError, TransferError, TransferTimeout
 
 __all__ = [
     "AcceptLoop",
     "Pieces",
-    "check_options",
     "recv_into_by",
     "recv_some_by",
     "send_nowait",
@@ -47,25 +43,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("mpcomm.transport_kit")
-
-# -- options ----------------------------------------------------------------------------
-
-
-def check_options(transport: str, options: dict[str, Any], ranges: dict[str, tuple[float, float]],
-                  source: str = "") -> None:
-    """Raise :class:`ConfigError` naming ``plugins.<transport>.<key>`` when a value is out of range.
-
-    ``ranges`` maps a key to its inclusive ``(low, high)``; call it from the
-    transport's ``__init__`` (the engine lets a ConfigError through instead of
-    skipping the transport).
-    """
-    where = f"{source}: " if source else ""
-    for key, (low, high) in ranges.items():
-        value = options.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
-                or not low <= value <= high:
-            raise ConfigError(f"{where}plugins.{transport}.{key} must be between {low} and {high}, not {value!r}")
-
 
 # -- pieces and stripes --------------------------------------------------------------------
 

@@ -83,6 +83,7 @@ from mpcomm.errors import (
     TransportUnavailable,
     UnknownRegionError,
 )
+from mpcomm.memory import check_allocatable
 from mpcomm.peer import PeerInfo, same_host
 
 from . import _native
@@ -284,6 +285,7 @@ class ShmTransport(Transport):
     def allocate(self, size: int, alignment: int) -> tuple[memoryview, Any] | None:
         extra = alignment if alignment > PAGE else 0
         total = -(-(size + extra) // PAGE) * PAGE
+        check_allocatable(total, shm=True)  # before MAP_POPULATE: an oversized memfd summons the OOM killer
         fd, mm = _native.memfd_segment(total, f"mpcomm-{size}")
         base = _native.map_address(mm)
         skip = (-base) % alignment if extra else 0

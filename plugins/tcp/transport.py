@@ -37,7 +37,7 @@ from mpcomm import Availability, Capabilities, Transport, TransportContext
 from mpcomm.control import listen
 from mpcomm.errors import MpcommError
 from mpcomm.peer import PeerInfo, parse_endpoint
-from mpcomm.transport_kit import AcceptLoop, Pieces, check_options, stripes
+from mpcomm.transport_kit import AcceptLoop, Pieces, stripes, unconfirmed
 
 from . import wire
 from .client import Piece, Pool, next_id
@@ -74,9 +74,10 @@ class TcpTransport(Transport):
         zero_copy=True,
         inflight_cancel=True,
         modes=frozenset({"zero-copy", "copy"}),
+        revocation="target-check",  # the target checks every request against its region table
     )
-    #: post() never waits on the peer (the engine's old contract asks).
-    post_may_block: ClassVar[bool] = False
+    #: Checked by the core when the engine starts (a ConfigError names the option).
+    option_ranges: ClassVar[dict[str, Any]] = OPTION_RANGES
     default_options: ClassVar[dict[str, Any]] = {
         "port": 0,  # data port; 0 picks a free one
         "connections": 4,  # per peer; also the stripe count for large transfers
@@ -94,7 +95,6 @@ class TcpTransport(Transport):
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
-        check_options(self.name, ctx.options, OPTION_RANGES, ctx.config.source)
         o = ctx.options
         self.copy_mode = ctx.mode == "copy"
         self.closed = False
@@ -248,8 +248,6 @@ class TcpTransport(Transport):
 
     @staticmethod
     def _group_reporter(group: Any, a: int, b: int) -> Any:
-        from mpcomm.transport_kit import unconfirmed
-
         def report(err: BaseException | None, status: bytes | None, confirmed: bool) -> None:
             if err is None:
                 group.complete(indices=range(a, b))

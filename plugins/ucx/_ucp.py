@@ -161,9 +161,9 @@ _SIGS = {
 def libucx_dir() -> str:
     """Directory of the libucx wheel package (holds lib/, bin/, include/)."""
     try:
-        import libucx  # from the libucx-cu12 wheel pulled in by ucxx-cu12
+        import libucx  # the libucx-cu12 wheel (mpcomm[ucx]); ucxx-cu12 is not needed
     except ImportError as exc:
-        raise UcxUnavailable(f"ucxx/libucx is not installed ({exc})") from None
+        raise UcxUnavailable(f"libucx (the libucx-cu12 wheel) is not installed ({exc})") from None
     return os.path.dirname(os.path.abspath(libucx.__file__))
 
 

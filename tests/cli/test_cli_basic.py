@@ -57,7 +57,9 @@ def test_plugins_table_and_broken_plugin(invoke: Any, monkeypatch: pytest.Monkey
     monkeypatch.setattr(registry, "_entry_points", lambda: [*real(), broken])
     result = invoke("plugins")
     assert result.exit_code == 0, result.output
-    assert "tcp" in result.stdout and "broken plugins" in result.stdout and "mpcomm_no_such_module_xyz" in result.stdout
+    # Tables are for humans: on stderr (docs/cli.md), stdout stays empty for data.
+    assert "tcp" in result.stderr and "broken plugins" in result.stderr and "mpcomm_no_such_module_xyz" in result.stderr
+    assert result.stdout == ""
     data = json.loads(invoke("plugins", "--json").stdout)
     assert any(f["name"] == "broken" and "import failed" in f["reason"] for f in data["failures"])
 
@@ -71,7 +73,7 @@ def test_demo_moves_data_through_tcp(invoke: Any, monkeypatch: pytest.MonkeyPatc
     (r,) = data["results"]
     assert r["write_throughput"] > 0 and r["read_throughput"] > 0 and r["carried_by"] == "tcp"
     table = invoke("demo", "--size", "256KiB", "--reps", "1")
-    assert table.exit_code == 0 and "tcp (best)" in table.stdout
+    assert table.exit_code == 0 and "tcp (best)" in table.stderr and table.stdout == ""
 
 
 def test_demo_bad_size_is_usage_error(invoke: Any) -> None:
@@ -118,7 +120,7 @@ def test_doctor_fails_when_no_transport_is_available(invoke: Any, monkeypatch: p
     monkeypatch.setenv("MPCOMM_PLUGINS", "nothing")
     result = invoke("doctor")
     assert result.exit_code == 1
-    assert "FAIL" in result.stdout and "usable_transport" in result.stdout
+    assert "FAIL" in result.stderr and "usable_transport" in result.stderr
 
 
 def test_doctor_manifest(invoke: Any) -> None:
@@ -143,8 +145,10 @@ def test_otel_console_prints_spans_and_metrics_on_stderr(tmp_path: Any) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     json.loads(proc.stdout)  # stdout stays data
-    assert '"name": "mpcomm.write"' in proc.stderr
-    assert "mpcomm.transfer.bytes" in proc.stderr
+    # A span per command and operation, per-request detail as metrics: readable, not one span per request.
+    assert '"name": "mpcomm demo"' in proc.stderr and '"name": "mpcomm.demo.pair"' in proc.stderr
+    assert '"name": "mpcomm.write"' not in proc.stderr
+    assert "mpcomm.transfer.bytes" in proc.stderr and "mpcomm.transfer.duration" in proc.stderr
 
 
 def test_otel_otlp_missing_exporter_is_a_clear_usage_error(invoke: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,11 @@ def _fields(line: str) -> dict[str, str]:
     return dict(re.findall(r'(\w+)=("[^"]*"|\S+)', line))
 
 
+def _jsonl(stdout: str) -> list[dict[str, Any]]:
+    """--json is JSON Lines: every line one record."""
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
 def test_latency_and_throughput_records_in_seed_format(invoke: Any, tmp_path: Any) -> None:
     png = tmp_path / "bench.png"
     result = invoke("bench", "--quick", "-t", "tcp", "--case", "latency", "--case", "throughput",
@@ -40,7 +45,7 @@ def test_json_memory_kinds_and_modes(invoke: Any) -> None:
     result = invoke("bench", "--quick", "-t", "tcp", "--case", "memory", "--case", "modes", "--seconds", "0.03",
                     "--json")
     assert result.exit_code == 0, result.output
-    records = json.loads(result.stdout)["records"]
+    records = _jsonl(result.stdout)
     device = [r for r in records if r["memory"] == "device"]
     assert device and device[0]["status"] == "skipped" and "device" in device[0]["reason"]
     assert {r["mode"] for r in records if r["case"] == "modes"} == {"zero-copy", "copy"}
@@ -49,7 +54,7 @@ def test_json_memory_kinds_and_modes(invoke: Any) -> None:
 def test_fault_scenarios_record_errors(invoke: Any) -> None:
     result = invoke("bench", "--quick", "-t", "tcp", "--case", "fault", "--json")
     assert result.exit_code == 0, result.output
-    records = {r["case"]: r for r in json.loads(result.stdout)["records"]}
+    records = {r["case"]: r for r in _jsonl(result.stdout)}
     stopped, killed = records["fault_peer_stopped"], records["fault_peer_killed"]
     assert stopped["errors"] and "ok" not in stopped["errors"]  # nothing succeeds against a stopped peer
     assert killed["errors"].get("connection", 0) >= 1

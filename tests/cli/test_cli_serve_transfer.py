@@ -101,11 +101,12 @@ def test_wrong_token_through_a_descriptor(invoke: Any, server: Server, data_file
 
 
 def test_wrong_secret(invoke: Any, data_file: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    srv = start_server("--region", "kv=1MiB", "--secret", "right")
+    right, wrong = "a1" * 32, "b2" * 32  # serve takes its secret from the environment (never argv)
+    srv = start_server("--region", "kv=1MiB", env={"MPCOMM_SECRET": right})
     try:
-        result = invoke("put", data_file, srv.address, "kv", "--secret", "wrong")
+        result = invoke("put", data_file, srv.address, "kv", "--secret", wrong)
         assert result.exit_code == EXIT_PEER and "AuthenticationError" in result.output
-        monkeypatch.setenv("MPCOMM_SECRET", "right")
+        monkeypatch.setenv("MPCOMM_SECRET", right)
         assert invoke("put", data_file, srv.address, "kv").exit_code == 0
     finally:
         assert srv.stop()[0] == 0

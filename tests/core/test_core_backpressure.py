@@ -81,10 +81,28 @@ def test_backpressure_raise_raises_at_once(make_engine: Any) -> None:
 
 def test_submit_respects_queue_depth(make_engine: Any) -> None:
     _, initiator, buf, remote = slow_pair(make_engine, delay=0.5, backpressure="raise")
+    # A batch's requests to one region take one slot: two fit in queue_depth=2 ...
+    first = initiator.submit([mpcomm.Request("write", b"q", remote, remote_offset=i, timeout=5) for i in range(3)])
+    second = initiator.submit([mpcomm.Request("write", b"r", remote, remote_offset=8 + i, timeout=5)
+                               for i in range(3)])
+    # ... a third batch does not, and is refused whole: nothing of it is posted or held.
     with pytest.raises(mpcomm.BackPressureError):
-        initiator.submit([mpcomm.Request("write", b"q", remote, remote_offset=i, timeout=5) for i in range(3)])
-    time.sleep(0.8)  # the two posted ones finish
-    assert buf[:2] == b"qq" and buf[2] == 0
+        initiator.submit([mpcomm.Request("write", b"s", remote, remote_offset=16 + i, timeout=5) for i in range(3)])
+    assert first.result(5) == 3 and second.result(5) == 3
+    time.sleep(0.3)
+    assert buf[:3] == b"qqq" and buf[8:11] == b"rrr" and buf[16:19] == bytes(3)
+
+
+def test_staged_batches_hold_slots(make_engine: Any) -> None:
+    _, initiator, buf, remote = slow_pair(make_engine, delay=0.05, backpressure="raise")
+    staged = [initiator.submit([mpcomm.Request("write", b"z", remote, remote_offset=i, timeout=5)], post=False)
+              for i in range(2)]
+    with pytest.raises(mpcomm.BackPressureError):
+        initiator.write(b"y", remote, remote_offset=5, timeout=5)
+    assert staged[0].cancel() is True  # a staged batch cancels at once and frees its slot
+    assert initiator.write(b"y", remote, remote_offset=5, timeout=5).result(5) == 1
+    initiator.post(staged[1]).result(5)
+    assert buf[:2] == b"\x00z" and buf[5:6] == b"y"
 
 
 def test_timeout_stops_the_request_before_it_lands(make_engine: Any) -> None:
@@ -117,6 +135,10 @@ def test_abort_grace_fails_a_stuck_request(make_engine: Any, caplog: pytest.LogC
     assert info.value.confirmed is False
     assert "may still land" in str(info.value)
     assert t.status is TransferStatus.TIMED_OUT
+    # The transport never said it stopped, so it may still touch the buffer:
+    # the lease stays until it reports or the engine closes its transports.
+    assert src.leases == 1
+    initiator.close()
     assert src.leases == 0
     assert any(r.levelno == logging.ERROR and "abort_grace_ms" in r.getMessage() for r in caplog.records)
 

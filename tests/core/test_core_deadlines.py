@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from mpcomm.deadlines import DeadlineTimer
+from mpcomm.engine.deadlines import DeadlineTimer
 
 
 def test_fires_in_order_and_cancelled_never() -> None:

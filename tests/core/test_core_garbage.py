@@ -20,7 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mpcomm
-from mpcomm import wire
+from rawpeer import RawPeer, split_frames
+
+from mpcomm import auth, wire
 from mpcomm.control import PeerLink
 from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.testing.patterns import pattern
@@ -58,11 +60,20 @@ def json_frame(obj: Any) -> bytes:
     return header(length=len(payload)) + payload
 
 
-CONTROL_GARBAGE = {
+PRE_AUTH_GARBAGE = {  # sent as the very first bytes, where the auth proof belongs
     "random": os.urandom(4096),
     "http": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-    "wrong magic": header(magic=b"XX", length=2) + b"{}",
-    "wrong version": header(version=99, length=2) + b"{}",
+    "an old client's hello": json_frame({"t": "hello", "proto": 1, "nonce": "00" * 16, "auth": False}),
+    "wrong magic": wire.HEADER.pack(b"XX", 1, 2, 0, 0, 64) + bytes(64),
+    "wrong version": wire.HEADER.pack(b"MA", 99, 2, 0, 0, 64) + bytes(64),
+    "wrong auth frame type": wire.HEADER.pack(b"MA", 1, 3, 0, 0, 64) + bytes(64),
+    "auth frame too long": wire.HEADER.pack(b"MA", 1, 2, 0, 0, 0xFFFFFFFF),
+    "auth frame too short": wire.HEADER.pack(b"MA", 1, 2, 0, 0, 8) + bytes(8),
+    "truncated header": b"MA\x01",
+    "truncated proof": wire.HEADER.pack(b"MA", 1, 2, 0, 0, 64) + bytes(10),
+}
+
+HELLO_GARBAGE = {  # sent after a correct authentication, where the hello belongs
     "oversized length": header(length=0xFFFFFFFF),
     "just over the limit": header(length=wire.MAX_CONTROL_PAYLOAD + 1),
     "wrong frame type": header(ftype=77, length=2) + b"{}",
@@ -70,10 +81,21 @@ CONTROL_GARBAGE = {
     "json array": json_frame([1, 2, 3]),
     "untyped object": json_frame({"x": 1}),
     "not a hello": json_frame({"t": "lookup", "name": "kv"}),
-    "future protocol": json_frame({"t": "hello", "proto": 99, "nonce": "00", "auth": False}),
-    "bad nonce": json_frame({"t": "hello", "proto": 1, "nonce": "zz", "auth": False}),
-    "truncated header": b"MC\x01",
+    "future protocol": json_frame({"t": "hello", "proto": 99, "info": {}}),
+    "no info": json_frame({"t": "hello", "proto": 1}),
+    "deeply nested": header(length=200_011) + b'{"t":"hello","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "huge integer": header(length=100_012) + b'{"t":"hello","proto":' + b"9" * 99_990 + b"}",
     "truncated payload": header(length=100) + b"{",
+}
+
+REQUEST_GARBAGE = {  # sent after a welcome, where requests belong
+    "deeply nested": header(length=200_011) + b'{"t":"lookup","x":' + b"[" * 100_000 + b"]" * 99_999 + b"}",
+    "nested within the parser's limit": json_frame({"t": "lookup", "name": "kv", "x": eval("[" * 200 + "]" * 200)}),
+    "string id": json_frame({"t": "ping", "id": "1"}),
+    "list id": json_frame({"t": "ping", "id": [1]}),
+    "negative id": json_frame({"t": "ping", "id": -5}),
+    "oversized length": header(length=0xFFFFFFFF),
+    "random": os.urandom(512),
 }
 
 
@@ -92,7 +114,7 @@ def data_port(address: str) -> tuple[str, int]:
 
 
 def data_port_and_epoch(address: str) -> tuple[tuple[str, int], str]:
-    probe = PeerInfo(node_id="probe", epoch="00", address="127.0.0.1:1")
+    probe = PeerInfo(node_id="probe" + os.urandom(4).hex(), epoch=os.urandom(8).hex(), address="127.0.0.1:1")
     link = PeerLink(address, local_info=probe, secret="", timeout=5, on_lost=lambda _l: None)
     try:
         port, epoch = link.info.transports["tcp"]["port"], link.info.epoch
@@ -121,26 +143,72 @@ def assert_still_serves(target: Any, seed: int) -> None:
     assert target.alive
 
 
-@pytest.mark.parametrize("what", sorted(CONTROL_GARBAGE))
-def test_control_endpoint_survives(target: Any, what: str) -> None:
-    with socket.create_connection(parse_endpoint(target.address), timeout=5) as s:
-        try:
-            s.sendall(CONTROL_GARBAGE[what])
-            if what in ("truncated header", "truncated payload"):
-                s.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # it may close on us mid-send: that is the point
-        reply = expect_closed(s)
-    if reply:  # if it answered at all, it answered with a well-formed error frame
-        m, version, ftype, _, _, length = wire.HEADER.unpack(reply[: wire.HEADER.size])
-        assert (m, version) == (wire.CONTROL_MAGIC, wire.PROTOCOL_VERSION)
-        assert json.loads(reply[wire.HEADER.size : wire.HEADER.size + length])["t"] == "error"
+def check_reply(reply: bytes) -> None:
+    """Whatever the node sent back is well-formed: its auth challenge, then at most a refusal."""
+    frames = split_frames(reply)
+    assert frames and frames[0][:2] == (b"MA", auth.T_CHALLENGE), reply[:64]
+    for magic, ftype, _flags, payload in frames[1:]:
+        if magic == b"MA":
+            assert ftype == auth.T_RESULT
+        else:
+            assert magic == wire.CONTROL_MAGIC and json.loads(payload)["t"] in ("error", "welcome")
+
+
+def send_then_expect_closed(p: RawPeer, data: bytes, half_close: bool) -> bytes:
+    try:
+        p.sock.sendall(data)
+        if half_close:
+            p.sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # it may close on us mid-send: that is the point
+    return p.expect_closed()
+
+
+@pytest.mark.parametrize("what", sorted(PRE_AUTH_GARBAGE))
+def test_control_endpoint_survives_garbage_instead_of_a_proof(target: Any, what: str) -> None:
+    with RawPeer(target.address) as p:
+        reply = send_then_expect_closed(p, PRE_AUTH_GARBAGE[what], what.startswith("truncated"))
+    check_reply(reply)
     assert target.alive
+
+
+@pytest.mark.parametrize("what", sorted(HELLO_GARBAGE))
+def test_control_endpoint_survives_garbage_instead_of_a_hello(target: Any, what: str) -> None:
+    with RawPeer(target.address) as p:
+        p.authenticate()
+        reply = send_then_expect_closed(p, HELLO_GARBAGE[what], what.startswith("truncated"))
+    for magic, _t, _f, payload in split_frames(reply):  # a refusal, if anything
+        assert magic == wire.CONTROL_MAGIC and json.loads(payload)["t"] == "error"
+    assert target.alive
+
+
+@pytest.mark.parametrize("what", sorted(REQUEST_GARBAGE))
+def test_control_endpoint_survives_garbage_requests(target: Any, what: str) -> None:
+    with RawPeer(target.address) as p:
+        p.join()
+        try:
+            p.sock.sendall(REQUEST_GARBAGE[what])
+        except OSError:
+            pass
+        if what == "nested within the parser's limit":  # deeper than MAX_JSON_DEPTH, shallower than json's own
+            assert_closed_or_error(p)
+        else:
+            p.expect_closed()
+    assert target.alive
+    assert_still_serves(target, seed=len(what))
+
+
+def assert_closed_or_error(p: RawPeer) -> None:
+    try:
+        reply = wire.read_json(p.sock)
+    except (mpcomm.PeerConnectionError, ConnectionResetError):
+        return
+    assert reply["t"] == "error"
 
 
 def test_control_endpoint_after_a_flood_of_garbage(target: Any) -> None:
     socks = []
-    for what in CONTROL_GARBAGE.values():  # many at once, all open together
+    for what in [*PRE_AUTH_GARBAGE.values(), *PRE_AUTH_GARBAGE.values()]:  # many at once, all open together
         s = socket.create_connection(parse_endpoint(target.address), timeout=5)
         try:
             s.sendall(what)
@@ -151,6 +219,15 @@ def test_control_endpoint_after_a_flood_of_garbage(target: Any) -> None:
     for s in socks:
         s.close()
     assert_still_serves(target, seed=2)
+
+
+def test_parse_json_never_raises_recursion_error() -> None:
+    for depth in (wire.MAX_JSON_DEPTH + 1, 2000, 200_000):
+        payload = b'{"t":"x","a":' + b"[" * depth + b"]" * depth + b"}"
+        with pytest.raises(mpcomm.ProtocolError, match="nests deeper"):
+            wire.parse_json(payload)
+    ok = b'{"t":"x","a":' + b"[" * (wire.MAX_JSON_DEPTH - 1) + b"]" * (wire.MAX_JSON_DEPTH - 1) + b"}"
+    assert wire.parse_json(ok)["t"] == "x"
 
 
 def req(magic: bytes = b"MQ", op: int = 2, region_id: int = 0, token: int = 0, epoch: int = 0, offset: int = 0,

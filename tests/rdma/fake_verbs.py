@@ -7,6 +7,10 @@ requests run in order per device, each taking ``delay`` seconds; bytes move
 IBV_WC_REM_ACCESS_ERR and puts the QP into ERROR; a QP in ERROR (``to_error``
 or after an error) completes everything still queued — including the request
 being "transmitted" — with IBV_WC_WR_FLUSH_ERR, and moves no byte of them.
+Like RC verbs with ``sq_sig_all=0``, a successful work request produces a
+completion only when it was signaled; errors and flushes always do.
+``post_list`` posts a linked list (``post_calls`` counts the calls).
+Async events are injected with :meth:`FakeDevice.inject_async`.
 Slow on purpose, so cancellation has something to cancel.
 """
 
@@ -26,6 +30,8 @@ SUCCESS = WC_STATUS["IBV_WC_SUCCESS"]
 FLUSH = WC_STATUS["IBV_WC_WR_FLUSH_ERR"]
 REM_ACCESS = WC_STATUS["IBV_WC_REM_ACCESS_ERR"]
 RETRY_EXC = WC_STATUS["IBV_WC_RETRY_EXC_ERR"]
+LOC_LEN = WC_STATUS["IBV_WC_LOC_LEN_ERR"]
+REM_INV_REQ = WC_STATUS["IBV_WC_REM_INV_REQ_ERR"]
 
 
 class Fabric:
@@ -40,8 +46,8 @@ FABRIC = Fabric()
 
 
 class FakeMR:
-    def __init__(self, addr: int, length: int, access: str) -> None:
-        self.addr, self.length, self.access = addr, length, access
+    def __init__(self, addr: int, length: int, access: str, remote: bool = True) -> None:
+        self.addr, self.length, self.access, self.remote = addr, length, access, remote
         with FABRIC.lock:
             while True:
                 self.rkey = random.getrandbits(32)
@@ -61,6 +67,7 @@ class FakeQP:
         self.sq_depth = sq_depth
         self.state = "reset"
         self.remote_qpn: int | None = None
+        self.remote_max_msg = 0
         self.psn = random.getrandbits(24)
         with FABRIC.lock:
             self.qpn = next(FABRIC.qpns)
@@ -68,16 +75,24 @@ class FakeQP:
 
     def local_info(self) -> dict[str, Any]:
         return {"qpn": self.qpn, "psn": self.psn, "lid": 1, "gid": "fe80:0000:0000:0000:0000:0000:0000:0001",
-                "mtu": 5, "link_layer": "InfiniBand", "rd_atom": 16, "init_rd_atom": 16}
+                "mtu": 5, "link_layer": "InfiniBand", "rd_atom": 16, "init_rd_atom": 16,
+                "max_msg_sz": self.dev.max_msg_sz}
 
     def connect(self, remote: dict[str, Any], **_kw: Any) -> None:
         self.remote_qpn = int(remote["qpn"])
+        self.remote_max_msg = int(remote.get("max_msg_sz", 0))
         self.state = "rts"
 
     def post(self, wr: WorkRequest) -> None:
+        self.post_list([wr])
+
+    def post_list(self, wrs: list[WorkRequest]) -> None:
         if self.state not in ("rts", "err"):
             raise VerbsError(f"post on a QP in state {self.state}", 22)
-        self.dev._submit(self, wr)
+        if self.dev.record:
+            self.dev.post_calls.append([(w.wr_id, w.signaled) for w in wrs])
+        for wr in wrs:
+            self.dev._submit(self, wr)
 
     def to_error(self) -> None:
         if self.state != "destroyed":
@@ -99,6 +114,10 @@ class FakeDevice:
 
     delay: ClassVar[float] = 0.0
     max_msg_sz: ClassVar[int] = 1 << 30
+    #: ``port_active()`` answers this (a PORT_ERR test turns it off).
+    port_up: ClassVar[bool] = True
+    #: Keep ``executed`` and ``post_calls`` (off for RSS measurements: they grow per post).
+    record: ClassVar[bool] = True
     instances: ClassVar[list[FakeDevice]] = []
 
     def __init__(self, device: str = "", port: int = 0, gid_index: int = -1, cq_depth: int = 4096) -> None:
@@ -114,16 +133,39 @@ class FakeDevice:
         self.closed = False
         self.bytes_moved = 0
         self.executed: list[WorkRequest] = []
+        self.post_calls: list[list[tuple[int, bool]]] = []
+        self.async_queue: list[str] = []
+        self.armed = 0
+        self.event_mode = True
+        self.event_fd_source = "simulated"
+        self.skipped: tuple[str, ...] = ()
         self.worker = threading.Thread(target=self._run, daemon=True, name="fake-hca")
         self.worker.start()
         FakeDevice.instances.append(self)
 
     def info(self) -> dict[str, Any]:
         return {"device": self.name, "port": self.port, "link_layer": self.link_layer, "lid": self.lid,
-                "gid": self.gid, "gid_index": 0, "mtu": 5, "max_msg_sz": self.max_msg_sz}
+                "gid": self.gid, "gid_index": 0, "mtu": 5, "max_msg_sz": self.max_msg_sz,
+                "completion_wait": "event", "async_events": True}
 
-    def reg_mr(self, addr: int, length: int, access: str) -> FakeMR:
-        return FakeMR(addr, length, access)
+    def reg_mr(self, addr: int, length: int, access: str, remote: bool = True) -> FakeMR:
+        return FakeMR(addr, length, access, remote)
+
+    def port_active(self) -> bool:
+        return type(self).port_up
+
+    def refresh_addresses(self) -> bool:
+        return False
+
+    def inject_async(self, *events: str) -> None:
+        with self.cq_cond:
+            self.async_queue.extend(events)
+            self.cq_cond.notify_all()
+
+    def read_async_events(self) -> list[str]:
+        with self.cq_cond:
+            out, self.async_queue = self.async_queue, []
+        return out
 
     def create_qp(self, sq_depth: int) -> FakeQP:
         return FakeQP(self, sq_depth)
@@ -136,6 +178,8 @@ class FakeDevice:
             self.cond.notify_all()
 
     def _complete(self, wr: WorkRequest, status: int) -> None:
+        if status == SUCCESS and not wr.signaled:
+            return  # sq_sig_all=0: an unsignaled success makes no completion
         with self.cq_cond:
             self.cqes.append((wr.wr_id, status, 0))
             self.cq_cond.notify_all()
@@ -167,16 +211,20 @@ class FakeDevice:
             qp.state = "err"
             return RETRY_EXC
         need = "w" if wr.kind == "write" else "r"
-        if (mr is None or need not in mr.access or wr.remote_addr < mr.addr
+        if (mr is None or not mr.remote or need not in mr.access or wr.remote_addr < mr.addr
                 or wr.remote_addr + wr.length > mr.addr + mr.length):
             qp.state = "err"
             return REM_ACCESS
+        if self.max_msg_sz and wr.length > self.max_msg_sz or qp.remote_max_msg and wr.length > qp.remote_max_msg:
+            qp.state = "err"
+            return LOC_LEN if wr.length > self.max_msg_sz else REM_INV_REQ
         if wr.kind == "write":
             ctypes.memmove(wr.remote_addr, wr.local_addr, wr.length)
         else:
             ctypes.memmove(wr.local_addr, wr.remote_addr, wr.length)
         self.bytes_moved += wr.length
-        self.executed.append(wr)
+        if self.record:
+            self.executed.append(wr)
         return SUCCESS
 
     # -- completion queue ------------------------------------------------------------
@@ -186,13 +234,15 @@ class FakeDevice:
             out, self.cqes = self.cqes[:max_entries], self.cqes[max_entries:]
         return out
 
-    def arm(self) -> None:
-        pass
+    def arm(self) -> bool:
+        self.armed += 1
+        return self.event_mode
 
-    def wait(self, timeout: float | None) -> None:
+    def wait(self, timeout: float | None) -> bool:
         with self.cq_cond:
-            self.cq_cond.wait_for(lambda: self.cqes or self.woken, timeout=timeout)
+            self.cq_cond.wait_for(lambda: self.cqes or self.woken or self.async_queue, timeout=timeout)
             self.woken = False
+            return bool(self.async_queue)
 
     def busy(self) -> None:
         pass

@@ -24,7 +24,8 @@ def test_reason_matches_this_machine() -> None:
     avail = RdmaZeroCopyTransport.availability()
     expected = expected_category()
     if expected == "device-present":
-        assert avail.available or "has no active port" in avail.reason or avail.reason.startswith("RLIMIT_MEMLOCK is ")
+        assert (avail.available or avail.reason.startswith("no usable RDMA port: ")
+                or avail.reason.startswith("RLIMIT_MEMLOCK is ")), avail.reason
     else:
         assert not avail.available
         assert avail.reason.startswith(expected), avail.reason
@@ -70,8 +71,25 @@ def test_no_active_port_reason(monkeypatch: pytest.MonkeyPatch) -> None:
         verbs.load_pyverbs()
     except verbs.PyverbsMissing as exc:
         pytest.skip(f"pyverbs not loadable here: {exc}")
-    monkeypatch.setattr(verbs, "probe", lambda device="", port=0: verbs.DeviceProbe(False, "device mlx5_0 has no active port"))
-    assert RdmaZeroCopyTransport.availability().reason == "device mlx5_0 has no active port"
+    monkeypatch.setattr(verbs, "probe", lambda device="", port=0: verbs.DeviceProbe(
+        False, "no usable RDMA port: mlx5_0 skipped: port 1 not ACTIVE"))
+    assert RdmaZeroCopyTransport.availability().reason == "no usable RDMA port: mlx5_0 skipped: port 1 not ACTIVE"
+
+
+def test_skipped_devices_are_named_when_another_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        verbs.load_pyverbs()
+    except verbs.PyverbsMissing as exc:
+        pytest.skip(f"pyverbs not loadable here: {exc}")
+    import mpcomm.plugins.rdma_zerocopy.transport as t
+
+    monkeypatch.setattr(verbs, "probe", lambda device="", port=0: verbs.DeviceProbe(
+        True, "", "mlx5_0", 1, "InfiniBand", ("efa_0 skipped: transport type unspecified (EFA and similar): no RC "
+                                               "queue pairs",)))
+    monkeypatch.setattr(t, "memlock_reason", lambda: "")
+    avail = RdmaZeroCopyTransport.availability()
+    assert avail.available and avail.reason.startswith("mlx5_0 port 1 (InfiniBand); device memory: ")
+    assert avail.reason.endswith("; efa_0 skipped: transport type unspecified (EFA and similar): no RC queue pairs")
 
 
 def test_memlock_reason() -> None:

@@ -51,7 +51,7 @@ def test_first_request_to_a_silent_data_port_does_not_block_the_poster(make_engi
     remote = ini.open(target.address, "kv")
     silent = socket.create_server(("127.0.0.1", 0), backlog=64)  # accepts in the kernel, says nothing
     try:
-        t_info = ini._links[target.address].info  # what the engine routes on
+        t_info = ini._peers._links[target.address].info  # what the engine routes on
         t_info.transports["tcp"]["port"] = silent.getsockname()[1]
         t0 = time.monotonic()
         t = ini.write(b"x" * 4096, remote, 0, timeout=1.0)

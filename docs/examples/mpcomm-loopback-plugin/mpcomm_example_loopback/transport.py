@@ -74,12 +74,9 @@ from mpcomm.auth import client_authenticate, server_authenticate
 from mpcomm.control import listen
 from mpcomm.errors import MpcommError, ProtocolError, TransferTimeout, error_from_code, map_errors
 from mpcomm.peer import PeerInfo, parse_endpoint
-from mpcomm.transport_kit import AcceptLoop, Pieces, check_options, recv_into_by, sendmsg_by, stripes
+from mpcomm.transport_kit import AcceptLoop, Pieces, recv_into_by, sendmsg_by, stripes
 
-try:  # the engine's "I am full" signal (mpcomm with the post_many contract)
-    from mpcomm.transport import TransportBusy
-except ImportError:  # pragma: no cover - older mpcomm: never raised there
-    TransportBusy = None  # type: ignore[assignment,misc]
+from mpcomm.transport import TransportBusy
 
 FRAME = struct.Struct("!I")
 MAX_FRAME = 64 << 10  # a header or reply is small; anything bigger is garbage
@@ -137,10 +134,11 @@ class ExamplePipeTransport(Transport):
         zero_copy=True,  # no staging buffer on either side
         inflight_cancel=True,  # abort() really stops a posted request (see the module docstring)
         modes=frozenset({"zero-copy"}),  # no "copy" mode: the engine will not start us with mode = "copy"
+        revocation="target-check",  # unregister() takes effect because the target checks every request
     )
     # Every key a user may set in ``[plugins.example_pipe]``, with its default.
-    # Unknown keys and wrongly typed values are config errors; ctx.options has
-    # them merged. Ranges are ours to check (OPTION_RANGES, in __init__).
+    # Unknown keys, wrongly typed values and values outside ``option_ranges``
+    # are config errors naming the key; ctx.options has them merged.
     default_options: ClassVar[dict[str, Any]] = {
         "port": 0,  # data port to listen on; 0 picks a free one
         "workers": 8,  # requests (stripes) in flight at once; more make post() raise TransportBusy
@@ -149,16 +147,13 @@ class ExamplePipeTransport(Transport):
         "max_connections": 256,  # target: data connections open at once, in total
         "max_connections_per_peer": 32,  # target: ... from one peer host
     }
-    OPTION_RANGES: ClassVar[dict[str, tuple[float, float]]] = {
+    option_ranges: ClassVar[dict[str, Any]] = {
         "port": (0, 65535), "workers": (1, 1024), "stripes": (1, 64), "stripe_threshold": (4096, 1 << 40),
         "max_connections": (1, 1 << 20), "max_connections_per_peer": (1, 1 << 20),
     }
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
-        # A bad value is a ConfigError naming plugins.example_pipe.<key>; the
-        # engine lets it through instead of skipping the transport.
-        check_options(self.name, ctx.options, self.OPTION_RANGES, ctx.config.source)
         o = ctx.options
         self._workers = ThreadPoolExecutor(int(o["workers"]), thread_name_prefix="example-pipe")
         self._slots = threading.BoundedSemaphore(int(o["workers"]))
@@ -283,9 +278,9 @@ class ExamplePipeTransport(Transport):
             if not self._slots.acquire(blocking=False):
                 for _ in range(taken):
                     self._slots.release()
-                if TransportBusy is not None:
-                    raise TransportBusy(f"{self.name}: all {o['workers']} workers are busy")
-                self._slots.acquire()  # older engines have no TransportBusy: wait for a local worker
+                # Not an error: the engine holds the request and posts it again
+                # after one of ours finished.
+                raise TransportBusy(f"{self.name}: all {o['workers']} workers are busy")
             taken += 1
         state = op.state = _OpState(Pieces(op, len(ranges)))
         for start, length in ranges:

@@ -6,7 +6,13 @@ One line per case::
     throughput=1.48GB/s p50_latency=2.81ms p99_latency=3.75ms cpu_utilization=0.88cores
 
 Shared by ``mpcomm bench`` and the scripts under ``benchmarks/`` so that their
-figures read the same way. Standard library only.
+figures read the same way. Standard library only (importable without typer).
+
+Units, everywhere in the command line: sizes in binary units (``B``, ``KiB``,
+``MiB``, ``GiB``: powers of 1024), rates in decimal bytes per second
+(``MB/s``, ``GB/s``: powers of 1000, as network links are rated), times in
+``us``/``ms``/``s``. JSON output carries plain numbers: bytes, bytes per
+second, seconds, fractions.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ def parse_size(text: str) -> int:
 
 def format_size(n: float) -> str:
     """Binary units without a fractional part where exact: 4096 → ``4KiB``."""
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= factor:
             q = n / factor
             return f"{q:.0f}{unit}" if q == int(q) else f"{q:.1f}{unit}"

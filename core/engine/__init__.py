@@ -1,0 +1,620 @@
+"""The engine: one per process (or more), owning regions, peers and transports.
+
+This module is the public facade and its wiring; each job has its own room:
+
+* :mod:`.regions` — the region table, leases, registration and revocation;
+* :mod:`.peers` — control links, per-peer connection set-up (single-flight), epochs;
+* :mod:`.requests` — the request pipeline (prepare → lease → slot → route → post →
+  report → settle), cancellation and close;
+* :mod:`.completions` — the completion thread and user-polled completion queues;
+* :mod:`.deadlines` — the one timer thread for every deadline;
+* :mod:`.notify` — the bounded notification queue.
+
+Threads an engine runs, all blocked while idle (no CPU without traffic): the
+control listener and one thread per control connection, one deadline timer,
+one completion thread (user callbacks run there), ``runtime.worker_threads``
+pool workers (started on demand), a short-lived thread per peer being
+connected, and whatever its transports start.
+
+Back-pressure: at most ``runtime.queue_depth`` requests (a vectorised batch
+counts as one, staged ones included) are held by an engine. Beyond that,
+``write``/``read``/``submit`` wait until a slot frees or the request's
+deadline passes (then :class:`~mpcomm.BackPressureError`), or raise
+BackPressureError at once with ``runtime.backpressure = "raise"``. Nothing
+queues without limit: notifications are bounded by ``limits.max_queued_notifications``\nand ``limits.max_queued_notify_bytes`` (when full the sender is refused).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Config, load_config
+from ..control import ControlServer, PeerLink
+from ..errors import (
+    AccessError,
+    ConfigError,
+    EngineClosedError,
+    MpcommError,
+    PeerConnectionError,
+    RegionError,
+    TransportUnavailable,
+)
+from ..memory import Region, allocate_host, as_byte_view
+from ..peer import PeerInfo, format_endpoint, host_identity, is_wildcard, parse_endpoint
+from ..registry import PluginSet, load_plugins
+from ..remote import RemoteRegion
+from ..telemetry import Telemetry
+from ..transfer import Batch, Request, Transfer
+from ..transport import Availability, Transport, TransportContext
+from .completions import CompletionQueue, CompletionThread
+from .deadlines import DeadlineTimer
+from .notify import MAX_NOTIFY, Notification, Notifications
+from .peers import PeerTable
+from .regions import RegionTable, release_view
+from .requests import Pipeline
+
+__all__ = ["CompletionQueue", "Engine", "MAX_NOTIFY", "Notification", "TransportStatus"]
+
+log = logging.getLogger("mpcomm.engine")
+
+
+@dataclass(frozen=True)
+class TransportStatus:
+    """What ``Engine.transport_status()`` and ``mpcomm plugins`` report per transport."""
+
+    name: str
+    plugin: str
+    distribution: str
+    version: str
+    availability: Availability
+    capabilities: dict[str, Any]
+    running: bool
+
+
+class Engine:
+    """A node of mpcomm: registers local memory and moves bytes to and from peers.
+
+    ``Engine()`` runs on the embedded default: a control endpoint on a free
+    loopback port, peer-to-peer region look-up, every available transport in
+    the configured order. Use it as a context manager or call :meth:`close`.
+    Every method may be called from any thread.
+
+    Args:
+        config: a :class:`Config`, a TOML path, a dict, or None.
+        endpoint: overrides ``transport.endpoint``.
+        transports: exactly these transports, most preferred first (overrides
+            ``transport.name`` and ``transport.order``).
+        secret: overrides ``transport.secret`` (else ``MPCOMM_SECRET``).
+        plugins: extra plugin objects (modules with hookimpls) to load.
+        autoload: load entry-point plugins (default: unless
+            ``MPCOMM_DISABLE_PLUGIN_AUTOLOAD`` is set).
+    """
+
+    def __init__(
+        self,
+        config: Config | str | dict[str, Any] | None = None,
+        *,
+        endpoint: str | None = None,
+        transports: Sequence[str] | None = None,
+        secret: str | None = None,
+        plugins: Iterable[Any] = (),
+        autoload: bool | None = None,
+    ) -> None:
+        cfg = load_config(config)
+        overrides: dict[str, Any] = {}
+        if endpoint is not None:
+            overrides["endpoint"] = endpoint
+        self._exact_order = list(transports) if transports is not None else None
+        if secret is not None:
+            overrides["secret"] = secret
+        elif not cfg.transport.secret and os.environ.get("MPCOMM_SECRET"):
+            overrides["secret"] = os.environ["MPCOMM_SECRET"]
+        if overrides:
+            cfg = cfg.with_overrides(transport=overrides)
+        self.config = cfg
+        self.node_id = uuid.uuid4().hex[:16]
+        self.epoch = secrets.token_hex(8)
+        self.host = host_identity()
+        self._closed = False
+        self._transports: dict[str, Transport] = {}
+        self._unavailable: dict[str, str] = {}
+        self._regions = RegionTable(self.epoch)
+        self._timer = DeadlineTimer()
+        self._completions = CompletionThread()
+        self._executor = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-worker")
+        self._notifications = Notifications(cfg.limits.max_queued_notifications, cfg.limits.max_queued_notify_bytes)
+        self.telemetry = Telemetry(cfg)
+        self._pipeline = Pipeline(self)
+        self._peers = PeerTable(
+            config=cfg,
+            local_info=self.info,
+            secret=cfg.transport.secret,
+            handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
+            on_lost=self._on_link_lost,
+            on_epoch_change=self._pipeline.forget_routes,
+        )
+
+        bind_host, port = parse_endpoint(cfg.transport.endpoint)
+        self._bind_host = bind_host
+        self._advertise_host = cfg.transport.advertise or (
+            _default_advertise(bind_host) if is_wildcard(bind_host) else bind_host
+        )
+        self.plugin_set: PluginSet = load_plugins(plugins, autoload=autoload)
+        cfg.check_plugin_sections(self.plugin_set.transports)
+        self._server = ControlServer(
+            bind_host,
+            port,
+            local_info=self.info,
+            secret=cfg.transport.secret,
+            handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
+            handler=self._handle_control,
+            config=cfg,
+        )
+        try:
+            self._start_transports()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- identity ----------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The control endpoint peers dial (``host:port``)."""
+        return format_endpoint(self._advertise_host, self._server.port)
+
+    def info(self) -> PeerInfo:
+        """What peers learn about this engine in the handshake."""
+        return PeerInfo(
+            node_id=self.node_id,
+            epoch=self.epoch,
+            address=self.address,
+            host=self.host,
+            transports={name: t._mpcomm_info for name, t in self._transports.items()},  # type: ignore[attr-defined]
+        )
+
+    def __repr__(self) -> str:
+        return f"<Engine {self.address} node={self.node_id} transports={list(self._transports)}>"
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transports ----------------------------------------------------------------------
+
+    def _transport_order(self) -> list[str]:
+        if self._exact_order is not None:
+            return self._exact_order
+        t = self.config.transport
+        if t.name != "auto":
+            return [t.name]
+        order = list(t.order)
+        rest = [n for n in self.plugin_set.transports if n not in order]
+        # Transports the config does not name come after, best bandwidth class first.
+        rest.sort(key=lambda n: (-self.plugin_set.transports[n].cls.capabilities.bandwidth_class, n))
+        return order + rest
+
+    def _start_transports(self) -> None:
+        t = self.config.transport
+        for name in self._transport_order():
+            entry = self.plugin_set.transports.get(name)
+            if entry is None:
+                self._unavailable[name] = "no plugin provides it"
+                continue
+            try:
+                avail = entry.cls.availability()
+            except Exception as exc:  # noqa: BLE001
+                avail = Availability.no(f"availability check failed: {exc}")
+            if not avail:
+                self._unavailable[name] = avail.reason
+                continue
+            if t.mode not in entry.cls.capabilities.modes:
+                self._unavailable[name] = f"does not support mode {t.mode!r}"
+                continue
+            options = self.config.plugin_options(name, dict(entry.cls.default_options),
+                                                 getattr(entry.cls, "option_ranges", None))
+            ctx = TransportContext(
+                config=self.config,
+                options=options,
+                mode=t.mode,
+                node_id=self.node_id,
+                epoch=self.epoch,
+                host=self.host,
+                bind_host=self._bind_host,
+                advertise_host=self._advertise_host,
+                executor=self._executor,
+                regions=self._regions,
+                control=self._transport_request,
+                log=logging.getLogger(f"mpcomm.transport.{name}"),
+            )
+            try:
+                inst = entry.cls(ctx)
+                inst._mpcomm_info = inst.start() or {}  # type: ignore[attr-defined]
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a transport that cannot start is skipped, with its reason
+                log.warning("transport %s failed to start: %s", name, exc)
+                self._unavailable[name] = f"failed to start: {type(exc).__name__}: {exc}"
+                continue
+            self._transports[name] = inst
+        if not self._transports:
+            reasons = "; ".join(f"{k}: {v}" for k, v in self._unavailable.items()) or "no transport plugins found"
+            raise TransportUnavailable(f"no transport could start ({reasons})")
+
+    @property
+    def transports(self) -> dict[str, Transport]:
+        """Running transports by name, in preference order."""
+        return dict(self._transports)
+
+    def transport_status(self) -> list[TransportStatus]:
+        """Every transport the plugins provide: running or not, and why."""
+        out = []
+        for name, entry in sorted(self.plugin_set.transports.items()):
+            running = name in self._transports
+            if running:
+                avail = Availability.yes()
+            elif name in self._unavailable:
+                avail = Availability.no(self._unavailable[name])
+            else:
+                try:
+                    avail = entry.cls.availability()
+                except Exception as exc:  # noqa: BLE001
+                    avail = Availability.no(str(exc))
+                if avail:
+                    avail = Availability.no("not selected by transport.name/order")
+            out.append(TransportStatus(name, entry.plugin, entry.distribution, entry.version, avail,
+                                       entry.cls.capabilities.to_dict(), running))
+        return out
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def register(self, buffer: Any, name: str | None = None, *, access: str | None = None) -> Region:
+        """Register a buffer (any PEP 688 buffer) so peers can reach it.
+
+        Read-only buffers register as sources only (``access="r"``). The
+        buffer must stay alive and unmoved until :meth:`unregister`.
+        Raises AlignmentError when it violates ``memory.alignment``,
+        RegionError when the name is taken.
+        """
+        self._check_open()
+        view = as_byte_view(buffer)
+        region = Region(view, name=name or "", access=access or ("r" if view.readonly else "rw"), owner=buffer)
+        return self._add_region(region)
+
+    def allocate(self, size: int, name: str | None = None, *, access: str = "rw") -> Region:
+        """Allocate and register ``size`` bytes aligned to ``memory.alignment``.
+
+        Transports may back it with what suits them (shared memory for shm);
+        otherwise it is pre-faulted anonymous memory. A size this node cannot
+        hold is a RegionError before anything is allocated.
+        """
+        self._check_open()
+        if not isinstance(size, int) or size <= 0:
+            raise RegionError(f"size must be a positive number of bytes, not {size!r}")
+        from .. import memory
+
+        check = getattr(memory, "check_allocatable", None)
+        if check is not None:
+            check(size)
+        alignment = max(self.config.memory.alignment, 64)
+        got: tuple[memoryview, Any] | None = None
+        for t in self._transports.values():
+            got = t.allocate(size, alignment)
+            if got is not None:
+                break
+        view, backing = got if got is not None else allocate_host(size, alignment)
+        region = Region(view, name=name or "", access=access, owner=backing, engine_allocated=True, backing=backing)
+        return self._add_region(region)
+
+    def _add_region(self, region: Region) -> Region:
+        if not region.name:
+            region.name = f"region-{region.id}"
+        region.check_alignment(self.config.memory.alignment)
+        self._regions.add(region)
+        if self.config.memory.registration == "eager":
+            try:
+                self._regions.register_with(region, self._transports)
+            except BaseException:
+                self._regions.remove(region)
+                RegionTable.unregister_from(region, self._transports)
+                raise
+        self.telemetry.on_register(1)
+        return region
+
+    def unregister(self, region: Region, timeout: float | None = None) -> None:
+        """Unregister ``region``; refused (RegionBusyError) while a transfer holds it.
+
+        With ``timeout`` it waits up to that many seconds for the leases to end.
+        When it returns, no peer can read or write the region through any
+        transport (each transport's ``unregister`` guarantees it on return) and
+        the caller's buffer is released. A second call is a no-op.
+        """
+        if region.closed:
+            return
+        region.close(timeout)
+        if not self._regions.remove(region):
+            return
+        RegionTable.unregister_from(region, self._transports)
+        release_view(region)
+        self.telemetry.on_register(-1)
+
+    def regions(self) -> list[Region]:
+        """The regions registered here."""
+        return self._regions.all()
+
+    def describe(self, region: Region) -> RemoteRegion:
+        """The descriptor peers get for ``region`` (to hand out of band)."""
+        if self.config.memory.registration == "lazy":
+            self._regions.register_with(region, self._transports)
+        return RemoteRegion.from_dict(self._describe(region))
+
+    def _describe(self, region: Region) -> dict[str, Any]:
+        return RemoteRegion(
+            address=self.address,
+            node_id=self.node_id,
+            epoch=self.epoch,
+            name=region.name,
+            region_id=region.id,
+            size=region.size,
+            base_address=region.address,
+            access=region.access,
+            token=region.token,
+            kind=region.kind,
+            transports=dict(region.transport_info),
+        ).to_dict()
+
+    # -- peers ------------------------------------------------------------------------------
+
+    def _peer(self, address: str, timeout: float | None = None) -> PeerLink:
+        """The control link to ``address``, connecting if needed (blocking, up to ``timeout``)."""
+        self._check_open()
+        return self._peers.connect(address, self.config.request_timeout if timeout is None else timeout)
+
+    def _on_link_lost(self, link: PeerLink) -> None:
+        err = PeerConnectionError(f"peer {link.address} is gone", peer=link.address)
+        self._pipeline.abort_peer(link.address, err)
+        self._pipeline.forget_routes(link.address)
+        for t in self._transports.values():
+            try:
+                t.peer_changed(link.info)
+            except Exception:  # noqa: BLE001
+                log.exception("transport %s failed to forget %s", t.name, link.address)
+
+    def open(self, address: str, name: str, timeout: float | None = None) -> RemoteRegion:
+        """Look up the region ``name`` on the peer at ``address`` (through the peer itself).
+
+        Blocks up to ``timeout`` (default ``runtime.request_timeout_ms``) for the
+        connection, the handshake and the look-up together.
+        """
+        timeout = self.config.request_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        link = self._peer(address, timeout)
+        reply = link.request({"t": "lookup", "name": name}, max(deadline - time.monotonic(), 0.001))
+        region = reply.get("region")
+        if not isinstance(region, dict):
+            raise AccessError(f"{address} answered the look-up of {name!r} without a region", peer=address)
+        desc = dict(region)
+        desc["address"] = address
+        return RemoteRegion.from_dict(desc)
+
+    def _transport_request(self, peer: PeerInfo, transport: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        link = self._peer(peer.address, timeout)
+        return link.request({"t": "transport", "name": transport, "body": body}, timeout)["body"]
+
+    def _handle_control(self, peer: PeerInfo, msg: dict[str, Any]) -> dict[str, Any]:
+        kind = msg.get("t")
+        if kind == "lookup":
+            region = self._regions.by_name(str(msg.get("name")))
+            if self.config.memory.registration == "lazy":
+                self._regions.register_with(region, self._transports)
+            return {"t": "region", "region": self._describe(region)}
+        if kind == "notify":
+            data_hex = msg.get("data", "")
+            if not isinstance(data_hex, str) or len(data_hex) > 2 * MAX_NOTIFY:
+                raise AccessError(f"notification payload must be hex of at most {MAX_NOTIFY} bytes")
+            try:
+                data = bytes.fromhex(data_hex)
+            except ValueError:
+                raise AccessError("notification payload is not hex") from None
+            self._notifications.deliver(Notification(peer.node_id, str(msg.get("region", ""))[:256], data))
+            return {"t": "ok"}
+        if kind == "transport":
+            t = self._transports.get(str(msg.get("name")))
+            if t is None:
+                raise TransportUnavailable(f"transport {msg.get('name')!r} is not running here")
+            body = msg.get("body")
+            if not isinstance(body, dict):
+                raise AccessError("transport message body must be an object")
+            return {"t": "transport", "body": t.handle_control(peer, body)}
+        if kind == "ping":
+            return {"t": "pong", "epoch": self.epoch}
+        raise AccessError(f"unknown control request {kind!r}")
+
+    # -- notifications ------------------------------------------------------------------------
+
+    def on_notification(self, callback: Callable[[Notification], None], *, consume: bool = False) -> None:
+        """Call ``callback(note)`` on the control thread for each notification received.
+
+        With ``consume=True`` the callback takes the notification instead of the
+        queue :meth:`wait_notification` reads.
+        """
+        self._notifications.subscribe(callback, consume)
+
+    def wait_notification(self, timeout: float | None = None) -> Notification:
+        """Next notification received; raises TimeoutError after ``timeout`` seconds.
+
+        At most ``limits.max_queued_notifications`` wait here; beyond that senders are refused.
+        """
+        return self._notifications.wait(timeout)
+
+    def notify(self, remote: RemoteRegion, data: bytes, timeout: float | None = None) -> None:
+        """Send a bare notification about ``remote`` to its owner (blocks up to ``timeout``)."""
+        self._send_notify(remote, data, self.config.request_timeout if timeout is None else timeout)
+
+    def _send_notify(self, remote: RemoteRegion, data: bytes, timeout: float) -> None:
+        if len(data) > MAX_NOTIFY:
+            raise MpcommError(f"notification of {len(data)} bytes exceeds {MAX_NOTIFY}")
+        deadline = time.monotonic() + timeout
+        link = self._peer(remote.address, timeout)
+        link.request({"t": "notify", "region": remote.name, "data": bytes(data).hex()},
+                     max(deadline - time.monotonic(), 0.001))
+
+    # -- transfers ----------------------------------------------------------------------------
+
+    def write(self, src: Any, remote: RemoteRegion, remote_offset: int = 0, length: int | None = None, *,
+              local_offset: int = 0, notify: bytes | None = None, timeout: float | None = None,
+              completion_queue: CompletionQueue | None = None) -> Transfer:
+        """Write ``length`` bytes of ``src`` (a Region or any buffer) into ``remote``.
+
+        ``length`` defaults to the rest of ``src`` from ``local_offset``; a range
+        that does not fit the remote region is OutOfBoundsError. Returns at once
+        with a :class:`Transfer` (small requests may already be done): it never
+        waits on the peer. Bad arguments raise before anything moves.
+        """
+        return self._pipeline.single("write", src, remote, remote_offset, length, local_offset, notify, timeout,
+                                     completion_queue)
+
+    def read(self, dst: Any, remote: RemoteRegion, remote_offset: int = 0, length: int | None = None, *,
+             local_offset: int = 0, notify: bytes | None = None, timeout: float | None = None,
+             completion_queue: CompletionQueue | None = None) -> Transfer:
+        """Read ``length`` bytes of ``remote`` into ``dst`` (a Region or a writable buffer)."""
+        return self._pipeline.single("read", dst, remote, remote_offset, length, local_offset, notify, timeout,
+                                     completion_queue)
+
+    def write_many(self, src: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any = None,
+                   lengths: Any = None, *, remote_addresses: Any = None, timeout: float | None = None,
+                   completion_queue: CompletionQueue | None = None, post: bool = True) -> Batch:
+        """Write N pieces of ``src`` into ``remote`` in one call: one handle, one posting.
+
+        ``local_offsets``, ``remote_offsets`` (or ``remote_addresses``, raw
+        addresses in the target process) and ``lengths`` are sequences or numpy
+        integer arrays of equal length. Bounds are checked for all before any
+        byte moves. The :class:`Batch` reports per-index status and byte
+        counts; the whole group takes one ``queue_depth`` slot.
+        """
+        return self._many("write", src, remote, local_offsets, remote_offsets, lengths, remote_addresses, timeout,
+                          completion_queue, post)
+
+    def read_many(self, dst: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any = None,
+                  lengths: Any = None, *, remote_addresses: Any = None, timeout: float | None = None,
+                  completion_queue: CompletionQueue | None = None, post: bool = True) -> Batch:
+        """Read N pieces of ``remote`` into ``dst`` in one call (see :meth:`write_many`)."""
+        return self._many("read", dst, remote, local_offsets, remote_offsets, lengths, remote_addresses, timeout,
+                          completion_queue, post)
+
+    def _many(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+              lengths: Any, remote_addresses: Any, timeout: float | None, cq: Any, post: bool) -> Batch:
+        if lengths is None:
+            raise MpcommError(f"{kind}_many needs lengths")
+        if (remote_offsets is None) == (remote_addresses is None):
+            raise MpcommError(f"{kind}_many needs exactly one of remote_offsets and remote_addresses")
+        if remote_addresses is not None:
+            if not isinstance(remote, RemoteRegion):
+                raise MpcommError(f"remote must be a RemoteRegion, not {type(remote).__name__}")
+            from ..transport import _int64
+
+            addrs = _int64(remote_addresses, None, "remote_addresses")
+            base = remote.base_address
+            remote_offsets = [a - base for a in addrs]
+        return self._pipeline.vector(kind, buf, remote, local_offsets, remote_offsets, lengths, timeout, cq, post)
+
+    def submit(self, requests: Sequence[Request], timeout: float | None = None, *, post: bool = True,
+               completion_queue: CompletionQueue | None = None) -> Batch:
+        """Submit many requests in one call; every request is validated before any is posted.
+
+        Requests of the same kind between the same local buffer and remote
+        region are moved as one vectorised group (one ``post_many``). From here
+        until the batch is done, its local regions are leased. With
+        ``post=False`` the batch stays PENDING (cancel() always succeeds on
+        it; it holds its slots) until :meth:`post` is called: the staging
+        step of a prepare-then-submit caller.
+        """
+        return self._pipeline.submit(requests, timeout, completion_queue, post)
+
+    def post(self, batch: Batch) -> Batch:
+        """Post a ``submit(..., post=False)`` batch (the parts not cancelled meanwhile)."""
+        return self._pipeline.post_staged(batch)
+
+    def completion_queue(self) -> CompletionQueue:
+        """A queue to reap finished handles in bulk on your own thread (``q.poll()``)."""
+        return CompletionQueue()
+
+    def stats(self) -> dict[str, Any]:
+        """Counts worth watching: requests held, queue depth, notifications queued and dropped, peers."""
+        return {
+            "requests_held": self._pipeline.slots.in_use,
+            "queue_depth": self._pipeline.slots.capacity,
+            "notifications_queued": len(self._notifications),
+            "peers": len(self._peers.links()),
+        }
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Resolve every handle, release every region and transport, stop serving.
+
+        Requests not posted yet fail with EngineClosedError at once; posted
+        ones are aborted and waited for up to ``timeout``, then the transports
+        are closed (after which no byte can land) and whatever is left fails
+        with EngineClosedError. Leases end only then. Releases its resources
+        even if a graceful step fails.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        pipeline = getattr(self, "_pipeline", None)
+        if pipeline is not None:
+            pipeline.close(timeout)
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.close()
+        self._unregister_all()
+        peers = getattr(self, "_peers", None)
+        if peers is not None:
+            peers.close()
+        for t in reversed(list(self._transports.values())):
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001
+                log.exception("transport %s failed to close", t.name)
+        if pipeline is not None and pipeline.resolve_leftovers():
+            self._unregister_all()  # the leases of requests the transports never confirmed
+        self._timer.close()
+        self._completions.stop(timeout)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+    def _unregister_all(self) -> None:
+        for region in self._regions.all():
+            try:
+                self.unregister(region, timeout=0.0)
+            except MpcommError:
+                pass
+
+
+def _default_advertise(bind_host: str) -> str:
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "::1" if ":" in bind_host else "127.0.0.1"

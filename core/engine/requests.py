@@ -1,0 +1,818 @@
+"""The request pipeline: prepare → lease → slot → route → post → report → settle.
+
+One request is an :class:`~mpcomm.transport.Operation`; a vectorised batch is
+one :class:`~mpcomm.transport.OperationGroup` (one lease, one slot, one
+deadline, one ``post_many``), whatever its size. Both are "units" below and
+take the same path:
+
+1. **prepare** (caller's thread): every argument checked, bounds vectorised for
+   groups; errors raised before anything is held.
+2. **lease + slot**: the local region is leased and one of
+   ``runtime.queue_depth`` slots taken (back-pressure: wait up to the deadline,
+   or raise at once with ``runtime.backpressure = "raise"``).
+3. **link**: a connected peer is used at once; otherwise the unit waits in
+   that peer's queue and the connecting thread posts it (``write()`` returns
+   at once either way).
+4. **route + post**: the transport is chosen (cached per peer, region and
+   memory kind) and handed the unit; it never waits on the peer there.
+5. **report** (any thread): the transport says done/failed; the engine
+   releases the slot, the lease and the deadline entry — only then is the
+   outcome recorded on the handle, so when a callback runs nothing is held.
+6. **settle**: on the posting thread if the unit finished inside ``post`` (no
+   hop), else on the completion thread or the caller's completion queue.
+
+A unit is *claimed* exactly once by whoever moves it on from a waiting stage
+(the poster, a canceller, the deadline, close), so a cancel racing a post
+can neither double-post nor lose a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import CancelledError
+from typing import TYPE_CHECKING, Any
+
+from ..errors import (
+    BackPressureError,
+    EngineClosedError,
+    MpcommError,
+    OutOfBoundsError,
+    PeerConnectionError,
+    PermissionDeniedError,
+    RegionClosedError,
+    StaleRegionError,
+    TransferTimeout,
+    TransportUnavailable,
+)
+from ..memory import Region, as_byte_view
+from ..remote import RemoteRegion
+from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _resolve_members
+from ..transport import Operation, OperationGroup, Transport, TransportBusy, timeout_error
+from .notify import MAX_NOTIFY
+from .regions import release_view
+
+if TYPE_CHECKING:
+    from ..control import PeerLink
+    from . import Engine
+
+__all__ = ["Pipeline"]
+
+log = logging.getLogger("mpcomm.engine")
+
+# Unit stages (``unit._stage``), moved on under ``unit._lock``.
+WAITING, POSTED, FINISHED = 0, 1, 2
+
+_add = operator.add
+
+
+class _Slots:
+    """A counting semaphore for ``runtime.queue_depth`` whose uncontended path is
+    one C-level lock (``threading.BoundedSemaphore`` is a Python Condition)."""
+
+    def __init__(self, n: int) -> None:
+        self.capacity = n
+        self._free = n
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - self._free
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        with self._lock:
+            if self._free:
+                self._free -= 1
+                return True
+            if not blocking:
+                return False
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._waiting += 1
+            try:
+                while not self._free:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(left)
+                self._free -= 1
+                return True
+            finally:
+                self._waiting -= 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._free += 1
+            if self._waiting:
+                self._cond.notify()
+
+
+def _oob(msg: str, region: str, peer: str | None = None, request: Any = None) -> OutOfBoundsError:
+    return OutOfBoundsError(msg, region=region, peer=peer, request=request)
+
+
+class Pipeline:
+    """Every request of one engine goes through here (see the module docstring)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.e = engine
+        cfg = engine.config
+        self.slots = _Slots(cfg.runtime.queue_depth)
+        self._raise_on_full = cfg.runtime.backpressure == "raise"
+        self._default_timeout = cfg.request_timeout
+        self._grace = cfg.runtime.abort_grace_ms / 1000
+        self._lazy = cfg.memory.registration == "lazy"
+        self._inflight: set[Any] = set()
+        self._inflight_lock = threading.Lock()
+        self._routes: dict[tuple[Any, ...], Transport] = {}
+        self._backlog: dict[str, deque[Any]] = {}
+        self._backlog_lock = threading.Lock()
+        self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
+        self._queue_dispatch: dict[int, _Dispatch] = {}
+
+    # -- prepare ----------------------------------------------------------------------
+
+    def _dispatch_for(self, cq: Any) -> _Dispatch:
+        if cq is None:
+            return self.dispatch
+        d = self._queue_dispatch.get(id(cq))
+        if d is None:
+            d = self._queue_dispatch[id(cq)] = _Dispatch(cq.push, cq.on_thread, self.cancel)
+        return d
+
+    def _local(self, buf: Any, name: str) -> tuple[Region, bool]:
+        if isinstance(buf, Region):
+            if buf.closed:
+                raise RegionClosedError(f"region {buf.name!r} is unregistered", region=buf.name)
+            return buf, False
+        view = as_byte_view(buf)
+        return Region(view, name=name, access="r" if view.readonly else "rw", owner=buf), True
+
+    def _timeout(self, timeout: float | None) -> float:
+        t = self._default_timeout if timeout is None else timeout
+        if not (t > 0) or math.isinf(t):
+            raise MpcommError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        return t
+
+    @staticmethod
+    def _check_access(kind: str, local: Region, remote: RemoteRegion, request: Any = None) -> None:
+        if not isinstance(remote, RemoteRegion):
+            raise MpcommError(f"remote must be a RemoteRegion (from Engine.open), not {type(remote).__name__}",
+                              request=request)
+        if kind == "write":
+            if "w" not in remote.access:
+                raise PermissionDeniedError(f"remote region {remote.name!r} is read-only", region=remote.name,
+                                            peer=remote.address, request=request)
+        elif kind == "read":
+            if "w" not in local.access:
+                raise PermissionDeniedError(f"local buffer {local.name!r} is read-only; it cannot receive a read",
+                                            region=local.name, request=request)
+            if "r" not in remote.access:
+                raise PermissionDeniedError(f"remote region {remote.name!r} may not be read", region=remote.name,
+                                            peer=remote.address, request=request)
+        else:
+            raise MpcommError(f"request op must be 'write' or 'read', not {kind!r}", request=request)
+
+    @staticmethod
+    def _check_bounds(local: Region, remote: RemoteRegion, lo: int, ro: int, length: int | None,
+                      request: Any = None) -> int:
+        if lo < 0 or ro < 0:
+            raise _oob(f"offsets must not be negative (local_offset={lo}, remote_offset={ro})", local.name,
+                       request=request)
+        if lo > local.size:
+            raise _oob(f"local_offset {lo} is past the end of {local.name!r} ({local.size} bytes)", local.name,
+                       request=request)
+        if ro > remote.size:
+            raise _oob(f"remote_offset {ro} is past the end of {remote.name!r} ({remote.size} bytes)",
+                       remote.name, remote.address, request)
+        if length is None:
+            length = local.size - lo
+        elif length < 0:
+            raise _oob(f"length must not be negative, not {length}", local.name, request=request)
+        if lo + length > local.size:
+            raise _oob(f"local [{lo}, {lo + length}) exceeds {local.name!r} of {local.size} bytes", local.name,
+                       request=request)
+        if ro + length > remote.size:
+            raise _oob(f"remote [{ro}, {ro + length}) exceeds {remote.name!r} of {remote.size} bytes; "
+                       "nothing was transferred", remote.name, remote.address, request)
+        return length
+
+    def _op(self, kind: str, local: Region, lo: int, remote: RemoteRegion, ro: int, length: int,
+            timeout: float, dispatch: _Dispatch, request: Request | None = None) -> Operation:
+        now = time.monotonic()
+        op = Operation(kind, local, lo, remote, ro, length, now + timeout, time.time() + timeout,
+                       sink=self._reported)
+        t = Transfer(request, _dispatch=dispatch)
+        t._op = op
+        op.transfer = t
+        op._stage = WAITING
+        op._ephemeral = False
+        op._notify = None
+        op._slot = False
+        op._posting = False
+        op._batch = None
+        op._dl = None
+        return op
+
+    # -- public entry points -----------------------------------------------------------
+
+    def single(self, kind: str, buf: Any, remote: RemoteRegion, ro: int, length: int | None, lo: int,
+               notify: bytes | None, timeout: float | None, cq: Any) -> Transfer:
+        if self.e._closed:
+            raise EngineClosedError("the engine is closed")
+        local, ephemeral = self._local(buf, "ephemeral")
+        self._check_access(kind, local, remote)
+        length = self._check_bounds(local, remote, lo, ro, length)
+        if notify is not None and len(notify) > MAX_NOTIFY:
+            raise MpcommError(f"notification of {len(notify)} bytes exceeds {MAX_NOTIFY}")
+        op = self._op(kind, local, lo, remote, ro, length, self._timeout(timeout), self._dispatch_for(cq))
+        op._ephemeral = ephemeral
+        op._notify = notify
+        self._hold(op)
+        self._launch(op, inline=True)
+        return op.transfer
+
+    def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+               lengths: Any, timeout: float | None, cq: Any, post: bool = True) -> Batch:
+        if self.e._closed:
+            raise EngineClosedError("the engine is closed")
+        local, ephemeral = self._local(buf, "ephemeral-batch")
+        self._check_access(kind, local, remote)
+        t = self._timeout(timeout)
+        now = time.monotonic()
+        group = OperationGroup(kind, local, remote, local_offsets, remote_offsets, lengths, now + t, time.time() + t,
+                               sink=self._group_reported)
+        self._check_group(group)
+        batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
+        if group.count == 0:
+            batch._record(None, 0)
+            batch._finish_inline()
+            return batch
+        self._adopt(group, batch, 0, ephemeral)
+        batch._left = 1
+        batch._posting = False
+        batch._staged = not post
+        self._hold(group)
+        if post:
+            self._post_batch(batch, [group])
+        else:
+            self._stage(group)
+        return batch
+
+    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool) -> Batch:
+        """Group the requests (same kind, local buffer, remote region and timeout) into vectorised parts."""
+        if self.e._closed:
+            raise EngineClosedError("the engine is closed")
+        dispatch = self._dispatch_for(cq)
+        parts: list[tuple[int, Any]] = []
+        groups: dict[tuple[Any, ...], tuple[list[int], list[int], list[int], list[int]]] = {}
+        locals_: dict[int, tuple[Region, bool]] = {}
+        for i, req in enumerate(requests):
+            if not isinstance(req, Request):
+                raise MpcommError(f"submit() takes Request objects, not {type(req).__name__} (index {i})")
+            got = locals_.get(id(req.local))
+            if got is None:
+                got = locals_[id(req.local)] = self._local(req.local, f"ephemeral-{i}")
+            local = got[0]
+            self._check_access(req.op, local, req.remote, req)
+            length = self._check_bounds(local, req.remote, req.local_offset, req.remote_offset, req.length, req)
+            if req.notify is not None:
+                if len(req.notify) > MAX_NOTIFY:
+                    raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
+                parts.append((i, ("single", req, local, length)))
+                continue
+            r = req.remote
+            key = (req.op, id(local), r.address, r.region_id, r.epoch, req.timeout)
+            g = groups.get(key)
+            if g is None:
+                g = groups[key] = ([], [], [], [])
+            g[0].append(i)
+            g[1].append(req.local_offset)
+            g[2].append(req.remote_offset)
+            g[3].append(length)
+        batch = Batch(len(requests), _dispatch=dispatch)
+        batch._requests = requests
+        batch._posting = False
+        batch._staged = not post
+        units: list[Any] = []
+        now = time.monotonic()
+        wall = time.time()
+        for key, (idx, lo, ro, ln) in groups.items():
+            req = requests[idx[0]]
+            local, ephemeral = locals_[id(req.local)]
+            t = self._timeout(req.timeout if req.timeout is not None else timeout)
+            # A group covers consecutive indices only when they were; keep the
+            # mapping exact by splitting runs.
+            for start, stop in _runs(idx):
+                s0, s1 = start, stop
+                base = idx[s0]
+                g = OperationGroup(key[0], local, req.remote, lo[s0:s1], ro[s0:s1], ln[s0:s1], now + t, wall + t,
+                                   sink=self._group_reported)
+                self._adopt(g, batch, base, ephemeral)
+                units.append(g)
+        for i, (kind_, req, local, length) in ((i, p) for i, p in parts):
+            ephemeral = locals_[id(req.local)][1]
+            op = self._op(req.op, local, req.local_offset, req.remote, req.remote_offset, length,
+                          self._timeout(req.timeout if req.timeout is not None else timeout), dispatch, req)
+            op._notify = req.notify
+            op._ephemeral = ephemeral
+            op._batch = batch
+            batch._parts.append((i, op))
+            units.append(op)
+        batch._parts.sort(key=lambda p: p[0])
+        batch._left = len(units)
+        if not units:
+            batch._record(None, 0)
+            batch._finish_inline()
+            return batch
+        held: list[Any] = []
+        try:
+            for u in units:
+                self._hold(u)
+                held.append(u)
+        except BaseException:
+            for u in held:
+                self._unhold(u)
+            raise
+        if post:
+            self._post_batch(batch, units)
+        else:
+            for u in units:
+                self._stage(u)
+        return batch
+
+    def post_staged(self, batch: Batch) -> Batch:
+        """Post the parts of a ``submit(..., post=False)`` batch that are still waiting."""
+        if not getattr(batch, "_staged", False):
+            return batch
+        batch._staged = False
+        units = [part for _, part in batch._parts]
+        self._post_batch(batch, units, staged=True)
+        return batch
+
+    # -- holding resources ---------------------------------------------------------------
+
+    def _adopt(self, group: OperationGroup, batch: Batch, start: int, ephemeral: bool) -> None:
+        group.transfer = batch
+        group._batch = batch
+        group._start = start
+        group._stage = WAITING
+        group._ephemeral = ephemeral
+        group._slot = False
+        group._posting = False
+        group._dl = None
+        group._notify = None
+        batch._parts.append((start, group))
+        batch._op = group if not batch._op else batch._op
+
+    def _check_group(self, g: OperationGroup) -> None:
+        n = g.count
+        if n == 0:
+            return
+        lo, ro, ln = g.local_offsets, g.remote_offsets, g.lengths
+        bad = min(ln) < 0 or min(lo) < 0 or min(ro) < 0
+        if not bad:
+            bad = max(map(_add, lo, ln)) > g.local.size or max(map(_add, ro, ln)) > g.remote.size
+        if not bad:
+            return
+        for i in range(n):  # the error path only: name the first bad index
+            try:
+                self._check_bounds(g.local, g.remote, lo[i], ro[i], ln[i])
+            except OutOfBoundsError as exc:
+                raise OutOfBoundsError(f"request {i} of the batch: {exc}; nothing was transferred",
+                                       region=exc.region, peer=exc.peer) from None
+
+    def _hold(self, unit: Any) -> None:
+        """Lease the local region and take a queue_depth slot; raise (holding nothing) if either fails."""
+        unit.local.acquire()
+        if self._raise_on_full:
+            ok = self.slots.acquire(blocking=False)
+        else:
+            ok = self.slots.acquire(timeout=max(0.0, unit.deadline - time.monotonic()))
+        if not ok:
+            unit.local.release()
+            raise BackPressureError(
+                f"{self.slots.capacity} requests already in flight (runtime.queue_depth)",
+                request=getattr(unit.transfer, "_request", None),
+            )
+        unit._slot = True
+
+    def _unhold(self, unit: Any) -> None:
+        if unit._slot:
+            unit._slot = False
+            self.slots.release()
+        unit.local.release()
+
+    def _stage(self, unit: Any) -> None:
+        self._arm(unit)
+        with self._inflight_lock:
+            self._inflight.add(unit)
+
+    # -- posting -----------------------------------------------------------------------
+
+    def _post_batch(self, batch: Batch, units: list[Any], staged: bool = False) -> None:
+        batch._posting = True
+        try:
+            for u in units:
+                if staged and not self._claim(u, WAITING):
+                    continue
+                if staged:
+                    u._stage = WAITING  # _launch claims it again
+                self._launch(u, inline=False)
+        finally:
+            with batch._lock:
+                batch._posting = False
+            if batch._outcome is not None:
+                self._settle_batch_inline(batch)
+
+    def _launch(self, unit: Any, inline: bool) -> None:
+        """Route and post ``unit`` now if its peer is connected, else queue it on that peer."""
+        remote = unit.remote
+        link = self.e._peers.ready(remote.address)
+        if link is None:
+            with self._inflight_lock:
+                self._inflight.add(unit)
+            self._arm(unit)
+            try:
+                self.e._peers.when_ready(remote.address, unit.deadline,
+                                         lambda lk, err, u=unit: self._connected(u, lk, err))
+            except MpcommError as exc:
+                self._abandon(unit, exc)
+            return
+        self._post(unit, link, inline)
+
+    def _connected(self, unit: Any, link: PeerLink | None, error: BaseException | None) -> None:
+        if error is not None:
+            self._abandon(unit, error)
+            return
+        assert link is not None
+        self._post(unit, link, False)
+
+    def _claim(self, unit: Any, expect: int, to: int = POSTED) -> bool:
+        with unit._lock:
+            if unit._stage != expect:
+                return False
+            unit._stage = to
+            return True
+
+    def _post(self, unit: Any, link: PeerLink, inline: bool) -> None:
+        if not self._claim(unit, WAITING):
+            return  # cancelled, timed out or closed while it waited
+        remote = unit.remote
+        try:
+            if link.info.epoch != remote.epoch:
+                raise StaleRegionError(
+                    f"{remote.address} restarted since {remote.name!r} was opened; open it again",
+                    region=remote.name, peer=remote.address)
+            transport = self._route(link, unit)
+            if self._lazy or unit._ephemeral:
+                self.e._regions.ensure_registered(unit.local, transport)
+        except BaseException as exc:  # noqa: BLE001 - the unit fails with it, nothing moved
+            self._fail_unposted(unit, exc, inline)
+            return
+        unit.peer = link.info
+        unit.transport = transport
+        transfer = unit.transfer
+        transfer.transport = transport.name
+        transfer.status = TransferStatus.POSTED
+        if unit._batch is not None:
+            unit._batch.status = TransferStatus.POSTED
+        if self.e.telemetry.enabled and isinstance(unit, Operation):
+            self.e.telemetry.on_post(unit, transport.name)
+        with self._inflight_lock:
+            self._inflight.add(unit)
+        unit._posting = inline
+        if getattr(transport, "post_may_block", False):
+            # A transport written for the first contract may wait on the peer
+            # inside post(): its deadline must be able to interrupt it.
+            self._arm(unit)
+        try:
+            if isinstance(unit, Operation):
+                transport.post(unit)
+            else:
+                transport.post_many(unit)
+        except TransportBusy:
+            self._to_backlog(transport, unit)
+        except MpcommError as exc:
+            unit.fail(exc)
+        except Exception as exc:  # noqa: BLE001 - a plugin bug fails the request, not the caller
+            log.exception("transport %s failed to post", transport.name)
+            unit.fail(MpcommError(f"transport {transport.name} failed: {exc}"))
+        if inline:
+            with unit._lock:
+                unit._posting = False
+            if transfer._outcome is not None and isinstance(unit, Operation) and unit._batch is None:
+                transfer._finish_inline()
+                return
+        if not unit.done:
+            self._arm(unit)
+
+    def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
+        unit._stage = FINISHED
+        err = exc if isinstance(exc, MpcommError) else MpcommError(str(exc))
+        if inline and isinstance(unit, Operation) and unit._batch is None:
+            # The caller is still in write(): raise, holding nothing.
+            self._release(unit)
+            raise err
+        self._finish(unit, err, 0, failed_group=True)
+
+    def _abandon(self, unit: Any, exc: BaseException) -> None:
+        """Finish a unit that never got posted (connection failed, cancelled, closed, deadline)."""
+        if not self._claim(unit, WAITING, FINISHED):
+            return
+        self._finish(unit, exc, 0, failed_group=True)
+
+    def _route(self, link: PeerLink, unit: Any) -> Transport:
+        remote = unit.remote
+        local_kind = unit.local.kind
+        key = (remote.address, remote.epoch, remote.region_id, local_kind)
+        cached = self._routes.get(key)
+        if cached is not None:
+            return cached
+        reasons = []
+        for name, t in self.e._transports.items():
+            if name not in link.info.transports:
+                reasons.append(f"{name}: peer does not run it")
+                continue
+            if name not in remote.transports:
+                reasons.append(f"{name}: region not registered with it on the peer")
+                continue
+            if local_kind not in t.capabilities.memory_kinds or remote.kind not in t.capabilities.memory_kinds:
+                reasons.append(f"{name}: no {local_kind}/{remote.kind} memory support")
+                continue
+            avail = t.reach(link.info)
+            if not avail:
+                reasons.append(f"{name}: {avail.reason}")
+                continue
+            self._routes[key] = t
+            return t
+        raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: " + "; ".join(reasons),
+                                   peer=remote.address, region=remote.name)
+
+    def forget_routes(self, address: str) -> None:
+        for key in [k for k in list(self._routes) if k[0] == address]:
+            self._routes.pop(key, None)
+
+    def _to_backlog(self, transport: Transport, unit: Any) -> None:
+        unit._stage = WAITING  # claimable again: by the drain, a cancel or the deadline
+        with self._backlog_lock:
+            self._backlog.setdefault(transport.name, deque()).append(unit)
+
+    def _drain_backlog(self, name: str) -> None:
+        t = self.e._transports.get(name)
+        while t is not None:
+            with self._backlog_lock:
+                q = self._backlog.get(name)
+                if not q:
+                    return
+                unit = q.popleft()
+            if not self._claim(unit, WAITING):
+                continue
+            try:
+                if isinstance(unit, Operation):
+                    t.post(unit)
+                else:
+                    t.post_many(unit)
+            except TransportBusy:
+                unit._stage = WAITING
+                with self._backlog_lock:
+                    self._backlog.setdefault(name, deque()).appendleft(unit)
+                return
+            except MpcommError as exc:
+                unit.fail(exc)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("transport %s failed to post", name)
+                unit.fail(MpcommError(f"transport {name} failed: {exc}"))
+
+    # -- deadlines -------------------------------------------------------------------------
+
+    def _arm(self, unit: Any) -> None:
+        if unit._dl is None:
+            unit._dl = self.e._timer.schedule(unit.deadline, lambda u=unit: self._on_deadline(u))
+            if unit.done:
+                self.e._timer.cancel(unit._dl)
+
+    def _on_deadline(self, unit: Any) -> None:
+        if unit.done:
+            return
+        err = timeout_error(unit)
+        if self._claim(unit, WAITING, FINISHED):  # never posted: nothing moved
+            self._finish(unit, err, 0, failed_group=True)
+            return
+        unit.abort(err)
+        self.e._timer.schedule(time.monotonic() + self._grace, lambda: self._on_abort_overdue(unit))
+
+    def _on_abort_overdue(self, unit: Any) -> None:
+        if unit.done:
+            return
+        name = unit.transport.name if unit.transport else "?"
+        log.error("transport %s did not stop a timed-out %s within runtime.abort_grace_ms; failing it",
+                  name, unit.kind)
+        err = TransferTimeout(
+            f"{unit.kind} to {unit.remote.address} timed out and transport {name} did not confirm that it "
+            "stopped; bytes may still land in the destination range",
+            region=unit.remote.name, peer=unit.remote.address)
+        err.confirmed = False
+        # The transport may still touch the local buffer: keep the lease (and
+        # so the buffer) until it reports, but resolve the handle now.
+        self._resolve_unconfirmed(unit, err)
+
+    def _resolve_unconfirmed(self, unit: Any, err: BaseException) -> None:
+        unit._unconfirmed = True
+        if isinstance(unit, Operation):
+            unit.transfer._record(err, 0)
+            self._push(unit)
+        else:
+            unit.fail(err)
+
+    # -- reports (any thread) -------------------------------------------------------------
+
+    def _reported(self, op: Operation, error: BaseException | None, nbytes: int) -> None:
+        """An Operation's sink: the transport's word that it ended."""
+        if error is None and op._notify is not None:
+            try:
+                self.e._executor.submit(self._notify_then_finish, op, nbytes)
+                return
+            except RuntimeError:
+                error = EngineClosedError("the engine was closed before the notification was sent")
+        self._finish(op, error, nbytes)
+
+    def _notify_then_finish(self, op: Operation, nbytes: int) -> None:
+        error: BaseException | None = None
+        try:
+            self.e._send_notify(op.remote, op._notify, max(op.time_left(), 0.001))
+        except BaseException as exc:  # noqa: BLE001
+            error = exc if isinstance(exc, MpcommError) else MpcommError(f"after the data landed: {exc}")
+        self._finish(op, error, nbytes)
+
+    def _group_reported(self, group: OperationGroup) -> None:
+        self._finish(group, None, 0)
+
+    def _release(self, unit: Any) -> None:
+        dl = unit._dl
+        if dl is not None:
+            self.e._timer.cancel(dl)
+        with self._inflight_lock:
+            self._inflight.discard(unit)
+        if not getattr(unit, "_released", False):
+            unit._released = True
+            self._unhold(unit)
+            if unit._ephemeral:
+                local = unit.local
+                if unit._batch is None or all(p.local is not local or p.done for _, p in unit._batch._parts):
+                    self.e._regions.unregister_from(local, self.e._transports)
+                    release_view(local)
+        t = unit.transport
+        if t is not None and self._backlog.get(t.name):
+            try:
+                self.e._executor.submit(self._drain_backlog, t.name)
+            except RuntimeError:
+                pass
+
+    def _finish(self, unit: Any, error: BaseException | None, nbytes: int, failed_group: bool = False) -> None:
+        """Release what the unit held, then publish its outcome."""
+        unit._stage = FINISHED
+        if failed_group and isinstance(unit, OperationGroup) and not unit.done:
+            unit._sink = None  # we publish here, not through the sink
+            unit.fail(error)  # type: ignore[arg-type]
+        if isinstance(unit, Operation) and failed_group and not unit.done:
+            unit._sink = None
+            unit.fail(error)  # type: ignore[arg-type]
+            if unit.abort_exc is not None and error is not unit.abort_exc:
+                error = unit.abort_exc
+        self._release(unit)
+        batch = unit._batch
+        if batch is None:
+            t = unit.transfer
+            if not t._record(error, nbytes):
+                return  # resolved already (an unconfirmed timeout): the resources are free now
+            self._push(unit)
+            return
+        if isinstance(unit, Operation):
+            unit.transfer._record(error, nbytes)
+            unit.transfer._dispatch.push(unit.transfer)
+        with batch._lock:
+            batch._left -= 1
+            last = batch._left == 0
+        if last:
+            self._batch_done(batch)
+
+    def _push(self, op: Operation) -> None:
+        with op._lock:
+            if op._posting:
+                return  # the posting thread settles it when post() returns
+        op.transfer._dispatch.push(op.transfer)
+
+    def _batch_done(self, batch: Batch) -> None:
+        _statuses, errors, lengths = batch._index_state()
+        error = errors[min(errors)] if errors else None
+        batch._on_settled = _settle_members
+        if not batch._record(error, sum(lengths)):
+            return
+        with batch._lock:
+            if batch._posting:
+                return
+        batch._dispatch.push(batch)
+
+    def _settle_batch_inline(self, batch: Batch) -> None:
+        batch._settle()
+        _settle_members(batch)
+        batch._run_callbacks()
+
+    # -- cancel and close ------------------------------------------------------------------
+
+    def cancel(self, transfer: Transfer) -> None:
+        """Non-blocking cancel of ``transfer`` (the handle's ``_Dispatch.cancel``)."""
+        group = getattr(transfer, "_group", None)
+        if group is not None:
+            self._cancel_member(transfer, group, transfer._index)  # type: ignore[attr-defined]
+            return
+        if isinstance(transfer, Batch):
+            units = [p for _, p in transfer._parts]
+        else:
+            units = [transfer._op]
+        for unit in units:
+            if unit is None or unit.done:
+                continue
+            if self._claim(unit, WAITING, FINISHED):
+                self._finish(unit, CancelledError(), 0, failed_group=True)
+                continue
+            t = unit.transport
+            if t is not None and t.capabilities.inflight_cancel:
+                unit.abort(CancelledError())
+
+    def _cancel_member(self, member: Transfer, group: OperationGroup, i: int) -> None:
+        """Cancel request ``i`` of a group not posted yet: it will move nothing (length 0)."""
+        with group._lock:
+            if group._stage != WAITING or group.status[i] != 0:
+                return
+            group.lengths[i] = 0
+            group.status[i] = 2
+            err = CancelledError()
+            group.errors[i] = err
+            group._left -= 1
+            last = group._left == 0
+        if last:
+            if self._claim(group, WAITING, FINISHED):
+                self._finish(group, err, 0)
+        if member._record(err, 0):
+            member._dispatch.push(member)
+
+    def units(self) -> list[Any]:
+        with self._inflight_lock:
+            return list(self._inflight)
+
+    def abort_peer(self, address: str, error: BaseException) -> None:
+        for unit in self.units():
+            if unit.remote.address == address:
+                if self._claim(unit, WAITING, FINISHED):
+                    self._finish(unit, error, 0, failed_group=True)
+                else:
+                    unit.abort(error)
+
+    def close(self, timeout: float) -> None:
+        """Resolve every handle: waiting units fail at once, posted ones are aborted and waited for."""
+        closed = EngineClosedError("the engine was closed while the request was in flight")
+        units = self.units()
+        for unit in units:
+            if self._claim(unit, WAITING, FINISHED):
+                self._finish(unit, EngineClosedError("the engine was closed before the request was posted"), 0,
+                             failed_group=True)
+            else:
+                unit.abort(closed)
+        deadline = time.monotonic() + timeout
+        for unit in units:
+            while not unit.done and time.monotonic() < deadline:
+                time.sleep(0.002)
+
+    def resolve_leftovers(self) -> list[Any]:
+        """After the transports closed: fail what is still unfinished (nothing can land any more)."""
+        left = [u for u in self.units() if not u.done]
+        for unit in left:
+            unit.fail(EngineClosedError("the engine was closed; the transport did not confirm the request "
+                                        "stopped before it was shut down"))
+        return left
+
+
+def _runs(idx: list[int]) -> list[tuple[int, int]]:
+    """Positions [start, stop) of ``idx`` where the request indices are consecutive."""
+    out = []
+    start = 0
+    for k in range(1, len(idx)):
+        if idx[k] != idx[k - 1] + 1:
+            out.append((start, k))
+            start = k
+    out.append((start, len(idx)))
+    return out
+
+
+def _settle_members(batch: Batch) -> None:
+    for _, part in batch._parts:
+        if isinstance(part, OperationGroup):
+            _resolve_members(part)
