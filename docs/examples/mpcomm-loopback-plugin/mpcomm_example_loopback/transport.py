@@ -26,10 +26,10 @@ socket, and from the socket straight into the registered region.
 The contract, point by point (``docs/plugin-authors.md`` says it in full)
 ---------------------------------------------------------------------------
 * **post() never waits on the peer.** It hands the request to this
-  transport's own worker threads and returns. When they are all taken it
-  raises ``TransportBusy``: the engine holds the request and posts it again
-  once one of ours finished. Connecting happens on the worker, bounded by the
-  request's deadline.
+  transport's own worker threads and returns; connecting happens on the
+  worker, bounded by the request's deadline. (Full? A transport with a
+  fixed-size queue raises ``TransportBusy`` and the engine posts the request
+  again later; ours queues, bounded by the engine's ``queue_depth``.)
 * **Report exactly once, from any thread.** ``op.complete()`` only after the
   target said every byte is in place (writes) or every byte is in our buffer
   (reads). A large request is striped over connections; ``Pieces`` reports
@@ -76,7 +76,6 @@ from mpcomm.errors import MpcommError, ProtocolError, TransferTimeout, error_fro
 from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.transport_kit import AcceptLoop, Pieces, recv_into_by, sendmsg_by, stripes
 
-from mpcomm.transport import TransportBusy
 
 FRAME = struct.Struct("!I")
 MAX_FRAME = 64 << 10  # a header or reply is small; anything bigger is garbage
@@ -141,7 +140,7 @@ class ExamplePipeTransport(Transport):
     # are config errors naming the key; ctx.options has them merged.
     default_options: ClassVar[dict[str, Any]] = {
         "port": 0,  # data port to listen on; 0 picks a free one
-        "workers": 8,  # requests (stripes) in flight at once; more make post() raise TransportBusy
+        "workers": 8,  # requests (stripes) moving at once; more wait in our queue
         "stripes": 2,  # a request of at least stripe_threshold bytes goes over this many connections
         "stripe_threshold": 8 << 20,
         "max_connections": 256,  # target: data connections open at once, in total
@@ -155,8 +154,12 @@ class ExamplePipeTransport(Transport):
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
         o = ctx.options
+        # Our own threads: post() only queues work for them. The queue needs no
+        # bound of its own: the engine lets at most runtime.queue_depth requests
+        # in flight. (A transport with a fixed-size native queue -- a send ring,
+        # a work-request list -- raises TransportBusy from post() when it is
+        # full instead; the engine then holds the request and posts it again.)
         self._workers = ThreadPoolExecutor(int(o["workers"]), thread_name_prefix="example-pipe")
-        self._slots = threading.BoundedSemaphore(int(o["workers"]))
         self._accept: AcceptLoop | None = None
         self._secret = ctx.config.transport.secret  # "" = no secret: the proofs are zeros
 
@@ -273,15 +276,6 @@ class ExamplePipeTransport(Transport):
         o = self.ctx.options
         n = int(o["stripes"]) if op.length >= int(o["stripe_threshold"]) else 1
         ranges = stripes(op.length, n)
-        taken = 0
-        for _ in ranges:  # reserve a worker per stripe, or give them back and say we are full
-            if not self._slots.acquire(blocking=False):
-                for _ in range(taken):
-                    self._slots.release()
-                # Not an error: the engine holds the request and posts it again
-                # after one of ours finished.
-                raise TransportBusy(f"{self.name}: all {o['workers']} workers are busy")
-            taken += 1
         state = op.state = _OpState(Pieces(op, len(ranges)))
         for start, length in ranges:
             self._workers.submit(self._run, op, state, start, length)
@@ -324,7 +318,6 @@ class ExamplePipeTransport(Transport):
                 with state.lock:
                     state.socks.discard(sock)
                 sock.close()
-            self._slots.release()
         # One report per stripe; the op is reported once, by the last one. If an
         # abort was requested, op.fail reports its reason (timeout, cancel).
         state.pieces.done(error, confirmed=confirmed)
