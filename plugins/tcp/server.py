@@ -47,6 +47,10 @@ def _reset(sock: socket.socket) -> None:
         pass
 
 
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+
+
 class _Closed(Exception):
     """The initiator closed the connection between requests."""
 
@@ -77,6 +81,9 @@ class Server:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             who = self._hello(sock)
             peer = f"{who} at {peer}"
+            # Between requests the kernel bounds the wait (one blocking recv, no
+            # poll); within a request every call is bounded by its deadline.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.idle))
             head = bytearray(wire.REQ.size)
             while not self.t.closed:
                 self._one(sock, memoryview(head))
@@ -106,7 +113,10 @@ class Server:
         return initiator.rstrip(b"\0").decode("ascii", "replace")
 
     def _one(self, sock: socket.socket, head: memoryview) -> None:
-        got = recv_some_by(sock, head, time.monotonic() + self.idle)
+        try:
+            got = sock.recv_into(head, wire.REQ.size)  # blocking, up to SO_RCVTIMEO = idle_timeout_ms
+        except (BlockingIOError, TimeoutError):
+            got = 0
         if got <= 0:
             raise _Closed()  # closed by the initiator, or idle for idle_timeout_ms (it dials again when needed)
         if got < wire.REQ.size:
