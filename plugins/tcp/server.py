@@ -47,6 +47,9 @@ def _reset(sock: socket.socket) -> None:
         pass
 
 
+_BIG = 256 << 10  # payloads from this size use kernel-bounded blocking calls
+
+
 def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
 
@@ -81,6 +84,7 @@ class Server:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             who = self._hello(sock)
             peer = f"{who} at {peer}"
+            sock.settimeout(None)  # blocking mode: the kernel bounds blocking calls (SO_*TIMEO)
             # Between requests the kernel bounds the wait (one blocking recv, no
             # poll); within a request every call is bounded by its deadline.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.idle))
@@ -196,6 +200,8 @@ class Server:
     def _recv_region(self, sock: socket.socket, dest: memoryview, end: float) -> int:
         """Receive into ``dest`` until full or ``end``; returns the bytes received."""
         pos, n = 0, dest.nbytes
+        if n >= _BIG and not self.copy_mode:
+            return self._recv_big(sock, dest, end)
         bounce = bytearray(min(self.bounce_size, n)) if self.copy_mode and n else None
         while pos < n:
             k = min(self.chunk, n - pos)
@@ -211,6 +217,26 @@ class Server:
                 raise PeerConnectionError(f"connection closed after {pos} of {n} payload bytes")
             pos += got
         return pos
+
+    def _recv_big(self, sock: socket.socket, dest: memoryview, end: float) -> int:
+        """Large payloads: blocking receives the kernel bounds (SO_RCVTIMEO), no poll per chunk."""
+        pos, n = 0, dest.nbytes
+        try:
+            while pos < n:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return pos
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(left))
+                try:
+                    got = sock.recv_into(dest[pos : pos + self.chunk], min(self.chunk, n - pos))
+                except (BlockingIOError, TimeoutError):
+                    continue  # SO_RCVTIMEO ran out: the loop checks the deadline
+                if got == 0:
+                    raise PeerConnectionError(f"connection closed after {pos} of {n} payload bytes")
+                pos += got
+            return pos
+        finally:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.idle))
 
     def _read(self, sock: socket.socket, req_id: int, region_id: int, token: int, epoch: str, offset: int,
               length: int, end: float) -> None:
@@ -228,7 +254,11 @@ class Server:
     def _send_region(self, sock: socket.socket, head: bytes, parts: list[memoryview], end: float) -> None:
         """Send ``head`` and ``parts`` by ``end``; past it the frame is cut and the connection closed."""
         if not self.copy_mode:
-            sendmsg_by(sock, [memoryview(head), *parts], end, "tcp read payload")
+            views = [memoryview(head), *parts]
+            if sum(p.nbytes for p in parts) >= _BIG:
+                self._send_big(sock, views, end)
+            else:
+                sendmsg_by(sock, views, end, "tcp read payload")
             return
         sendmsg_by(sock, [memoryview(head)], end, "tcp read payload")
         total = sum(p.nbytes for p in parts)
@@ -238,6 +268,31 @@ class Server:
                 k = min(len(bounce), p.nbytes - pos)
                 bounce[:k] = p[pos : pos + k]
                 sendmsg_by(sock, [memoryview(bounce)[:k]], end, "tcp read payload")
+
+    @staticmethod
+    def _send_big(sock: socket.socket, views: list[memoryview], end: float) -> None:
+        """Large payloads: blocking sends the kernel bounds (SO_SNDTIMEO), no poll per chunk.
+
+        Other sends use MSG_DONTWAIT, which ignores SO_SNDTIMEO, so it is left set.
+        """
+        views = [v for v in views if v.nbytes]
+        while views:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout("tcp read payload: the peer did not take the data before the deadline")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(left))
+            try:
+                sent = sock.sendmsg(views[:512])
+            except (BlockingIOError, TimeoutError):
+                continue
+            while sent:
+                k = views[0].nbytes
+                if sent >= k:
+                    sent -= k
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
 
     # -- batches ------------------------------------------------------------------------
 
