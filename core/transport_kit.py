@@ -14,6 +14,8 @@ use these; a third-party transport may too (``from mpcomm.transport_kit import .
   peer host, before a connection costs a thread.
 * :func:`unconfirmed` -- the honest abort outcome when the target did not
   confirm that it stopped.
+* :class:`FenceTimer` -- one thread that runs "the target did not confirm in
+  time" actions for every aborted request of a transport (no thread per abort).
 * :func:`send_nowait`, :func:`sendmsg_by`, :func:`recv_into_by` -- socket calls
   that either cannot wait on the peer, or wait at most until a deadline.
 """
@@ -21,6 +23,7 @@ use these; a third-party transport may too (``from mpcomm.transport_kit import .
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import select
 import socket
@@ -33,6 +36,7 @@ from .errors import PeerConnectionError, TransferError, TransferTimeout
 
 __all__ = [
     "AcceptLoop",
+    "FenceTimer",
     "Pieces",
     "recv_into_by",
     "recv_some_by",
@@ -125,6 +129,54 @@ def unconfirmed(op: Any, cause: BaseException | None = None) -> BaseException:
     if exc is not None:
         op.abort_exc = err
     return err
+
+
+class FenceTimer:
+    """Run ``fn()`` at ``when`` (monotonic) on one daemon thread, unless cancelled first.
+
+    For abort fences: after asking a target to stop, a transport waits for its
+    confirmation until a fence time, then takes the harder step (cut the
+    connection) and reports the outcome as it is. ``schedule`` never blocks;
+    ``fn`` must be quick and must not raise (errors are logged).
+    """
+
+    def __init__(self, name: str = "mpcomm-fences") -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._cv = threading.Condition()
+        self._seq = 0
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def schedule(self, when: float, fn: Callable[[], None]) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._seq += 1
+            heapq.heappush(self._heap, (when, self._seq, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cv.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                if self._closed:
+                    return
+                _, _, fn = heapq.heappop(self._heap)
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one fence never stops the others
+                log.exception("fence action failed")
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._heap.clear()
+            self._cv.notify()
 
 
 # -- socket calls that do not wait, or wait until a deadline only ---------------------------

@@ -20,15 +20,15 @@ carried it (the fence is per connection):
 * not a byte sent yet: taken out of the queue; nothing can land: confirmed;
 * a read whose reply has not started: reported at once, its payload will be
   discarded (only our reader writes our buffer): confirmed;
-* a write fully sent, or a read being received: we wait for its reply (the
-  target answers every request, refusing late ones) for the fence time
-  (``abort_grace_ms / 2``); then we shut the connection: for a read the
-  reader has then stopped (confirmed); for a write the target never answered
-  (stalled, partitioned): unconfirmed;
-* a write half sent: the connection's sending side is shut down, so the
-  target sees the frame end early and stops; its close confirms. Requests
-  queued behind it on that connection fail, confirmed (nothing of them was
-  sent).
+* anything else (a frame on its way, a write awaiting its reply, a read being
+  received) finishes on the wire, because the target answers every request
+  (refusing, and draining, what is past its deadline): that answer confirms.
+  The connection stays up, so the other requests it carries are not hurt.
+  If no answer comes within the fence time (``abort_grace_ms / 2``, on the
+  transport's one :class:`~mpcomm.transport_kit.FenceTimer` thread), the
+  connection is cut: for a read our reader has then stopped (confirmed); for
+  a write whose bytes went out, the target never answered (stopped,
+  partitioned): unconfirmed.
 """
 
 from __future__ import annotations
@@ -137,14 +137,15 @@ class Conn:
             elif piece.read and piece.state == SENT:
                 piece.state = DONE  # the reader will discard its payload
                 report = True
-            elif piece.state == SENDING:
-                self._shut(socket.SHUT_WR)  # the target sees the frame end early and stops
+            # Anything else (a frame on its way, a write awaiting its reply, a
+            # read being received) finishes on the wire: the target answers every
+            # request, refusing what is past its deadline, and that answer is the
+            # fence. Cutting the connection instead would fail every other
+            # request it carries.
         if report:
             piece.report(PeerConnectionError("aborted"), None, True)
             return
-        t = threading.Timer(self.pool.fence_time, self._fence_overdue, args=(piece,))
-        t.daemon = True
-        t.start()
+        self.pool.fences.schedule(time.monotonic() + self.pool.fence_time, lambda: self._fence_overdue(piece))
 
     def _fence_overdue(self, piece: Piece) -> None:
         with self.lock:
@@ -364,7 +365,11 @@ class Conn:
             return  # aborted and reported already; its payload went to the discard buffer
         with self.lock:
             piece.state = DONE
-        piece.report(err, status, True)
+            if piece.aborted and err is None:
+                # It landed in full after all, but the request was aborted: report
+                # the abort (op.fail substitutes its reason); nothing more can land.
+                err = PeerConnectionError("aborted; the target answered")
+        piece.report(err, status if err is None or status is not None else None, True)
 
     def _fail_all(self, err: MpcommError, reader_started: bool) -> None:
         """The connection is gone: every piece still on it ends, from this (the last) thread touching it."""
@@ -416,6 +421,7 @@ class Pool:
         self.secret = ctx.config.transport.secret
         self.handshake_time = ctx.config.transport.handshake_timeout_ms / 1000
         self.fence_time = ctx.config.runtime.abort_grace_ms / 2000
+        self.fences = transport.fences
         self.copy_mode = ctx.mode == "copy"
         self.bounce_size = int(o["bounce_size"])
         self.socket_buffer = int(o["socket_buffer"])

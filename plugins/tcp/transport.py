@@ -37,7 +37,7 @@ from mpcomm import Availability, Capabilities, Transport, TransportContext
 from mpcomm.control import listen
 from mpcomm.errors import MpcommError
 from mpcomm.peer import PeerInfo, parse_endpoint
-from mpcomm.transport_kit import AcceptLoop, Pieces, stripes, unconfirmed
+from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes, unconfirmed
 
 from . import wire
 from .client import Piece, Pool, next_id
@@ -101,6 +101,7 @@ class TcpTransport(Transport):
         self._pools: dict[tuple[str, str], Pool] = {}  # (peer address, peer epoch) -> its connections
         self._pools_lock = threading.Lock()
         self._accept: AcceptLoop | None = None
+        self.fences = FenceTimer("mpcomm-tcp-fences")  # abort fences of every connection
         self._conns = int(o["connections"])
         self._stripe_threshold = int(o["stripe_threshold"])
         self._inline = -1 if self.copy_mode else int(o["inline_threshold"])
@@ -293,6 +294,7 @@ class TcpTransport(Transport):
             self._pools.clear()
         for p in pools:
             p.close()
+        self.fences.close()
 
 
 logging.getLogger("mpcomm.transport.tcp").addHandler(logging.NullHandler())
