@@ -47,6 +47,7 @@ from mpcomm.peer import format_endpoint
 from mpcomm.transport_kit import send_nowait, views_of
 
 from . import wire
+from .tls_stream import handshake
 
 #: Request ids: unique per process, so a reply can never match another connection's request.
 next_id = itertools.count(1).__next__
@@ -176,6 +177,9 @@ class Conn:
                 for opt in ("SO_SNDBUF", "SO_RCVBUF"):
                     if pool.socket_buffer:
                         sock.setsockopt(socket.SOL_SOCKET, getattr(socket, opt), pool.socket_buffer)
+                if pool.tls is not None:
+                    sock = handshake(sock, pool.tls, server_side=False, deadline=deadline, what=pool.where,
+                                     server_hostname=pool.host)  # type: ignore[assignment]
                 sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, pool.node_id, pool.epoch))
                 client_authenticate(sock, pool.secret, deadline, wire.context(pool.node_id, pool.epoch))
                 sock.settimeout(None)
@@ -422,6 +426,7 @@ class Pool:
         self.handshake_time = ctx.config.transport.handshake_timeout_ms / 1000
         self.fence_time = ctx.config.runtime.abort_grace_ms / 2000
         self.fences = transport.fences
+        self.tls = transport.tls_client  # an ssl.SSLContext when data connections run TLS
         self.copy_mode = ctx.mode == "copy"
         self.bounce_size = int(o["bounce_size"])
         self.socket_buffer = int(o["socket_buffer"])

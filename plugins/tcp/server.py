@@ -35,6 +35,7 @@ from mpcomm.peer import format_endpoint
 from mpcomm.transport_kit import recv_into_by, recv_some_by, sendmsg_by
 
 from . import wire
+from .tls_stream import handshake
 
 _DISCARD = bytearray(256 << 10)  # shared by every connection: what lands here is thrown away
 
@@ -75,6 +76,7 @@ class Server:
         self.max_batch = int(o["max_batch"])
         self.chunk = int(o["chunk"])
         self.bounce_size = int(o["bounce_size"])
+        self.tls = transport.tls_server  # an ssl.SSLContext when data connections run TLS
 
     # -- one connection --------------------------------------------------------------
 
@@ -82,6 +84,9 @@ class Server:
         peer = format_endpoint(*addr[:2]) if isinstance(addr, tuple) else str(addr)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:  # TLS first: nothing else is read from a peer without a certificate we trust
+                sock = handshake(sock, self.tls, server_side=True, what=peer,
+                                 deadline=time.monotonic() + self.handshake_time)  # type: ignore[assignment]
             who = self._hello(sock)
             peer = f"{who} at {peer}"
             sock.settimeout(None)  # blocking mode: the kernel bounds blocking calls (SO_*TIMEO)

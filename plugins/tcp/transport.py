@@ -59,6 +59,7 @@ OPTION_RANGES: dict[str, tuple[float, float]] = {
     "idle_timeout_ms": (100, 7 * 24 * 3600 * 1000),
     "max_request_ms": (1, 7 * 24 * 3600 * 1000),
     "max_batch": (1, 1 << 16),
+    "tls": ["auto", "off"],
 }
 
 
@@ -91,6 +92,7 @@ class TcpTransport(Transport):
         "idle_timeout_ms": 60_000,  # target: close a data connection idle this long
         "max_request_ms": 600_000,  # target: serve one request at most this long, whatever its deadline says
         "max_batch": 4096,  # descriptors per batch frame
+        "tls": "auto",  # "auto": data connections run TLS whenever transport.tls does; "off": never
     }
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -106,6 +108,12 @@ class TcpTransport(Transport):
         self._stripe_threshold = int(o["stripe_threshold"])
         self._inline = -1 if self.copy_mode else int(o["inline_threshold"])
         self._max_batch = int(o["max_batch"])
+        self.tls_server = self.tls_client = None
+        if getattr(ctx.config.transport, "tls", False) and o["tls"] == "auto":
+            from mpcomm.tls import client_context, server_context
+
+            # The control channel's certificates; mutual authentication as configured there.
+            self.tls_server, self.tls_client = server_context(ctx.config), client_context(ctx.config)
         self.log = ctx.log
 
     @classmethod
@@ -122,7 +130,7 @@ class TcpTransport(Transport):
                                   max_total=int(o["max_connections"]),
                                   max_per_peer=int(o["max_connections_per_peer"]), log=self.log).start()
         return {"port": port, "idle_timeout_ms": int(o["idle_timeout_ms"]), "max_batch": int(o["max_batch"]),
-                "proto": wire.VERSION}
+                "proto": wire.VERSION, "tls": self.tls_server is not None}
 
     # -- initiator side ------------------------------------------------------------
 
@@ -132,6 +140,9 @@ class TcpTransport(Transport):
             return Availability.no("peer published no tcp port")
         if info.get("proto", 1) != wire.VERSION:
             return Availability.no(f"peer speaks tcp data protocol {info.get('proto', 1)}, we speak {wire.VERSION}")
+        if bool(info.get("tls")) != (self.tls_client is not None):
+            return Availability.no("peer's tcp data connections " + ("use TLS and ours do not" if info.get("tls")
+                                                                      else "do not use TLS and ours do"))
         return Availability.yes()
 
     def _pool(self, peer: PeerInfo, address: str) -> Pool:

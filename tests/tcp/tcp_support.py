@@ -32,7 +32,8 @@ class Target(TargetProcess):
         if secret:
             cfg.setdefault("transport", {})["secret"] = secret
         super().__init__("tcp", config=cfg, regions=regions)
-        self.secret = secret
+        self.secret = secret or cfg.get("transport", {}).get("secret", "")
+        self.config = mpcomm.Config.from_dict(cfg) if cfg else None
         info = self.peer_info()
         self.epoch: str = info.epoch
         self.tcp: dict[str, Any] = info.transports["tcp"]
@@ -42,7 +43,8 @@ class Target(TargetProcess):
 
     def peer_info(self) -> PeerInfo:
         probe = PeerInfo(node_id="probe", epoch="00", address="127.0.0.1:1")
-        link = PeerLink(self.address, local_info=probe, secret=self.secret, timeout=5, on_lost=lambda _l: None)
+        link = PeerLink(self.address, local_info=probe, secret=self.secret, timeout=5, on_lost=lambda _l: None,
+                        config=self.config)
         try:
             return link.info
         finally:
