@@ -13,7 +13,10 @@ target is tcp 4 MiB write >= 0.8x the plain-socket figure.
 ``--batch N`` adds batches of N x 4 KiB (``Engine.submit``, which the engine
 hands to the transport's ``post_many`` as one group: one frame per
 connection) against plain sockets sending the same N x 4 KiB as one message
-with one acknowledgement. ``--sizes 4KiB,4MiB`` restricts the sizes.
+with one acknowledgement. ``--sizes 4KiB,4MiB`` restricts the sizes. ``--tls`` runs both engines with
+``transport.tls = true`` (mutual certificates from a throwaway CA made with the
+``openssl`` CLI), so tcp data connections run TLS; compare with a run without it
+for the cost of TLS (the plain-socket baseline stays plain).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 
@@ -65,6 +69,20 @@ while True:
     c, _ = srv.accept()
     threading.Thread(target=serve, args=(c,), daemon=True).start()
 """
+
+
+def make_pki(d: Any) -> None:
+    """ca.pem, and node.pem/node.key signed by it (SAN 127.0.0.1), with the openssl CLI."""
+    def sh(*argv: str) -> None:
+        subprocess.run(argv, check=True, capture_output=True, cwd=d)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    sh("openssl", "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=bench-ca", "-days", "1",
+       "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    sh("openssl", "req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=bench-node")
+    sh("openssl", "x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+       "-out", "node.pem", "-days", "1", "-extfile", "ext.cnf")
 
 
 def measure(fn: Callable[[int], None], concurrency: int, iters: int, pids: list[int]) -> dict[str, float]:
@@ -105,12 +123,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=0, help="also measure batches of this many 4 KiB writes")
     ap.add_argument("--concurrency", default="1,8", help="comma-separated in-flight counts")
     ap.add_argument("--ops", default="write,read", help="comma-separated: write, read")
+    ap.add_argument("--tls", action="store_true", help="TLS on the control channel and the tcp data connections")
     args = ap.parse_args()
     names = {"4KiB": 4 * KiB, "64KiB": 64 * KiB, "4MiB": 4 * MiB, "64MiB": 64 * MiB}
     sizes = [names[x] for x in args.sizes.split(",")] if args.sizes else SIZES
     concs = [int(x) for x in args.concurrency.split(",")]
 
-    cfg = {"transport": {"mode": args.mode}} if args.mode != "zero-copy" else None
+    cfg: dict | None = {"transport": {"mode": args.mode}} if args.mode != "zero-copy" else None
+    if args.tls:
+        import tempfile
+        from pathlib import Path
+
+        pki = Path(tempfile.mkdtemp(prefix="bench-tcp-tls-"))
+        make_pki(pki)
+        cfg = cfg or {"transport": {}}
+        cfg["transport"]["tls"] = True
+        cfg["tls"] = {"cert": str(pki / "node.pem"), "key": str(pki / "node.key"), "ca": str(pki / "ca.pem")}
     target = TargetProcess("tcp", config=cfg, regions={"dst": [8 * 64 * MiB, "allocate"]})
     plain = subprocess.Popen([sys.executable, "-c", PLAIN_SERVER], stdout=subprocess.PIPE, text=True)
     assert plain.stdout is not None
@@ -154,7 +182,7 @@ def main() -> None:
                         thr = res["ops"] * size / res["wall"]
                         base_thr = base["ops"] * size / base["wall"]
                         rec = {
-                            "transport": "tcp", "mode": args.mode, "memory": "host", "op": op,
+                            "transport": "tcp+tls" if args.tls else "tcp", "mode": args.mode, "memory": "host", "op": op,
                             "message_size": format_size(size), "concurrency": conc, "numa_binding": "none",
                             "throughput": format_rate(thr), "p50_latency": format_seconds(res["p50"]), "p99_latency": format_seconds(res["p99"]),
                             "cpu_utilization": f"{res['cpu']:.2f}cores",
@@ -185,7 +213,8 @@ def main() -> None:
                     thr = res["ops"] * nb * size / res["wall"]
                     base_thr = base["ops"] * nb * size / base["wall"]
                     rec = {
-                        "transport": "tcp", "mode": args.mode, "memory": "host", "op": f"write-batch{nb}",
+                        "transport": "tcp+tls" if args.tls else "tcp", "mode": args.mode, "memory": "host",
+                        "op": f"write-batch{nb}",
                         "message_size": format_size(size), "concurrency": conc, "numa_binding": "none",
                         "throughput": format_rate(thr), "p50_latency": format_seconds(res["p50"]),
                         "p99_latency": format_seconds(res["p99"]), "cpu_utilization": f"{res['cpu']:.2f}cores",

@@ -16,6 +16,7 @@ our buffer after the caller believes it was sent.
 
 from __future__ import annotations
 
+import collections
 import select
 import socket
 import ssl
@@ -25,8 +26,8 @@ from typing import Any
 
 from mpcomm.errors import AuthenticationError, HandshakeTimeout, PeerConnectionError
 
-_RAW = 64 << 10  # bytes per raw recv
-_CHUNK = 16 << 10  # plaintext per TLS record
+_RAW = 256 << 10  # bytes per raw recv
+_CHUNK = 256 << 10  # plaintext per SSLObject.write (OpenSSL cuts it into 16 KiB records)
 
 
 class TlsStream:
@@ -36,7 +37,7 @@ class TlsStream:
         self._obj, self._in, self._out = obj, incoming, outgoing
         self._lock = threading.Lock()  # the SSL object and both BIOs
         self._send_lock = threading.Lock()  # the order of ciphertext on the raw socket
-        self._pending = bytearray()  # ciphertext produced, not yet on the socket (under _lock)
+        self._pending: collections.deque[memoryview] = collections.deque()  # ciphertext not yet sent (under _lock)
         self._unreported = 0  # plaintext encrypted but not yet reported as sent (under _send_lock)
         self._eof = False
 
@@ -80,7 +81,7 @@ class TlsStream:
                 except ssl.SSLError as exc:
                     raise PeerConnectionError(f"TLS: {exc.reason or exc}") from exc
                 if self._out.pending:
-                    self._pending += self._out.read()
+                    self._pending.append(memoryview(self._out.read()))
             if self._pending:
                 self._flush_if_free()
             if got >= 0:
@@ -116,7 +117,7 @@ class TlsStream:
                     part = v[pos : pos + _CHUNK]
                     with self._lock:
                         self._obj.write(part)
-                        self._pending += self._out.read()
+                        self._pending.append(memoryview(self._out.read()))
                     if not self._send_pending(flags):
                         self._unreported = part.nbytes  # encrypted, on its way: reported next call
                         return sent
@@ -137,17 +138,18 @@ class TlsStream:
             with self._lock:
                 if not self._pending:
                     return True
-                chunk = bytes(self._pending[:_RAW * 4])
+                chunk = self._pending[0]
             try:
-                n = self.raw.send(chunk, flags)
+                n = self.raw.send(chunk, flags)  # only this thread (it holds _send_lock) takes from the head
             except (BlockingIOError, InterruptedError):
                 return False
             with self._lock:
-                del self._pending[:n]
-            if n < len(chunk) and flags & socket.MSG_DONTWAIT:
-                with self._lock:
-                    if self._pending:
-                        return False
+                if n >= chunk.nbytes:
+                    self._pending.popleft()
+                else:
+                    self._pending[0] = chunk[n:]
+            if n < chunk.nbytes and flags & socket.MSG_DONTWAIT:
+                return False
 
     def _flush_if_free(self) -> None:
         """The reader produced ciphertext (a TLS post-handshake message): send it unless the writer is."""
