@@ -16,8 +16,9 @@ Layout: :mod:`.wire` (the frames), :mod:`.server` (the target side),
   local slices. The target checks every index against its own region table.
 * Large requests (``stripe_threshold``) are striped over up to
   ``connections`` connections (:func:`mpcomm.transport_kit.stripes`).
-* With ``transport.secret`` set, every data connection is authenticated
-  (:mod:`mpcomm.auth`) before the target reads a request from it.
+* Every data connection runs :mod:`mpcomm.auth`'s exchange (with
+  ``transport.secret``: a real proof) before the target reads a request from
+  it; with ``transport.tls`` it runs TLS first (:mod:`.tls_stream`).
 * Abort is fenced per connection that carried the request (see
   :mod:`.client`): a timed-out request on a live target is confirmed.
 

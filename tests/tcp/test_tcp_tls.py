@@ -141,3 +141,12 @@ def test_tls_stream_timeouts_and_stalled_targets(spawn: Any, make_engine: Any, t
     finally:
         target.cont()
     ini.write(b"c" * 4096, remote, 0).result(5)
+
+
+def test_a_data_port_tls_mismatch_is_not_routed(spawn: Any, make_engine: Any, tmp_path: Path) -> None:
+    files = pki(tmp_path)
+    target = spawn(config=tls_config(files, "a"))
+    ini = make_engine(tls_config(files, "b", tls="off"))  # TLS on the control channel only
+    remote = ini.open(target.address, "kv")
+    with pytest.raises(mpcomm.TransportUnavailable, match="TLS"):
+        ini.write(b"x" * 64, remote, 0).result(5)
