@@ -1,39 +1,53 @@
-"""shm transport benchmark: write/read, zero-copy vs copy, next to numpy.copyto.
+"""shm transport benchmark: small-request latency, batches and large copies, next to memcpy.
 
-``python benchmarks/bench_shm.py [--seconds 0.15] [--sizes 4KiB,64KiB,4MiB,64MiB]``
+``python benchmarks/bench_shm.py [--rounds 3] [--seconds 0.2] [--routes memfd,cma] [--mode zero-copy]``
 
-The target engine runs in a child process (shm + tcp) with a 64 MiB
+The target engine runs in a child process (shm only) with a 64 MiB
 ``Engine.allocate`` region (memfd route) and a 64 MiB registered bytearray
-(cross-memory-attach route). The initiator (this process) measures, for each
-route, mode, direction, size and concurrency (1 and 8 in flight), and prints
-one record per line in the seed's format plus ``ratio_to_memcpy=``: the
-throughput divided by a single-thread ``numpy.copyto`` of the same size
-measured in the same run. ``cpu_utilization`` is the initiator's CPU time per
-wall-clock second (1.00 = one core busy); the target's CPU is idle (one-sided).
-Latencies are per request, submit to completion. Targets are reported, not asserted.
+(cross-memory-attach route). This process is the initiator. Every round runs
+every case once, the baselines included, so load on the machine hits both
+sides of a ratio alike; ratios are per round, reported as median (min-max).
+
+Cases (writes, one in flight, ``result()`` after each):
+
+* ``w4k``: one 4 KiB write; p50 latency next to a 4 KiB ``numpy.copyto``.
+* ``w4m`` / ``w64m``: one 4 MiB / 64 MiB write; throughput / single-thread
+  ``numpy.copyto`` of the same size (target: ≥ 0.9 at 4 MiB).
+* ``b64x4k`` / ``b1024x4k``: one ``Engine.write_many`` of 64 / 1024 pieces of
+  4 KiB at scattered remote offsets. ``raw`` is the same pieces copied through
+  the same mapping by the copy loop alone (one native call); ``py/req`` is
+  (batch time - raw time) / pieces: the Python paid per request above the
+  copies (target: ≤ 1 µs at 1024). ``xport/req`` is the same for the
+  transport's share alone (``post_many`` of an ``OperationGroup``, no engine).
+
+One record per case and round in the seed's format, then a summary. Targets
+are reported, not asserted. The machine may be shared: short rounds, noisy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import textwrap
 import time
+from array import array
 from typing import Any
 
 import numpy as np
 
 import mpcomm
-from mpcomm.cli.records import format_seconds, format_size, parse_size
+from mpcomm.cli.records import format_seconds, format_size
 
 MiB = 1 << 20
+KiB = 1 << 10
 REGION = 64 * MiB
 TARGET = textwrap.dedent(f"""
-    import json, os, sys
+    import json, sys
     import mpcomm
-    e = mpcomm.Engine(transports=["shm", "tcp"])
+    e = mpcomm.Engine(transports=["shm"])
     e.allocate({REGION}, name="mem")
     keep = bytearray({REGION}); e.register(keep, name="buf")
     print(json.dumps({{"address": e.address}}), flush=True)
@@ -47,107 +61,144 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(len(xs) * q))]
 
 
-def memcpy_baseline(size: int, seconds: float) -> tuple[float, float]:
-    """Single-thread numpy.copyto: (bytes/s, p50 seconds)."""
-    src = np.ones(size, dtype=np.uint8)
-    dst = np.empty(size, dtype=np.uint8)
-    np.copyto(dst, src)
+def timed(fn: Any, seconds: float, min_iters: int = 5) -> list[float]:
+    fn()
     lat: list[float] = []
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(lat) < 5:
+    while time.perf_counter() < end or len(lat) < min_iters:
         t0 = time.perf_counter()
-        np.copyto(dst, src)
+        fn()
         lat.append(time.perf_counter() - t0)
-    return size * len(lat) / sum(lat), pct(lat, 0.5)
+    return lat
 
 
-def run_case(engine: mpcomm.Engine, local: mpcomm.Region, remote: mpcomm.RemoteRegion, kind: str, size: int,
-             conc: int, seconds: float) -> dict[str, Any]:
-    op = engine.write if kind == "write" else engine.read
-    for _ in range(2):  # warm: attach/map, route cache, pages
-        op(local, remote, 0, size).result(30)
-    lat: list[float] = []
-    nbytes = 0
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    end = t0 + seconds
-    transports = set()
-    while time.perf_counter() < end or len(lat) < 4 * conc:
-        if conc == 1:
-            s = time.perf_counter()
-            t = op(local, remote, 0, size)
-            t.result(30)
-            lat.append(time.perf_counter() - s)
-            transports.add(t.transport)
-        else:
-            ts = [op(local, remote, (i * size) % (REGION - size + 1), size, local_offset=(i * size) % (REGION - size + 1))
-                  for i in range(conc)]
-            for t in ts:
-                t.result(30)
-                lat.append(t.elapsed or 0.0)
-                transports.add(t.transport)
-        nbytes += size * conc
-    wall = time.perf_counter() - t0
-    cpu = time.process_time() - cpu0
-    return {"throughput": nbytes / wall, "p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "cpu": cpu / wall,
-            "via": ",".join(sorted(transports))}
+def memcpy_case(size: int, seconds: float) -> list[float]:
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.empty(size, dtype=np.uint8)
+    return timed(lambda: np.copyto(dst, src), seconds)
 
 
 def record(**kw: Any) -> str:
     return " ".join(f"{k}={v}" for k, v in kw.items())
 
 
+class Route:
+    """One route's initiator state: a local region, the remote one and the transport's mapping."""
+
+    def __init__(self, e: mpcomm.Engine, address: str, name: str, local: mpcomm.Region) -> None:
+        self.e = e
+        self.remote = e.open(address, name)
+        self.local = local
+        e.write(local, self.remote, 0, 4096).result(30)  # attach
+        self.shm = e.transports["shm"]
+        self.m = self.shm._maps[(self.remote.epoch, self.remote.region_id)]
+        rng = np.random.default_rng(5)
+        self.pieces = {}
+        for n in (64, 1024):
+            slots = rng.permutation(REGION // (4 * KiB))[:n]
+            self.pieces[n] = (array("q", range(0, n * 4 * KiB, 4 * KiB)), array("q", (slots * 4 * KiB).tolist()),
+                              array("q", [4 * KiB] * n))
+
+    def single(self, size: int, seconds: float) -> list[float]:
+        e, local, remote = self.e, self.local, self.remote
+        return timed(lambda: e.write(local, remote, 0, size).result(30), seconds)
+
+    def batch(self, n: int, seconds: float) -> list[float]:
+        e, local, remote = self.e, self.local, self.remote
+        lo, ro, ln = self.pieces[n]
+        if hasattr(e, "write_many"):
+            return timed(lambda: e.write_many(local, remote, lo, ro, ln).result(30), seconds)
+        reqs = [mpcomm.Request("write", local, remote, ro[i], ln[i], local_offset=lo[i]) for i in range(n)]
+        return timed(lambda: e.submit(reqs).result(30), seconds)
+
+    def raw(self, n: int, seconds: float) -> list[float]:
+        """The copies alone: one copy-loop call through the transport's own mapping."""
+        lo, ro, ln = self.pieces[n]
+        m, loop, la = self.m, self.shm._loop, self.local.address
+        if m.kind == "map":
+            return timed(lambda: loop.copy_many(m.base, ro, la, lo, ln, 0, n, 1 << 62, m.pidfd), seconds)
+        return timed(lambda: loop.cma_many(m.pid, 1, la, lo, m.base, ro, ln, 0, n, 1 << 62, m.pidfd), seconds)
+
+    def transport_only(self, n: int, seconds: float) -> list[float] | None:
+        """post_many of a contract OperationGroup straight into the transport (no engine)."""
+        try:
+            from mpcomm.transport import OperationGroup
+        except ImportError:
+            return None
+        lo, ro, ln = self.pieces[n]
+        peer = None  # the region is attached already: post_many needs no peer
+
+        def one() -> None:
+            g = OperationGroup("write", self.local, self.remote, lo, ro, ln, time.monotonic() + 30,
+                               time.time() + 30, peer)
+            self.shm.post_many(g)
+            if not g.done:
+                raise RuntimeError(f"the group did not finish inline: {g!r}")
+
+        try:
+            return timed(one, seconds)
+        except (AttributeError, TypeError, RuntimeError) as exc:
+            print(f"# transport-only case skipped: {exc}", file=sys.stderr)
+            return None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seconds", type=float, default=0.15, help="measuring time per case")
-    p.add_argument("--sizes", default="4KiB,64KiB,4MiB,64MiB")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=0.2, help="measuring time per case and round")
     p.add_argument("--routes", default="memfd,cma")
+    p.add_argument("--mode", default="zero-copy", choices=["zero-copy", "copy"])
     args = p.parse_args()
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    routes = {"memfd": "mem", "cma": "buf"}
+    names = {"memfd": "mem", "cma": "buf"}
     proc = subprocess.Popen([sys.executable, "-c", TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     try:
         assert proc.stdout is not None
         address = json.loads(proc.stdout.readline())["address"]
-        base = {size: memcpy_baseline(size, args.seconds) for size in sizes}
-        for size in sizes:
-            print(record(transport="memcpy", mode="numpy.copyto", memory="host", message_size=format_size(size),
-                         concurrency=1, numa_binding="none", throughput=f"{base[size][0] / 1e9:.2f}GB/s",
-                         p50_latency=format_seconds(base[size][1])), flush=True)
-        results: dict[tuple[str, str, str, int, int], dict[str, Any]] = {}
-        for mode in ("zero-copy", "copy"):
-            with mpcomm.Engine({"transport": {"mode": mode}}, transports=["shm", "tcp"]) as e:
-                local = e.allocate(REGION)
-                local.view[:] = b"\x5a" * REGION
-                for route in args.routes.split(","):
-                    remote = e.open(address, routes[route])
-                    for kind in ("write", "read"):
-                        for size in sizes:
-                            for conc in (1, 8):
-                                r = run_case(e, local, remote, kind, size, conc, args.seconds)
-                                results[(mode, route, kind, size, conc)] = r
-                                print(record(transport=f"shm/{route}" if r["via"] == "shm" else r["via"], mode=mode,
-                                             memory="host", op=kind, message_size=format_size(size), concurrency=conc,
-                                             numa_binding="none", throughput=f"{r['throughput'] / 1e9:.2f}GB/s",
-                                             p50_latency=format_seconds(r["p50"]), p99_latency=format_seconds(r["p99"]),
-                                             cpu_utilization=f"{r['cpu']:.2f}cores",
-                                             ratio_to_memcpy=f"{r['throughput'] / base[size][0]:.2f}"), flush=True)
-                    # A batch of 64 x 4 KiB through Engine.submit (one handle).
-                    reqs = [mpcomm.Request("write", local, remote, k * 4096, 4096, local_offset=k * 4096)
-                            for k in range(64)]
-                    e.submit(reqs).result(30)
-                    lat = []
-                    end = time.perf_counter() + args.seconds
-                    while time.perf_counter() < end or len(lat) < 10:
-                        s = time.perf_counter()
-                        e.submit(reqs).result(30)
-                        lat.append(time.perf_counter() - s)
-                    print(record(transport=f"shm/{route}", mode=mode, memory="host", op="write",
-                                 message_size="64x4KiB", concurrency=64, numa_binding="none",
-                                 throughput=f"{64 * 4096 * len(lat) / sum(lat) / 1e9:.2f}GB/s",
-                                 p50_latency=format_seconds(pct(lat, 0.5)), p99_latency=format_seconds(pct(lat, 0.99))), flush=True)
-                    if mode == "zero-copy":
-                        raw_batch(e, local, remote, route, args.seconds)
-        summarize(results, base, sizes)
+        with mpcomm.Engine({"transport": {"mode": args.mode}}, transports=["shm"]) as e:
+            local = e.allocate(REGION)
+            local.view[:] = b"\x5a" * REGION
+            routes = {r: Route(e, address, names[r], local) for r in args.routes.split(",")}
+            loop = next(iter(routes.values())).shm._loop
+            print(f"# copy loop: {loop.reason}", flush=True)
+            for rnd in range(args.rounds):
+                base = {4 * KiB: memcpy_case(4 * KiB, args.seconds), 4 * MiB: memcpy_case(4 * MiB, args.seconds),
+                        64 * MiB: memcpy_case(64 * MiB, args.seconds)}
+                for size, lat in base.items():
+                    print(record(round=rnd, transport="memcpy", mode="numpy.copyto", op="copy",
+                                 message_size=format_size(size), concurrency=1,
+                                 throughput=f"{size / statistics.median(lat) / 1e9:.2f}GB/s",
+                                 p50_latency=format_seconds(pct(lat, 0.5))), flush=True)
+                for rname, route in routes.items():
+                    for case, size in (("w4k", 4 * KiB), ("w4m", 4 * MiB), ("w64m", 64 * MiB)):
+                        lat = route.single(size, args.seconds)
+                        ratio = statistics.median(base[size]) / statistics.median(lat)
+                        rows.setdefault((rname, case), []).append({"p50": pct(lat, 0.5), "ratio": ratio,
+                                                                   "p50_base": pct(base[size], 0.5)})
+                        print(record(round=rnd, transport=f"shm/{rname}", mode=args.mode, op="write",
+                                     message_size=format_size(size), concurrency=1,
+                                     throughput=f"{size / statistics.median(lat) / 1e9:.2f}GB/s",
+                                     p50_latency=format_seconds(pct(lat, 0.5)),
+                                     p99_latency=format_seconds(pct(lat, 0.99)), ratio_to_memcpy=f"{ratio:.2f}"),
+                              flush=True)
+                    for n in (64, 1024):
+                        lat = route.batch(n, args.seconds)
+                        raw = route.raw(n, args.seconds)
+                        xport = route.transport_only(n, args.seconds)
+                        t_b, t_r = statistics.median(lat), statistics.median(raw)
+                        row = {"gbps": n * 4 * KiB / t_b / 1e9, "p50": pct(lat, 0.5), "py_per_req": (t_b - t_r) / n,
+                               "raw_gbps": n * 4 * KiB / t_r / 1e9}
+                        extra = {}
+                        if xport:
+                            row["xport_per_req"] = (statistics.median(xport) - t_r) / n
+                            extra["xport_per_req"] = format_seconds(row["xport_per_req"])
+                        rows.setdefault((rname, f"b{n}x4k"), []).append(row)
+                        print(record(round=rnd, transport=f"shm/{rname}", mode=args.mode, op="write_many",
+                                     message_size=f"{n}x4KiB", concurrency=n,
+                                     throughput=f"{row['gbps']:.2f}GB/s", p50_latency=format_seconds(row["p50"]),
+                                     raw_throughput=f"{row['raw_gbps']:.2f}GB/s",
+                                     py_per_req=format_seconds(row["py_per_req"]), **extra), flush=True)
+        summarize(rows)
     finally:
         if proc.stdin:
             proc.stdin.close()
@@ -155,50 +206,29 @@ def main() -> int:
     return 0
 
 
-def raw_batch(e: mpcomm.Engine, local: mpcomm.Region, remote: mpcomm.RemoteRegion, route: str, seconds: float) -> None:
-    """What the transport itself needs for 64 x 4 KiB, without the engine's per-request work.
+def _med(rows: list[dict[str, float]], key: str) -> str:
+    xs = [r[key] for r in rows if key in r]
+    if not xs:
+        return "n/a"
+    return f"{statistics.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})"
 
-    Uses the mapping the transport set up (memfd: 64 memcpy calls; CMA: one
-    process_vm_writev with 64 iovecs) — the cost a batched post hook in the
-    core would pay.
-    """
-    from mpcomm.plugins.shm import _native
 
-    shm = e.transports["shm"]
-    m = shm._maps[(remote.epoch, remote.region_id)]
-    pairs = [(local.address + k * 4096, m.base + k * 4096) for k in range(64)]
-    lat = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(lat) < 10:
-        s = time.perf_counter()
-        if m.kind == "map":
-            cp = _native.memcpy
-            for src, dst in pairs:
-                cp(dst, src, 4096)
+def summarize(rows: dict[tuple[str, str], list[dict[str, float]]]) -> None:
+    print("# summary: median (min-max) over rounds; targets reported, not asserted")
+    for (route, case), rs in sorted(rows.items()):
+        if case == "w4k":
+            us = [r["p50"] * 1e6 for r in rs]
+            base = [r["p50_base"] * 1e6 for r in rs]
+            print(f"# {route} 4KiB write p50 {statistics.median(us):.2f}us ({min(us):.2f}-{max(us):.2f}); "
+                  f"4KiB memcpy p50 {statistics.median(base):.2f}us (target: <= NIXL-UCX p50, see compare.py)")
+        elif case in ("w4m", "w64m"):
+            print(f"# {route} {case[1:]} write / memcpy: {_med(rs, 'ratio')} (target 0.9 at 4MiB)")
         else:
-            _native.cma_batch(True, m.pid, [(a, 4096) for a, _ in pairs], [(b, 4096) for _, b in pairs])
-        lat.append(time.perf_counter() - s)
-    print(record(transport=f"shm/{route}", mode="zero-copy-raw", memory="host", op="write", message_size="64x4KiB",
-                 concurrency=64, numa_binding="none", throughput=f"{64 * 4096 * len(lat) / sum(lat) / 1e9:.2f}GB/s",
-                 p50_latency=format_seconds(pct(lat, 0.5)), p99_latency=format_seconds(pct(lat, 0.99))), flush=True)
-
-
-def summarize(results: dict[tuple[str, str, str, int, int], dict[str, Any]], base: dict[int, tuple[float, float]],
-              sizes: list[int]) -> None:
-    print("# targets (reported, not asserted)")
-    for size in (s for s in sizes if s >= 4 * MiB):
-        for route in ("memfd", "cma"):
-            r1 = results.get(("zero-copy", route, "write", size, 1))
-            r8 = results.get(("zero-copy", route, "write", size, 8))
-            c1 = results.get(("copy", route, "write", size, 1))
-            if not r1:
-                continue
-            print(f"# {route} write {format_size(size)}: 1 in flight {r1['throughput'] / base[size][0]:.2f}x memcpy "
-                  f"(target 0.9), 8 in flight {r8['throughput'] / base[size][0]:.2f}x (target 1.2), "
-                  f"zero-copy/copy {r1['throughput'] / c1['throughput']:.2f}x (target 1.3)")
-    r = results.get(("zero-copy", "memfd", "write", 4096, 1))
-    if r:
-        print(f"# 4KiB write p50 {format_seconds(r['p50'])} (target 5us)")
+            per = [r["py_per_req"] * 1e6 for r in rs]
+            xp = [r["xport_per_req"] * 1e6 for r in rs if "xport_per_req" in r]
+            xs = f", transport share {statistics.median(xp):.3f}us" if xp else ""
+            print(f"# {route} {case}: {_med(rs, 'gbps')} GB/s (copies alone {_med(rs, 'raw_gbps')}); Python per "
+                  f"request above the copies {statistics.median(per):.3f}us{xs} (target <= 1us at 1024)")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from typing import Any
 from mpcomm import Config, tls
 from mpcomm.control import ControlServer, PeerLink
 from mpcomm.peer import PeerInfo
-from mpcomm.records import format_rate, format_record, format_seconds, self_cpu
+from mpcomm.cli.records import format_rate, format_record, format_seconds, self_cpu
 
 MiB = 1 << 20
 

@@ -4,10 +4,11 @@
 
 For 4 KiB, 4 MiB and 64 MiB, one request in flight, between two processes
 (the target is ``python -m mpcomm.testing.target``): ucx with ``UCX_TLS``
-unset and with ``UCX_TLS=tcp``, with peer error handling on (the default) and
-off; the shm and tcp transports; and ``ucx_perftest -t ucp_put_bw`` for the
-same size and transports (``-e`` when error handling is on), with the ratio
-ucx write / ucx_perftest printed. One line per case, in the seed's record
+unset (the default configuration: error handling on, cma on one host) and with
+``UCX_TLS=tcp``, with peer error handling on (the default) and off; the shm and
+tcp transports; and ``ucx_perftest -t ucp_put_bw`` for the same size and
+transports (``-e`` when error handling is on, with ``UCX_RNDV_THRESH=inf`` as
+the transport sets it), with the ratio ucx write / ucx_perftest printed. One line per case, in the seed's record
 format; ``cpu_utilization`` is both processes' CPU time over the wall time,
 in percent of one core. Takes about a minute.
 """
@@ -147,6 +148,7 @@ def perftest(tls: str | None, eh: bool, size: int, quick: bool) -> tuple[float |
     env.pop("UCX_TLS", None)
     if tls:
         env["UCX_TLS"] = tls
+    env.setdefault("UCX_RNDV_THRESH", "inf")  # what the transport's context uses (see docs/ucx.md)
     port = free_port()
     n = iters_for(size, quick) * (1 if size > 64 << 10 else 5)
     srv = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

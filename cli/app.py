@@ -17,7 +17,7 @@ import typer
 
 from mpcomm import __version__
 
-from . import bench, demo, doctor, plugins_cmd, secret, serve, transfer
+from . import bench, demo, doctor, plugins_cmd, regions, secret, serve, topology, transfer
 from ._common import EXIT_CODES_EPILOG, EXIT_USAGE, State, err_console, handle_errors, print_error
 from .otel import setup as setup_otel
 
@@ -46,6 +46,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 for _module in (plugins_cmd, demo, doctor, serve, transfer, bench, secret):
+    app.add_typer(_module.app)
+for _module in (topology, regions):  # issue 10
     app.add_typer(_module.app)
 
 

@@ -1,6 +1,6 @@
 """``mpcomm doctor``: the seed's node check, plus what matters to mpcomm.
 
-Read-only: it changes nothing on the system (see :mod:`mpcomm.nodecheck`).
+Read-only: it changes nothing on the system (see :mod:`mpcomm.cli.nodecheck`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from mpcomm import nodecheck
-from mpcomm.nodecheck import Check, Status
+from mpcomm.tent.doctor import native_provider_check
 
-from . import plugins_cmd
+from . import nodecheck, plugins_cmd
+from .nodecheck import Check, Status
 from ._common import EXIT_FAILURE, JsonOption, err_console, handle_errors, parse_size, print_json
 
 app = typer.Typer()
@@ -82,6 +82,7 @@ def doctor(
         return
     checks = nodecheck.run_checks(min_shm_bytes=parse_size(min_shm), min_memlock_bytes=parse_size(min_memlock))
     checks += plugin_checks(found)
+    checks.append(native_provider_check())  # libmpcomm.so for Mooncake TENT (docs/tent.md)
     worst = nodecheck.worst_status(checks)
     if json_:
         print_json({"status": worst.value, "checks": [c.to_dict() for c in checks]})

@@ -4,7 +4,7 @@
 
     [transport]
     name = "auto"              # or one transport's name ("tcp", "shm", ...)
-    order = ["shm", "rdma_zerocopy", "ucx", "tcp"]   # preference when name = "auto"
+    order = ["shm", "rdma_zerocopy", "ucx", "tcp"]   # preference when name = "auto" (default: by capabilities)
     mode = "zero-copy"         # or "copy" (bounce buffers; for comparison)
     endpoint = "0.0.0.0:18400" # control endpoint; port 0 picks a free one
     advertise = ""             # host peers dial, when endpoint binds a wildcard
@@ -50,6 +50,15 @@
     connections = 4
     # optional = true          # no error when this transport is not installed here
 
+    [cluster]                  # issue 10: cluster metadata
+    metadata = ""              # "" = peer-to-peer; "etcd://127.0.0.1:2379[,host:port][/prefix]"
+    lease_ttl_s = 10           # a killed engine's published regions vanish after this
+
+    [[route]]                  # issue 10: route rules, matched in order (see mpcomm.routing)
+    name = "same-host"
+    same_host = true
+    transports = ["shm", "ucx", "tcp"]
+
 Unknown keys and bad values raise :class:`~mpcomm.ConfigError` naming the key
 and the file. Every integer is range-checked (:data:`RANGES`); a
 ``[plugins.<name>]`` section naming no installed transport is an error that
@@ -77,7 +86,8 @@ __all__ = ["Config", "load_config"]
 
 DAY_MS = 86_400_000
 
-DEFAULT_ORDER = ["shm", "rdma_zerocopy", "ucx", "tcp"]
+#: No plugin names in the core: an empty order means "rank by capabilities" (mpcomm.routing).
+DEFAULT_ORDER: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,12 @@ class TlsSection:
     check_hostname: bool = False
 
 
+@dataclass(frozen=True)
+class ClusterSection:  # issue 10
+    metadata: str = ""
+    lease_ttl_s: int = 10
+
+
 _SECTIONS = {
     "transport": TransportSection,
     "memory": MemorySection,
@@ -145,6 +161,7 @@ _SECTIONS = {
     "observability": ObservabilitySection,
     "limits": LimitsSection,
     "tls": TlsSection,
+    "cluster": ClusterSection,  # issue 10
 }
 
 #: Inclusive ranges of every integer key; values outside are ConfigErrors naming the key.
@@ -190,6 +207,10 @@ class Config:
     limits: LimitsSection = field(default_factory=LimitsSection)
     tls: TlsSection = field(default_factory=TlsSection)
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    #: ``[[route]]`` tables as written (shape-checked here; transport names are
+    #: checked against the installed plugins when an engine builds its RoutePolicy).
+    route: tuple[dict[str, Any], ...] = ()
     source: str = "<defaults>"
 
     @classmethod
@@ -216,9 +237,12 @@ class Config:
                     raise ConfigError(f"{source}: [plugins] must hold one table per transport")
                 kwargs["plugins"] = {k: dict(v) for k, v in value.items()}
                 continue
+            if key == "route":  # issue 10: an array of tables
+                kwargs["route"] = _route_rules(value, source)
+                continue
             section_cls = _SECTIONS.get(key)
             if section_cls is None:
-                raise ConfigError(f"{source}: unknown section [{key}] (known: {', '.join([*_SECTIONS, 'plugins'])})")
+                raise ConfigError(f"{source}: unknown section [{key}] (known: {', '.join([*_SECTIONS, 'plugins', 'route'])})")
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: [{key}] must be a table")
             kwargs[key] = _build_section(key, section_cls, value, source)
@@ -235,6 +259,9 @@ class Config:
                 for name, opts in values.items():
                     merged.setdefault(name, {}).update(opts)
                 new = replace(new, plugins=merged)
+                continue
+            if key == "route":  # issue 10: replaces the whole rule list
+                new = replace(new, route=_route_rules(values, self.source))
                 continue
             section_cls = _SECTIONS.get(key)
             if section_cls is None:
@@ -349,6 +376,15 @@ def _build_section(key: str, section_cls: type, values: dict[str, Any], source: 
             parse_endpoint(out["endpoint"])
         except ValueError as exc:
             raise ConfigError(f"{source}: transport.endpoint: {exc}") from exc
+    if key == "cluster" and "metadata" in out:  # issue 10
+        from .metadata import parse_metadata_url
+
+        try:
+            parse_metadata_url(out["metadata"])
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: cluster.{exc}") from exc
+    if key == "cluster" and out.get("lease_ttl_s", 10) < 2:
+        raise ConfigError(f"{source}: cluster.lease_ttl_s must be at least 2, not {out['lease_ttl_s']}")
     return section_cls(**out)
 
 
@@ -398,6 +434,14 @@ def _check_option(where: str, key: str, value: Any, rng: Any) -> None:
                 ("us", DAY_MS * 1000) if key.endswith("_us") else ("s", DAY_MS // 1000))
             if not 0 <= value <= top:
                 raise ConfigError(f"{where} must be between 0 and {top} ({unit}; one day), not {value}")
+
+
+def _route_rules(value: Any, source: str) -> tuple[dict[str, Any], ...]:
+    """Shape-check ``[[route]]`` (issue 10); names are checked against plugins later."""
+    from .routing import parse_rules
+
+    parse_rules(value, None, source=source)
+    return tuple(dict(r) for r in value)
 
 
 def load_config(config: Config | str | os.PathLike[str] | dict[str, Any] | None) -> Config:

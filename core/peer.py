@@ -9,6 +9,8 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .topology import Topology
+
 __all__ = ["PeerInfo", "host_identity", "parse_endpoint", "format_endpoint", "same_host"]
 
 
@@ -126,6 +128,9 @@ class PeerInfo:
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
     protocol: int = 1
     authenticated: bool = field(default=False, compare=False, repr=False)
+    #: The peer's hardware (issue 10); validated and size-bounded on receipt,
+    #: None for peers that do not send it.
+    topology: Topology | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -172,4 +177,6 @@ class PeerInfo:
             host=dict(host),
             transports={str(k): dict(v) for k, v in transports.items()},
             protocol=protocol,
+            # TopologyError is a ValueError: the handshake turns it into a ProtocolError.
+            topology=Topology.from_dict(d["topology"]) if d.get("topology") is not None else None,
         )

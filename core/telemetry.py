@@ -310,6 +310,9 @@ class Telemetry:
                     "mpcomm.peer": peer,
                     "mpcomm.peer.node_id": op.remote.node_id,
                     "mpcomm.region": op.remote.name,
+                    # issue 10: the route policy's choice and the rule that made it
+                    "mpcomm.route.transports": ",".join(getattr(op.transfer, "route", ()) or ()),
+                    "mpcomm.route.rule": getattr(op.transfer, "route_rule", None) or "",
                 })
             op._span = span  # type: ignore[attr-defined]
         if self.metrics:

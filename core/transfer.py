@@ -120,7 +120,8 @@ class Transfer(Future):  # type: ignore[type-arg]
     Attributes:
         status: a :class:`TransferStatus`.
         transport: name of the transport that carried it (None until posted).
-        route_rule: the routing rule that chose the transport (None until posted).
+        route: the ordered transports the route policy chose (empty until posted).
+        route_rule: the routing rule that chose them (None until posted).
         bytes_moved: bytes in the destination once COMPLETED.
         submitted_at, finished_at: ``time.monotonic()`` stamps.
     """
@@ -130,6 +131,9 @@ class Transfer(Future):  # type: ignore[type-arg]
         self._request = request
         self.status = PENDING
         self.transport: str | None = None
+        #: The ordered transport list the route policy chose, and the name of the
+        #: rule that chose it ("default", "hint" or a [[route]] name).
+        self.route: tuple[str, ...] = ()
         self.route_rule: str | None = None
         self.bytes_moved = 0
         self.submitted_at = time.monotonic()
@@ -183,22 +187,25 @@ class Transfer(Future):  # type: ignore[type-arg]
         self._sync()
         return super().cancelled()
 
-    def _await_outcome(self, timeout: float | None) -> None:
+    def _await_outcome(self, timeout: float | None) -> float | None:
+        """Wait for the report (not for the completion thread); returns what is left of ``timeout``."""
         if self._settled or self._outcome is not None:
             self._sync()
-            return
+            return 0
         got = self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0))
         if got:
             self._wake.release()  # pass it on to the next waiter
             self._sync()
+            return 0
+        # No report in time. A handle no engine owns (or one settled another
+        # way, e.g. cancel()) may still be resolved through the Future itself.
+        return 0 if self._dispatch is not None else timeout
 
     def result(self, timeout: float | None = None) -> Any:
-        self._await_outcome(timeout)
-        return super().result(0 if self._settled else timeout)
+        return super().result(self._await_outcome(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._await_outcome(timeout)
-        return super().exception(0 if self._settled else timeout)
+        return super().exception(self._await_outcome(timeout))
 
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:  # type: ignore[override]
         """Run ``fn(transfer)`` once done: on the engine's completion thread, or
@@ -279,6 +286,10 @@ class Transfer(Future):  # type: ignore[type-arg]
             if self._settled:
                 return False
             self._settled = True
+        self._apply()
+        return True
+
+    def _apply(self) -> None:
         error, nbytes = self._outcome  # type: ignore[misc]
         self.finished_at = time.monotonic()
         if isinstance(error, CancelledError):
@@ -292,7 +303,6 @@ class Transfer(Future):  # type: ignore[type-arg]
         else:
             self.status = TransferStatus.TIMED_OUT if isinstance(error, TimeoutError) else TransferStatus.FAILED
             Future.set_exception(self, error)
-        return True
 
     def _run_callbacks(self) -> None:
         while True:
@@ -306,6 +316,17 @@ class Transfer(Future):  # type: ignore[type-arg]
 
     def _finish_inline(self) -> None:
         """Settle on the posting thread; callbacks (only the engine's own can exist yet) run here."""
+        if not self._callbacks:
+            # Nobody else holds the handle yet: settle and close the callback
+            # list in one step (the common path of a request finished in write()).
+            with self._lock:
+                if self._callbacks or self._settled:
+                    pass
+                else:
+                    self._settled = True
+                    self._cbs_ran = True
+                    self._apply()
+                    return
         self._settle()
         self._run_callbacks()
 

@@ -103,6 +103,10 @@ class Availability:
         return cls(False, reason)
 
 
+#: Bandwidth classes a transport may declare, slowest first (route policy, issue 10).
+BANDWIDTH_CLASSES = ("low", "medium", "high", "memory")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a transport can do; shown by ``mpcomm plugins`` and used for routing.
@@ -118,8 +122,11 @@ class Capabilities:
             target's CPU checks every access; ``"fence"``: initiators are told
             and acknowledge before unregister returns; ``"key"``: the target
             destroys the memory key).
-        bandwidth_class: rough expected bandwidth rank (0 = slowest); the
-            default route order prefers higher classes, never plugin names.
+        bandwidth_class: one of :data:`BANDWIDTH_CLASSES`; ranks transports in
+            the default route when no ``[[route]]`` rule matches: ``"memory"``
+            for memory-to-memory copies on one host, ``"high"`` for RDMA-class
+            NICs, ``"medium"`` for transports that pick the best fabric at run
+            time, ``"low"`` (the default) for kernel sockets. Never plugin names.
     """
 
     memory_kinds: frozenset[str] = frozenset({"host"})
@@ -130,7 +137,7 @@ class Capabilities:
     inflight_cancel: bool = False
     modes: frozenset[str] = frozenset({"zero-copy"})
     revocation: str = "target-check"
-    bandwidth_class: int = 0
+    bandwidth_class: str = "low"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -301,18 +308,41 @@ class Operation:
         """Every byte landed (the transport's word). Later reports are ignored."""
         self._finish(None, self.length if nbytes is None else nbytes)
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, *, confirmed: bool = True) -> None:
         """The request failed and no more of its bytes can land.
 
         If an abort was requested, its reason (timeout, cancel, close) is
         reported instead of the incidental error the abort caused.
+
+        ``confirmed=False``: the transport gave up on the request and will not
+        touch the local buffer any more, but could not make sure the target
+        stopped (bytes may still land there). The caller then sees
+        ``TransferTimeout(confirmed=False)`` (or a TransferError saying so).
         """
-        abort = self.abort_exc
-        if abort is not None:
-            if isinstance(abort, MpcommError) and exc is not abort and abort.__cause__ is None:
-                abort.__cause__ = exc
-            exc = abort
-        self._finish(exc, 0)
+        self._finish(_final_error(self.abort_exc, exc, confirmed), 0)
+
+
+def _final_error(abort: BaseException | None, exc: BaseException, confirmed: bool) -> BaseException:
+    """What the caller sees: the abort's reason (timeout, cancel, close) over the incidental error."""
+    if abort is not None:
+        if isinstance(abort, MpcommError) and exc is not abort and abort.__cause__ is None:
+            abort.__cause__ = exc
+        exc = abort
+    if confirmed:
+        return exc
+    if isinstance(exc, TransferTimeout):
+        out = TransferTimeout(f"{exc}; the transport could not confirm that the target stopped, so bytes may "
+                              "still land in the destination range", region=exc.region, peer=exc.peer)
+    else:
+        from .errors import TransferError
+
+        what = "cancelled" if type(exc).__name__ == "CancelledError" else str(exc)
+        out = TransferError(f"{what}; the transport could not confirm that the target stopped, so bytes may "
+                            "still land in the destination range",
+                            region=getattr(exc, "region", None), peer=getattr(exc, "peer", None))
+    out.confirmed = False  # type: ignore[attr-defined]
+    out.__cause__ = exc
+    return out
 
 
 def _int64(values: Any, count: int | None, what: str) -> array:  # type: ignore[type-arg]
@@ -451,18 +481,14 @@ class OperationGroup:
         """These indices (default: every one still pending) landed in full."""
         self._report(indices, DONE, None)
 
-    def fail(self, exc: BaseException, indices: Iterable[int] | None = None) -> None:
+    def fail(self, exc: BaseException, indices: Iterable[int] | None = None, *, confirmed: bool = True) -> None:
         """These indices (default: every one still pending) failed; none of their bytes can land any more.
 
         An abort's reason (timeout, cancel, close) is reported instead of the
-        incidental error the abort caused.
+        incidental error the abort caused. ``confirmed=False`` as for
+        :meth:`Operation.fail`.
         """
-        abort = self.abort_exc
-        if abort is not None:
-            if isinstance(abort, MpcommError) and exc is not abort and abort.__cause__ is None:
-                abort.__cause__ = exc
-            exc = abort
-        self._report(indices, FAILED, exc)
+        self._report(indices, FAILED, _final_error(self.abort_exc, exc, confirmed))
 
     def member(self, i: int) -> Operation:
         """Request ``i`` as a lone :class:`Operation` that reports back to this group."""

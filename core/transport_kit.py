@@ -12,8 +12,6 @@ use these; a third-party transport may too (``from mpcomm.transport_kit import .
   descriptors (``EMFILE``/``ENFILE``: bounded exponential back-off, never a
   busy loop, never death) and enforces connection limits, in total and per
   peer host, before a connection costs a thread.
-* :func:`unconfirmed` -- the honest abort outcome when the target did not
-  confirm that it stopped.
 * :class:`FenceTimer` -- one thread that runs "the target did not confirm in
   time" actions for every aborted request of a transport (no thread per abort).
 * :func:`send_nowait`, :func:`sendmsg_by`, :func:`recv_into_by` -- socket calls
@@ -32,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import PeerConnectionError, TransferError, TransferTimeout
+from .errors import PeerConnectionError, TransferTimeout
 
 __all__ = [
     "AcceptLoop",
@@ -43,7 +41,6 @@ __all__ = [
     "send_nowait",
     "sendmsg_by",
     "stripes",
-    "unconfirmed",
 ]
 
 log = logging.getLogger("mpcomm.transport_kit")
@@ -66,8 +63,8 @@ class Pieces:
     Each piece calls :meth:`done` exactly once (from any thread). The last call
     reports the operation: ``op.complete()`` if no piece failed, otherwise
     ``op.fail()`` with the first error (``op.fail`` substitutes the abort reason
-    when the engine aborted the request). If any piece was aborted without the
-    target confirming that it stopped, the outcome is :func:`unconfirmed`.
+    when the engine aborted the request). If any piece ended without the target
+    confirming that it stopped, the failure is reported ``confirmed=False``.
     """
 
     __slots__ = ("op", "_left", "_error", "_unconfirmed", "_lock")
@@ -96,39 +93,13 @@ class Pieces:
                 error, unconf = self._error, self._unconfirmed
         if error is None:
             self.op.complete(None)
-        elif unconf:
-            self.op.fail(unconfirmed(self.op, error))
         else:
-            self.op.fail(error)
+            self.op.fail(error, confirmed=not unconf)
         return True
 
     @property
     def failed(self) -> bool:
         return self._error is not None
-
-
-def unconfirmed(op: Any, cause: BaseException | None = None) -> BaseException:
-    """The outcome of ``op`` when the target did not confirm that it stopped.
-
-    With an abort reason: a timeout keeps its type with ``confirmed = False``;
-    any other abort (cancel, peer lost) becomes a TransferError that says bytes
-    may still land. Without one (the connection was cut under a request):
-    a TransferError saying the same, with ``cause`` as its cause.
-    """
-    exc = op.abort_exc
-    if isinstance(exc, TransferTimeout):
-        exc.confirmed = False
-        return exc
-    what = f"aborted ({type(exc).__name__})" if exc is not None else f"cut off ({cause})"
-    err = TransferError(
-        f"{op.kind} to {op.remote.address} was {what} but the target did not confirm "
-        "that it stopped; part of the range may still be written if it resumes",
-        peer=op.remote.address, region=op.remote.name,
-    )
-    err.__cause__ = cause or exc
-    if exc is not None:
-        op.abort_exc = err
-    return err
 
 
 class FenceTimer:

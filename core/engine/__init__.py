@@ -47,12 +47,18 @@ from ..errors import (
     PeerConnectionError,
     RegionError,
     TransportUnavailable,
+    UnknownRegionError,
 )
+from ..health import HealthTracker
 from ..memory import Region, allocate_host, as_byte_view
+from ..metadata import MetadataStore, NodeRecord, PeerToPeerMetadata, RegionRecord, open_metadata
 from ..peer import PeerInfo, format_endpoint, host_identity, is_wildcard, parse_endpoint
 from ..registry import PluginSet, load_plugins
 from ..remote import RemoteRegion
+from ..routing import RoutePolicy
 from ..telemetry import Telemetry
+from ..topology import discover as discover_topology
+from ..topology import numa_node_of
 from ..transfer import Batch, Request, Transfer
 from ..transport import Availability, Transport, TransportContext
 from .completions import CompletionQueue, CompletionThread
@@ -60,9 +66,9 @@ from .deadlines import DeadlineTimer
 from .notify import MAX_NOTIFY, Notification, Notifications
 from .peers import PeerTable
 from .regions import RegionTable, release_view
-from .requests import Pipeline
+from .requests import Pipeline, PreparedBatch
 
-__all__ = ["CompletionQueue", "Engine", "MAX_NOTIFY", "Notification", "TransportStatus"]
+__all__ = ["CompletionQueue", "Engine", "MAX_NOTIFY", "Notification", "PreparedBatch", "TransportStatus"]
 
 log = logging.getLogger("mpcomm.engine")
 
@@ -88,6 +94,12 @@ class Engine:
     the configured order. Use it as a context manager or call :meth:`close`.
     Every method may be called from any thread.
 
+    Transports are chosen per request by the route policy (``[[route]]`` rules
+    in the config, else an order derived from the transports' capabilities);
+    a request that fails with a retryable error is retried on the next
+    transport of its route within its deadline, and paths that keep failing
+    cool down (see :mod:`mpcomm.health`).
+
     Args:
         config: a :class:`Config`, a TOML path, a dict, or None.
         endpoint: overrides ``transport.endpoint``.
@@ -97,6 +109,8 @@ class Engine:
         plugins: extra plugin objects (modules with hookimpls) to load.
         autoload: load entry-point plugins (default: unless
             ``MPCOMM_DISABLE_PLUGIN_AUTOLOAD`` is set).
+        metadata: overrides ``cluster.metadata``: ``"etcd://host:2379"`` or a
+            :class:`~mpcomm.metadata.MetadataStore`; default peer-to-peer.
     """
 
     def __init__(
@@ -108,6 +122,7 @@ class Engine:
         secret: str | None = None,
         plugins: Iterable[Any] = (),
         autoload: bool | None = None,
+        metadata: str | MetadataStore | None = None,
     ) -> None:
         cfg = load_config(config)
         overrides: dict[str, Any] = {}
@@ -124,6 +139,11 @@ class Engine:
         self.node_id = uuid.uuid4().hex[:16]
         self.epoch = secrets.token_hex(8)
         self.host = host_identity()
+        #: This node's hardware, sent to peers in the handshake.
+        self.topology = discover_topology()
+        #: Per-path cool-down and per-peer quarantine; ``.metrics`` counts retries and failovers.
+        self.health = HealthTracker()
+        self._metadata: MetadataStore = PeerToPeerMetadata()
         self._closed = False
         self._transports: dict[str, Transport] = {}
         self._unavailable: dict[str, str] = {}
@@ -161,6 +181,14 @@ class Engine:
         )
         try:
             self._start_transports()
+            installed = {n: e.cls.capabilities for n, e in self.plugin_set.transports.items()}
+            self.route_policy = RoutePolicy.for_config(cfg, installed, self._transports,
+                                                       exact_order=self._exact_order)
+            self._metadata = open_metadata(metadata if metadata is not None else cfg.cluster.metadata,
+                                           ttl=cfg.cluster.lease_ttl_s)
+            self._metadata.start(NodeRecord(node_id=self.node_id, address=self.address, epoch=self.epoch,
+                                            hostname=str(self.host.get("hostname", "")),
+                                            transports=tuple(self._transports), published_at=time.time()))
         except BaseException:
             self.close()
             raise
@@ -180,6 +208,7 @@ class Engine:
             address=self.address,
             host=self.host,
             transports={name: t._mpcomm_info for name, t in self._transports.items()},  # type: ignore[attr-defined]
+            topology=self.topology,
         )
 
     def __repr__(self) -> str:
@@ -200,10 +229,7 @@ class Engine:
         if t.name != "auto":
             return [t.name]
         order = list(t.order)
-        rest = [n for n in self.plugin_set.transports if n not in order]
-        # Transports the config does not name come after, best bandwidth class first.
-        rest.sort(key=lambda n: (-self.plugin_set.transports[n].cls.capabilities.bandwidth_class, n))
-        return order + rest
+        return order + sorted(n for n in self.plugin_set.transports if n not in order)
 
     def _start_transports(self) -> None:
         t = self.config.transport
@@ -330,7 +356,20 @@ class Engine:
                 RegionTable.unregister_from(region, self._transports)
                 raise
         self.telemetry.on_register(1)
+        self._metadata.publish_region(self._region_record(region))
         return region
+
+    def _region_record(self, region: Region) -> RegionRecord:
+        # No token, id or base address: finding a region must not grant access to it.
+        node = numa_node_of(region.address) if region.kind == "host" else None
+        return RegionRecord(name=region.name, node_id=self.node_id, address=self.address, epoch=self.epoch,
+                            size=region.size, access=region.access, kind=region.kind, published_at=time.time(),
+                            numa_node=-1 if node is None else node)
+
+    @property
+    def metadata(self) -> MetadataStore:
+        """Where this engine publishes its regions (peer-to-peer unless configured)."""
+        return self._metadata
 
     def unregister(self, region: Region, timeout: float | None = None) -> None:
         """Unregister ``region``; refused (RegionBusyError) while a transfer holds it.
@@ -345,9 +384,16 @@ class Engine:
         region.close(timeout)
         if not self._regions.remove(region):
             return
-        RegionTable.unregister_from(region, self._transports)
-        release_view(region)
+        self._metadata.unpublish_region(region.name)
+        failed = RegionTable.unregister_from(region, self._transports)
         self.telemetry.on_register(-1)
+        if failed:
+            # A transport could not confirm that peers lost access: keep the
+            # buffer referenced (it is not handed back) and say so.
+            raise RegionError(f"region {region.name!r} is unregistered, but revocation was not confirmed "
+                              f"({'; '.join(failed)}); peers may still reach the memory, so the buffer stays "
+                              "referenced until the engine closes", region=region.name)
+        release_view(region)
 
     def regions(self) -> list[Region]:
         """The regions registered here."""
@@ -391,14 +437,19 @@ class Engine:
             except Exception:  # noqa: BLE001
                 log.exception("transport %s failed to forget %s", t.name, link.address)
 
-    def open(self, address: str, name: str, timeout: float | None = None) -> RemoteRegion:
+    def open(self, address: str, name: str | None = None, timeout: float | None = None) -> RemoteRegion:
         """Look up the region ``name`` on the peer at ``address`` (through the peer itself).
 
-        Blocks up to ``timeout`` (default ``runtime.request_timeout_ms``) for the
-        connection, the handshake and the look-up together.
+        ``open(name)`` finds the owner in the cluster metadata
+        (``cluster.metadata``) and then asks the owner, through its handshake,
+        exactly as ``open(owner_address, name)`` does. Blocks up to ``timeout``
+        (default ``runtime.request_timeout_ms``) for the connection, the
+        handshake and the look-up together.
         """
         timeout = self.config.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        if name is None:
+            name, address = address, self._find_owner(address)
         link = self._peer(address, timeout)
         reply = link.request({"t": "lookup", "name": name}, max(deadline - time.monotonic(), 0.001))
         region = reply.get("region")
@@ -407,6 +458,21 @@ class Engine:
         desc = dict(region)
         desc["address"] = address
         return RemoteRegion.from_dict(desc)
+
+    def _find_owner(self, name: str) -> str:
+        """The owner's address of region ``name`` from the cluster metadata."""
+        if isinstance(self._metadata, PeerToPeerMetadata):
+            raise UnknownRegionError(
+                f"open({name!r}) without an address needs cluster metadata (cluster.metadata = \"etcd://...\"); "
+                "with peer-to-peer look-up give the owner's address: open(address, name)", region=name)
+        records = self._metadata.lookup(name)
+        if not records:
+            raise UnknownRegionError(f"no region named {name!r} is published in {self._metadata.url}", region=name)
+        owners = sorted({r.address for r in records})
+        if len(owners) > 1:
+            raise UnknownRegionError(f"region name {name!r} is published by {len(owners)} nodes "
+                                     f"({', '.join(owners)}); open it with the owner's address", region=name)
+        return owners[0]
 
     def _transport_request(self, peer: PeerInfo, transport: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         link = self._peer(peer.address, timeout)
@@ -542,6 +608,52 @@ class Engine:
         """
         return self._pipeline.submit(requests, timeout, completion_queue, post)
 
+    def prepare(self, requests: Sequence[Request], timeout: float | None = None) -> PreparedBatch:
+        """Check and group ``requests`` once; ``prepared.post()`` then posts them again and again.
+
+        For loops that move the same pieces repeatedly (KV-cache pages, weight
+        shards): each posting skips the per-request checks and grouping. The
+        requests must be between registered Regions, without ``notify``.
+        """
+        return self._pipeline.prepare(requests, timeout)
+
+    def prepare_many(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any,
+                     remote_offsets: Any, lengths: Any, *, timeout: float | None = None) -> PreparedBatch:
+        """:meth:`prepare` for one vectorised group given as arrays (see :meth:`write_many`)."""
+        return self._pipeline.prepare_many(kind, local, remote, local_offsets, remote_offsets, lengths, timeout)
+
+    # -- one buffer, many peers -------------------------------------------------------------
+
+    @staticmethod
+    def _targets(targets: Sequence[RemoteRegion | tuple[RemoteRegion, int]]) -> list[tuple[RemoteRegion, int]]:
+        out = [(t, 0) if isinstance(t, RemoteRegion) else (t[0], int(t[1])) for t in targets]
+        if not out:
+            raise MpcommError("at least one target region is needed")
+        return out
+
+    def scatter(self, src: Any, targets: Sequence[RemoteRegion | tuple[RemoteRegion, int]], chunk: int, *,
+                local_offset: int = 0, timeout: float | None = None) -> Batch:
+        """Chunk ``i`` of ``src`` (from ``local_offset``) to ``targets[i]`` (a region, or ``(region, offset)``).
+
+        One :class:`Batch` over every peer; each peer's part is vectorised.
+        """
+        reqs = [Request("write", src, r, off, chunk, local_offset + i * chunk)
+                for i, (r, off) in enumerate(self._targets(targets))]
+        return self.submit(reqs, timeout=timeout)
+
+    def gather(self, dst: Any, sources: Sequence[RemoteRegion | tuple[RemoteRegion, int]], chunk: int, *,
+               local_offset: int = 0, timeout: float | None = None) -> Batch:
+        """``chunk`` bytes from each source into consecutive chunks of ``dst``; one Batch."""
+        reqs = [Request("read", dst, r, off, chunk, local_offset + i * chunk)
+                for i, (r, off) in enumerate(self._targets(sources))]
+        return self.submit(reqs, timeout=timeout)
+
+    def broadcast(self, src: Any, targets: Sequence[RemoteRegion | tuple[RemoteRegion, int]],
+                  length: int | None = None, *, local_offset: int = 0, timeout: float | None = None) -> Batch:
+        """The same ``length`` bytes of ``src`` (default: the rest from ``local_offset``) to every target."""
+        reqs = [Request("write", src, r, off, length, local_offset) for r, off in self._targets(targets)]
+        return self.submit(reqs, timeout=timeout)
+
     def post(self, batch: Batch) -> Batch:
         """Post a ``submit(..., post=False)`` batch (the parts not cancelled meanwhile)."""
         return self._pipeline.post_staged(batch)
@@ -557,6 +669,7 @@ class Engine:
             "queue_depth": self._pipeline.slots.capacity,
             "notifications_queued": len(self._notifications),
             "peers": len(self._peers.links()),
+            "health": self.health.metrics.snapshot(),
         }
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -584,6 +697,10 @@ class Engine:
         pipeline = getattr(self, "_pipeline", None)
         if pipeline is not None:
             pipeline.close(timeout)
+        try:
+            self._metadata.close()  # withdraw what this node published
+        except Exception:  # noqa: BLE001
+            log.exception("metadata close failed")
         server = getattr(self, "_server", None)
         if server is not None:
             server.close()
@@ -607,8 +724,8 @@ class Engine:
         for region in self._regions.all():
             try:
                 self.unregister(region, timeout=0.0)
-            except MpcommError:
-                pass
+            except MpcommError as exc:
+                log.warning("closing: %s", exc)
 
 
 def _default_advertise(bind_host: str) -> str:

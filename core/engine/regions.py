@@ -119,14 +119,18 @@ class RegionTable:
         self.register_with(region, {transport.name: transport})
 
     @staticmethod
-    def unregister_from(region: Region, transports: dict[str, Any]) -> None:
+    def unregister_from(region: Region, transports: dict[str, Any]) -> list[str]:
+        """Revoke ``region`` on every transport; returns ``"name: error"`` for those that could not confirm."""
+        failed = []
         for name, t in transports.items():
             if name in region.transport_info:
                 try:
                     t.unregister(region)
-                except Exception:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - every transport gets its turn
                     log.exception("transport %s failed to unregister %s", name, region.name)
+                    failed.append(f"{name}: {exc}")
         region.transport_info.clear()
+        return failed
 
 
 def release_view(region: Region) -> None:

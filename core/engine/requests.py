@@ -50,10 +50,13 @@ from ..errors import (
     TransferTimeout,
     TransportUnavailable,
 )
+from ..health import is_retryable
 from ..memory import Region, as_byte_view
+from ..peer import same_host
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _resolve_members
-from ..transport import Operation, OperationGroup, Transport, TransportBusy, timeout_error
+from ..routing import RouteQuery
+from ..transport import FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, _int64, timeout_error
 from .notify import MAX_NOTIFY
 from .regions import release_view
 
@@ -130,7 +133,7 @@ class Pipeline:
         self._lazy = cfg.memory.registration == "lazy"
         self._inflight: set[Any] = set()
         self._inflight_lock = threading.Lock()
-        self._routes: dict[tuple[Any, ...], Transport] = {}
+        self._routes: dict[tuple[Any, ...], tuple[tuple[Transport, ...], str, tuple[str, ...]]] = {}
         self._backlog: dict[str, deque[Any]] = {}
         self._backlog_lock = threading.Lock()
         self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
@@ -218,6 +221,8 @@ class Pipeline:
         op._posting = False
         op._batch = None
         op._dl = None
+        op._tracked = False
+        op._released = False
         return op
 
     # -- public entry points -----------------------------------------------------------
@@ -265,67 +270,134 @@ class Pipeline:
             self._stage(group)
         return batch
 
-    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool) -> Batch:
-        """Group the requests (same kind, local buffer, remote region and timeout) into vectorised parts."""
-        if self.e._closed:
-            raise EngineClosedError("the engine is closed")
-        dispatch = self._dispatch_for(cq)
-        parts: list[tuple[int, Any]] = []
+    def _plan(self, requests: Sequence[Request], timeout: float | None) -> _Plan:
+        """Check and group requests (same kind, local buffer, remote descriptor and timeout).
+
+        Every request is checked before anything is held: access once per group,
+        bounds vectorised per group.
+        """
+        plan = _Plan(requests)
         groups: dict[tuple[Any, ...], tuple[list[int], list[int], list[int], list[int]]] = {}
-        locals_: dict[int, tuple[Region, bool]] = {}
+        locals_ = plan.locals
+        # Consecutive requests usually share local buffer and group: remember the last ones.
+        last_obj: Any = _NONE
+        last_key: Any = _NONE
+        local: Region = None  # type: ignore[assignment]
+        g: Any = None
         for i, req in enumerate(requests):
-            if not isinstance(req, Request):
+            if type(req) is not Request and not isinstance(req, Request):
                 raise MpcommError(f"submit() takes Request objects, not {type(req).__name__} (index {i})")
-            got = locals_.get(id(req.local))
-            if got is None:
-                got = locals_[id(req.local)] = self._local(req.local, f"ephemeral-{i}")
-            local = got[0]
-            self._check_access(req.op, local, req.remote, req)
-            length = self._check_bounds(local, req.remote, req.local_offset, req.remote_offset, req.length, req)
+            obj = req.local
+            if obj is not last_obj:
+                got = locals_.get(id(obj))
+                if got is None:
+                    got = locals_[id(obj)] = self._local(obj, f"ephemeral-{i}")
+                local, last_obj = got[0], obj
+            length = req.length
+            if length is None:
+                length = local.size - req.local_offset
             if req.notify is not None:
+                self._check_access(req.op, local, req.remote, req)
+                length = self._check_bounds(local, req.remote, req.local_offset, req.remote_offset, length, req)
                 if len(req.notify) > MAX_NOTIFY:
                     raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
-                parts.append((i, ("single", req, local, length)))
+                plan.singles.append((i, req, local, length,
+                                     self._timeout(req.timeout if req.timeout is not None else timeout),
+                                     locals_[id(obj)][1]))
+                last_key = _NONE
                 continue
-            r = req.remote
-            key = (req.op, id(local), r.address, r.region_id, r.epoch, req.timeout)
-            g = groups.get(key)
-            if g is None:
-                g = groups[key] = ([], [], [], [])
+            key = (req.op, id(local), id(req.remote), req.timeout)
+            if key != last_key:
+                g = groups.get(key)
+                if g is None:
+                    # Access is checked once per group, bounds vectorised per group below.
+                    self._check_access(req.op, local, req.remote, req)
+                    g = groups[key] = ([], [], [], [])
+                last_key = key
             g[0].append(i)
             g[1].append(req.local_offset)
             g[2].append(req.remote_offset)
             g[3].append(length)
-        batch = Batch(len(requests), _dispatch=dispatch)
-        batch._requests = requests
+        for key, (idx, lo, ro, ln) in groups.items():
+            req = requests[idx[0]]
+            local, ephemeral = locals_[id(req.local)]
+            t = self._timeout(req.timeout if req.timeout is not None else timeout)
+            # A group covers consecutive indices only; runs keep the index mapping exact.
+            for s0, s1 in _runs(idx):
+                spec = _GroupSpec(key[0], local, req.remote, _int64(lo[s0:s1], None, "local_offsets"),
+                                  _int64(ro[s0:s1], None, "remote_offsets"), _int64(ln[s0:s1], None, "lengths"),
+                                  t, ephemeral, idx[s0])
+                self._check_spec(spec, idx[s0:s1], requests)
+                plan.groups.append(spec)
+        return plan
+
+    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool) -> Batch:
+        """Group the requests into vectorised parts and post (or stage) them."""
+        if self.e._closed:
+            raise EngineClosedError("the engine is closed")
+        return self._start_plan(self._plan(requests, timeout), cq, post)
+
+    def prepare(self, requests: Sequence[Request], timeout: float | None) -> PreparedBatch:
+        if self.e._closed:
+            raise EngineClosedError("the engine is closed")
+        plan = self._plan(requests, timeout)
+        if plan.singles or any(g.ephemeral for g in plan.groups):
+            raise MpcommError("prepare() takes requests between registered Regions without notify; "
+                              "register the buffers first (or use submit())")
+        return PreparedBatch(self, plan)
+
+    def prepare_many(self, kind: str, local: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+                     lengths: Any, timeout: float | None) -> PreparedBatch:
+        if self.e._closed:
+            raise EngineClosedError("the engine is closed")
+        if not isinstance(local, Region):
+            raise MpcommError("prepare_many() needs a registered Region as the local buffer")
+        region, _ = self._local(local, "")
+        self._check_access(kind, region, remote)
+        spec = _GroupSpec(kind, region, remote, _int64(local_offsets, None, "local_offsets"), None, None,
+                          self._timeout(timeout), False, 0)
+        spec.lengths = _int64(lengths, None, "lengths")
+        spec.remote_offsets = _int64(remote_offsets, len(spec.lengths), "remote_offsets")
+        if len(spec.local_offsets) != len(spec.lengths):
+            raise MpcommError(f"local_offsets has {len(spec.local_offsets)} entries, expected {len(spec.lengths)}")
+        self._check_spec(spec)
+        plan = _Plan(None)
+        plan.groups.append(spec)
+        plan.count = len(spec.lengths)
+        return PreparedBatch(self, plan)
+
+    def _check_spec(self, spec: _GroupSpec, index: list[int] | None = None,
+                    requests: Sequence[Request] | None = None) -> None:
+        g = OperationGroup(spec.kind, spec.local, spec.remote, spec.local_offsets, spec.remote_offsets,
+                           spec.lengths, 0.0, 0.0)
+        self._check_group(g, index, requests)
+
+    def _start_plan(self, plan: _Plan, cq: Any, post: bool) -> Batch:
+        batch = Batch(plan.count, _dispatch=self._dispatch_for(cq))
+        batch._requests = plan.requests
         batch._posting = False
         batch._staged = not post
         units: list[Any] = []
         now = time.monotonic()
         wall = time.time()
-        for key, (idx, lo, ro, ln) in groups.items():
-            req = requests[idx[0]]
-            local, ephemeral = locals_[id(req.local)]
-            t = self._timeout(req.timeout if req.timeout is not None else timeout)
-            # A group covers consecutive indices only when they were; keep the
-            # mapping exact by splitting runs.
-            for start, stop in _runs(idx):
-                s0, s1 = start, stop
-                base = idx[s0]
-                g = OperationGroup(key[0], local, req.remote, lo[s0:s1], ro[s0:s1], ln[s0:s1], now + t, wall + t,
-                                   sink=self._group_reported)
-                self._adopt(g, batch, base, ephemeral)
-                units.append(g)
-        for i, (kind_, req, local, length) in ((i, p) for i, p in parts):
-            ephemeral = locals_[id(req.local)][1]
-            op = self._op(req.op, local, req.local_offset, req.remote, req.remote_offset, length,
-                          self._timeout(req.timeout if req.timeout is not None else timeout), dispatch, req)
+        for spec in plan.groups:
+            local = spec.local
+            if local.closed:
+                raise RegionClosedError(f"region {local.name!r} is unregistered", region=local.name)
+            g = OperationGroup(spec.kind, local, spec.remote, spec.local_offsets, spec.remote_offsets,
+                               spec.lengths, now + spec.timeout, wall + spec.timeout, sink=self._group_reported)
+            self._adopt(g, batch, spec.start, spec.ephemeral)
+            units.append(g)
+        dispatch = batch._dispatch
+        for i, req, local, length, t, ephemeral in plan.singles:
+            op = self._op(req.op, local, req.local_offset, req.remote, req.remote_offset, length, t, dispatch, req)
             op._notify = req.notify
             op._ephemeral = ephemeral
             op._batch = batch
             batch._parts.append((i, op))
             units.append(op)
-        batch._parts.sort(key=lambda p: p[0])
+        if plan.singles:
+            batch._parts.sort(key=lambda p: p[0])
         batch._left = len(units)
         if not units:
             batch._record(None, 0)
@@ -368,10 +440,13 @@ class Pipeline:
         group._posting = False
         group._dl = None
         group._notify = None
+        group._tracked = False
+        group._released = False
         batch._parts.append((start, group))
         batch._op = group if not batch._op else batch._op
 
-    def _check_group(self, g: OperationGroup) -> None:
+    def _check_group(self, g: OperationGroup, index: list[int] | None = None,
+                     requests: Sequence[Request] | None = None) -> None:
         n = g.count
         if n == 0:
             return
@@ -385,8 +460,10 @@ class Pipeline:
             try:
                 self._check_bounds(g.local, g.remote, lo[i], ro[i], ln[i])
             except OutOfBoundsError as exc:
-                raise OutOfBoundsError(f"request {i} of the batch: {exc}; nothing was transferred",
-                                       region=exc.region, peer=exc.peer) from None
+                k = i if index is None else index[i]
+                raise OutOfBoundsError(f"request {k} of the batch: {exc}; nothing was transferred",
+                                       region=exc.region, peer=exc.peer,
+                                       request=requests[k] if requests is not None else None) from None
 
     def _hold(self, unit: Any) -> None:
         """Lease the local region and take a queue_depth slot; raise (holding nothing) if either fails."""
@@ -411,8 +488,7 @@ class Pipeline:
 
     def _stage(self, unit: Any) -> None:
         self._arm(unit)
-        with self._inflight_lock:
-            self._inflight.add(unit)
+        self._track(unit)
 
     # -- posting -----------------------------------------------------------------------
 
@@ -436,8 +512,7 @@ class Pipeline:
         remote = unit.remote
         link = self.e._peers.ready(remote.address)
         if link is None:
-            with self._inflight_lock:
-                self._inflight.add(unit)
+            self._track(unit)
             self._arm(unit)
             try:
                 self.e._peers.when_ready(remote.address, unit.deadline,
@@ -470,7 +545,8 @@ class Pipeline:
                 raise StaleRegionError(
                     f"{remote.address} restarted since {remote.name!r} was opened; open it again",
                     region=remote.name, peer=remote.address)
-            transport = self._route(link, unit)
+            cands, rule, names = self._route(link, unit)
+            transport = self._admit(unit, cands, 0)
             if self._lazy or unit._ephemeral:
                 self.e._regions.ensure_registered(unit.local, transport)
         except BaseException as exc:  # noqa: BLE001 - the unit fails with it, nothing moved
@@ -478,19 +554,20 @@ class Pipeline:
             return
         unit.peer = link.info
         unit.transport = transport
+        unit._cands = cands
         transfer = unit.transfer
         transfer.transport = transport.name
+        transfer.route, transfer.route_rule = names, rule
         transfer.status = TransferStatus.POSTED
         if unit._batch is not None:
             unit._batch.status = TransferStatus.POSTED
         if self.e.telemetry.enabled and isinstance(unit, Operation):
             self.e.telemetry.on_post(unit, transport.name)
-        with self._inflight_lock:
-            self._inflight.add(unit)
         unit._posting = inline
         if getattr(transport, "post_may_block", False):
             # A transport written for the first contract may wait on the peer
-            # inside post(): its deadline must be able to interrupt it.
+            # inside post(): its deadline and close() must be able to interrupt it.
+            self._track(unit)
             self._arm(unit)
         try:
             if isinstance(unit, Operation):
@@ -511,7 +588,20 @@ class Pipeline:
                 transfer._finish_inline()
                 return
         if not unit.done:
+            # Tracked (for close() and peer loss) only when it outlives post():
+            # requests finished inline never touch the table or the timer.
+            self._track(unit)
             self._arm(unit)
+
+    def _track(self, unit: Any) -> None:
+        if unit._tracked:
+            return
+        with self._inflight_lock:
+            self._inflight.add(unit)
+        unit._tracked = True
+        if unit.done and unit._released:  # finished between post() and here
+            with self._inflight_lock:
+                self._inflight.discard(unit)
 
     def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
         unit._stage = FINISHED
@@ -528,32 +618,129 @@ class Pipeline:
             return
         self._finish(unit, exc, 0, failed_group=True)
 
-    def _route(self, link: PeerLink, unit: Any) -> Transport:
+    def _route(self, link: PeerLink, unit: Any) -> tuple[tuple[Transport, ...], str, tuple[str, ...]]:
+        """The transports that may carry ``unit``, in the route policy's order, and the rule's name.
+
+        Cached per peer epoch, region and memory kind (and per chosen list when
+        the rules look at sizes, so the cache stays bounded by the rules).
+        """
         remote = unit.remote
         local_kind = unit.local.kind
-        key = (remote.address, remote.epoch, remote.region_id, local_kind)
+        policy = self.e.route_policy
+        key: tuple[Any, ...] = (remote.address, remote.epoch, remote.region_id, local_kind)
+        route = None
+        if policy.size_rules:
+            route = policy.choose(self._query(link, unit))
+            key += route.transports
         cached = self._routes.get(key)
         if cached is not None:
             return cached
+        if route is None:
+            try:
+                route = policy.choose(self._query(link, unit))
+            except TransportUnavailable as exc:
+                raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: {exc}",
+                                           peer=remote.address, region=remote.name) from None
+        cands = []
         reasons = []
-        for name, t in self.e._transports.items():
-            if name not in link.info.transports:
-                reasons.append(f"{name}: peer does not run it")
-                continue
-            if name not in remote.transports:
-                reasons.append(f"{name}: region not registered with it on the peer")
-                continue
-            if local_kind not in t.capabilities.memory_kinds or remote.kind not in t.capabilities.memory_kinds:
-                reasons.append(f"{name}: no {local_kind}/{remote.kind} memory support")
+        for name in route.transports:
+            t = self.e._transports.get(name)
+            if t is None:
                 continue
             avail = t.reach(link.info)
             if not avail:
                 reasons.append(f"{name}: {avail.reason}")
                 continue
-            self._routes[key] = t
-            return t
-        raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: " + "; ".join(reasons),
-                                   peer=remote.address, region=remote.name)
+            cands.append(t)
+        if not cands:
+            raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r} "
+                                       f"(route {route.rule!r}): " + "; ".join(reasons),
+                                       peer=remote.address, region=remote.name)
+        entry = (tuple(cands), route.rule, route.transports)
+        self._routes[key] = entry
+        return entry
+
+    def _query(self, link: PeerLink, unit: Any) -> RouteQuery:
+        remote = unit.remote
+        size = unit.length if isinstance(unit, Operation) else unit.total_bytes
+        return RouteQuery(
+            same_host=same_host(self.e.host, link.info.host, need=("net_ns",)),
+            local_kind=unit.local.kind, remote_kind=remote.kind, size=size,
+            peer_transports=frozenset(n for n in remote.transports if n in link.info.transports),
+            hint=getattr(unit, "_hint", None))
+
+    def _admit(self, unit: Any, cands: tuple[Transport, ...], start: int) -> Transport:
+        """The first of ``cands[start:]`` whose path to the peer is not cooling down."""
+        health = self.e.health
+        if not health.any_failures():
+            if start < len(cands):
+                unit._attempt = start
+                return cands[start]
+        else:
+            peer = unit.remote.address
+            for i in range(start, len(cands)):
+                if health.admit(peer, cands[i].name) != "paused":
+                    unit._attempt = i
+                    return cands[i]
+        state = "quarantined" if self.e.health.quarantined(unit.remote.address) else "cooling down after failures"
+        raise PeerConnectionError(f"every path to {unit.remote.address} is {state}; try again later",
+                                  peer=unit.remote.address, region=unit.remote.name, retryable=True)
+
+    def _retry(self, unit: Any, error: BaseException) -> bool:
+        """After a failed attempt: post ``unit`` again on the next transport of its route if that may help."""
+        t = unit.transport
+        cands = getattr(unit, "_cands", ())
+        health = self.e.health
+        peer = unit.remote.address
+        if t is not None:
+            health.failure(peer, t.name, error)
+        if (t is None or unit.abort_exc is not None or not is_retryable(error) or self.e._closed
+                or unit.time_left() <= 0 or getattr(unit, "_tries", 1) >= health.policy.max_attempts):
+            return False
+        try:
+            nxt = self._admit(unit, cands, unit._attempt + 1)
+        except PeerConnectionError:
+            return False
+        unit._tries = getattr(unit, "_tries", 1) + 1
+        health.metrics.retry(peer)
+        health.metrics.failover(peer, t.name, nxt.name)
+        if self.e.telemetry.enabled and isinstance(unit, Operation):
+            self.e.telemetry.on_retry(unit, error)
+        # The whole range is moved again: a partial first attempt is rewritten.
+        if isinstance(unit, Operation):
+            with unit._lock:
+                unit._done = False
+        else:
+            with unit._lock:
+                for i in range(unit.count):
+                    if unit.status[i] == FAILED:
+                        unit.status[i] = PENDING
+                        unit.errors.pop(i, None)
+                        unit._left += 1
+        unit.state = None
+        unit.transport = nxt
+        unit.transfer.transport = nxt.name
+        try:
+            self.e._executor.submit(self._repost, unit, nxt)
+        except RuntimeError:
+            return False
+        return True
+
+    def _repost(self, unit: Any, t: Transport) -> None:
+        try:
+            if self._lazy or unit._ephemeral:
+                self.e._regions.ensure_registered(unit.local, t)
+            if isinstance(unit, Operation):
+                t.post(unit)
+            else:
+                t.post_many(unit)
+        except TransportBusy:
+            self._to_backlog(t, unit)
+        except MpcommError as exc:
+            unit.fail(exc)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("transport %s failed to post", t.name)
+            unit.fail(MpcommError(f"transport {t.name} failed: {exc}"))
 
     def forget_routes(self, address: str) -> None:
         for key in [k for k in list(self._routes) if k[0] == address]:
@@ -635,6 +822,10 @@ class Pipeline:
 
     def _reported(self, op: Operation, error: BaseException | None, nbytes: int) -> None:
         """An Operation's sink: the transport's word that it ended."""
+        if error is not None and self._retry(op, error):
+            return
+        if error is None:
+            self._succeeded(op)
         if error is None and op._notify is not None:
             try:
                 self.e._executor.submit(self._notify_then_finish, op, nbytes)
@@ -652,15 +843,27 @@ class Pipeline:
         self._finish(op, error, nbytes)
 
     def _group_reported(self, group: OperationGroup) -> None:
+        if group.errors:
+            first = group.errors[min(group.errors)]
+            if self._retry(group, first):
+                return
+        else:
+            self._succeeded(group)
         self._finish(group, None, 0)
+
+    def _succeeded(self, unit: Any) -> None:
+        health = self.e.health
+        if health.any_failures() and unit.transport is not None:
+            health.success(unit.remote.address, unit.transport.name)
 
     def _release(self, unit: Any) -> None:
         dl = unit._dl
         if dl is not None:
             self.e._timer.cancel(dl)
-        with self._inflight_lock:
-            self._inflight.discard(unit)
-        if not getattr(unit, "_released", False):
+        if unit._tracked:
+            with self._inflight_lock:
+                self._inflight.discard(unit)
+        if not unit._released:
             unit._released = True
             self._unhold(unit)
             if unit._ephemeral:
@@ -710,10 +913,25 @@ class Pipeline:
         op.transfer._dispatch.push(op.transfer)
 
     def _batch_done(self, batch: Batch) -> None:
-        _statuses, errors, lengths = batch._index_state()
-        error = errors[min(errors)] if errors else None
+        total = 0
+        clean = True
+        for _, part in batch._parts:
+            if isinstance(part, OperationGroup):
+                if part.errors:
+                    clean = False
+                    break
+                total += part.total_bytes
+            else:
+                clean = False
+                break
+        if clean:
+            error = None
+        else:
+            _statuses, errors, lengths = batch._index_state()
+            error = errors[min(errors)] if errors else None
+            total = sum(lengths)
         batch._on_settled = _settle_members
-        if not batch._record(error, sum(lengths)):
+        if not batch._record(error, total):
             return
         with batch._lock:
             if batch._posting:
@@ -798,6 +1016,66 @@ class Pipeline:
             unit.fail(EngineClosedError("the engine was closed; the transport did not confirm the request "
                                         "stopped before it was shut down"))
         return left
+
+
+_NONE = object()
+
+
+class _GroupSpec:
+    """One vectorised part of a plan: checked once, made into an OperationGroup per posting."""
+
+    __slots__ = ("kind", "local", "remote", "local_offsets", "remote_offsets", "lengths", "timeout", "ephemeral",
+                 "start")
+
+    def __init__(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+                 lengths: Any, timeout: float, ephemeral: bool, start: int) -> None:
+        self.kind = kind
+        self.local = local
+        self.remote = remote
+        self.local_offsets = local_offsets
+        self.remote_offsets = remote_offsets
+        self.lengths = lengths
+        self.timeout = timeout
+        self.ephemeral = ephemeral
+        self.start = start
+
+
+class _Plan:
+    """Checked, grouped requests: what submit() posts once and a PreparedBatch posts many times."""
+
+    def __init__(self, requests: Sequence[Request] | None) -> None:
+        self.requests = requests
+        self.count = len(requests) if requests is not None else 0
+        self.groups: list[_GroupSpec] = []
+        self.singles: list[tuple[int, Request, Region, int, float, bool]] = []
+        self.locals: dict[int, tuple[Region, bool]] = {}
+
+
+class PreparedBatch:
+    """Requests checked and grouped once, posted as often as needed (``Engine.prepare``).
+
+    The model is NIXL's ``initialize_xfer`` + ``transfer`` or a re-posted
+    work-request list: each :meth:`post` returns a new :class:`~mpcomm.Batch`
+    and costs one group per (local region, remote region) pair, with no
+    per-request Python work. The regions must stay registered; a descriptor
+    of a restarted peer fails the posting with StaleRegionError as usual.
+    """
+
+    def __init__(self, pipeline: Pipeline, plan: _Plan) -> None:
+        self._pipeline = pipeline
+        self._plan = plan
+        #: Number of requests each posting carries.
+        self.count = plan.count
+
+    def __repr__(self) -> str:
+        return f"<PreparedBatch x{self.count} in {len(self._plan.groups)} group(s)>"
+
+    def post(self, *, completion_queue: Any = None) -> Batch:
+        """Post every request once more; returns the new handle at once."""
+        p = self._pipeline
+        if p.e._closed:
+            raise EngineClosedError("the engine is closed")
+        return p._start_plan(self._plan, completion_queue, True)
 
 
 def _runs(idx: list[int]) -> list[tuple[int, int]]:

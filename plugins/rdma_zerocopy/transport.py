@@ -252,6 +252,8 @@ class RdmaZeroCopyTransport(Transport):
         zero_copy=True,
         inflight_cancel=True,  # QP → ERROR flushes what is posted
         modes=frozenset({"zero-copy"}),
+        revocation="key",  # ibv_dereg_mr kills the rkey before unregister returns
+        bandwidth_class="high",
     )
     default_options: ClassVar[dict[str, Any]] = {
         "device": "",  # adapter name (ibv_devices); "" = the first with an ACTIVE port

@@ -1,7 +1,8 @@
-"""ctypes bindings the shm transport needs: memcpy, cross-memory attach, prctl.
+"""ctypes bindings the shm transport needs: memcpy, cross-memory attach, prctl, memfd.
 
 Every function here is a plain ``CDLL`` call, so CPython releases the GIL for
-its duration: copies on worker threads run in parallel.
+its duration. The data path goes through :mod:`._copyloop` (which uses these
+as its Python fallback); the probe and the memfd set-up use them directly.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 __all__ = [
     "IOV_MAX",
     "cma_available",
-    "cma_batch",
     "cma_one",
     "cma_probe",
     "cma_transfer",
@@ -182,8 +182,3 @@ def cma_one(write: bool, pid: int, local: int, remote: int, n: int) -> None:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
     cma_transfer(write, pid, [(local + got, n - got)], [(remote + got, n - got)])
-
-
-def cma_batch(write: bool, pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
-    """Many ranges in as few system calls as IOV_MAX allows (a batch of small requests)."""
-    cma_transfer(write, pid, local, remote)

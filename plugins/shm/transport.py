@@ -6,54 +6,63 @@ Two routes, chosen per region when an initiator first touches it:
   ``memfd`` sealed against shrinking and growing (``F_SEAL_SHRINK |
   F_SEAL_GROW | F_SEAL_SEAL``) and pre-faulted. An initiator *attaches* to the
   region once (a control-channel request carrying the region's token; the
-  target records who attached), then fetches the fd from the target's private
-  ``AF_UNIX`` listener (abstract namespace) with ``SCM_RIGHTS``, presenting the
-  token and the one-time nonce the attach returned. It checks the seals and
-  the size, maps exactly the region's pages, closes the fd, and from then on a
-  write or read is one ``memcpy`` by the initiator, no work on the target.
+  target records the attachment under a fresh random *revoke key* it returns),
+  then fetches the fd from the target's private ``AF_UNIX`` listener (abstract
+  namespace) with ``SCM_RIGHTS``, presenting the token and the one-time nonce
+  the attach returned. It checks the seals and the size, maps exactly the
+  region's pages, closes the fd, and from then on a write or read is one
+  ``memcpy`` by the initiator, no work on the target.
 * **Cross-memory attach (CMA).** Any other buffer (a bytearray, a numpy array)
   moves with ``process_vm_writev`` / ``process_vm_readv``: one kernel copy
-  straight into the target's address space. It needs the same PID namespace
-  and ptrace rights over the target; the initiator probes that once per peer
-  (reading a cookie the peer published) and the target advertises CMA only
-  when its ptrace policy can allow it.
+  straight into the target's address space, a whole batch in one system call
+  per ``IOV_MAX`` pieces. It needs the same PID namespace and ptrace rights
+  over the target; the initiator probes that once per peer (reading a cookie
+  the peer published) and the target advertises CMA only when its ptrace
+  policy can allow it.
 
-Every copy is a ``CDLL`` call (libc ``memcpy`` or the syscall), so the GIL is
-released while bytes move: transfers of at least ``stripe_threshold`` bytes
-are split into up to ``stripes`` pieces on the engine's workers; requests up to
+**Copies** go through the copy loop (:mod:`._copyloop`): a small C helper
+compiled at first use and called through ``ctypes`` (GIL released), or the
+same functions in Python when no compiler exists. Requests up to
 ``inline_threshold`` bytes are copied on the caller's thread inside
-:meth:`ShmTransport.post` (no thread hop); sizes between run as one piece on a
-worker. Pieces copy ``chunk`` bytes at a time and check for an abort between
-chunks, so a cancel or timeout stops within one chunk (``inflight_cancel``).
+:meth:`ShmTransport.post` — that needs no peer round trip, and a thread hop
+costs more than it saves; larger ones run on the engine's workers, split into
+``stripes`` pieces from ``stripe_threshold`` on. Long copies go ``chunk`` bytes
+at a time and check for abort, deadline and revocation between chunks
+(``inflight_cancel``). :meth:`ShmTransport.post_many` checks a whole
+:class:`~mpcomm.transport.OperationGroup` against the mapping in one
+vectorised pass and copies it with one native call per ``chunk`` bytes.
 
 ``copy`` mode stages every chunk through a per-thread bounce buffer (source →
 bounce → destination: two copies), for the zero-copy vs copy comparison.
 
-**Completion and ordering.** A request completes once the initiator's copy
-returned: every byte is in the target's memory. The engine then sends the
-request's notification over the control socket; the send and the receive are
-system calls on a socket, which order memory on every architecture Linux
-supports, so a target that has received the notification (``wait_notification``
-or a callback) reads every byte of that request. Nothing is promised about the
-order of bytes *within* a request (pieces run in parallel): do not poll a flag
-written by the same request; write it with a later request, or use the
-notification.
+**Completion is true.** A request completes once the initiator's copy returned
+*and* the process owning the target memory was still alive afterwards: the
+initiator holds a pidfd of that process (its pid comes from the kernel —
+``SO_PEERCRED`` on the fd socket for memfd, the verified probe for CMA) and
+polls it after every copy. A write into a dead peer's memfd lands in pages
+nobody will read, so it fails with PeerConnectionError, as does every later
+request on that mapping. The engine then sends the request's notification over
+the control socket; the send and the receive are system calls on a socket,
+which order memory on every architecture Linux supports, so a target that has
+received the notification reads every byte of that request. Nothing is
+promised about the order of bytes *within* a request.
+
+**Revocation (``fence``).** When the target unregisters a region, its
+transport revokes every attachment: a control request to each initiator
+carrying the revoke keys it issued. The initiator acts only on keys it holds,
+for mappings whose owner (node id and epoch recorded at attach time) is the
+authenticated peer of that control connection — a third process cannot revoke
+another peer's region by claiming its identity. The initiator refuses new
+copies, stops in-flight ones at the next chunk (UnknownRegionError), waits until
+none runs, unmaps and answers; only then does ``Engine.unregister`` return on
+the target. If a revocation is not confirmed within ``revoke_timeout`` (a hung
+initiator) the target logs it and keeps a reference to the buffer, so a late
+copy lands in memory that is still allocated.
 
 **Lifetimes.** Nothing a target does can crash an initiator: a mapped memfd
 cannot shrink (sealed, and the initiator refuses an fd without the seal), so a
-mapped page never disappears (no SIGBUS), and the pages live while anyone maps
-them, even after the target exits. When the target unregisters a region, its
-transport *revokes* it at every initiator that attached: the initiator marks
-the region revoked, stops its in-flight copies at the next chunk (they fail
-with UnknownRegionError), waits until none runs, unmaps it and answers; only
-then does ``Engine.unregister`` return on the target, so the buffer may be
-freed. Later requests on that descriptor fail with UnknownRegionError. A peer
-that died (its control link dropped) or restarted has its mappings dropped
-(:meth:`ShmTransport.peer_changed`); a CMA copy to a process that is gone
-fails with PeerConnectionError (``ESRCH``). If a revocation cannot be
-delivered within ``revoke_timeout`` (a hung, but live, initiator), the target
-logs it and keeps a reference to the buffer, so a late copy lands in memory
-that is still allocated.
+mapped page never disappears (no SIGBUS). A peer whose control link dropped or
+that restarted has its mappings dropped (:meth:`ShmTransport.peer_changed`).
 """
 
 from __future__ import annotations
@@ -66,12 +75,14 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from mpcomm import Availability, Capabilities, Operation, Region, Transport, TransportContext
+from mpcomm import Availability, Capabilities, Region, Transport, TransportContext
 from mpcomm.errors import (
     EngineClosedError,
     MpcommError,
@@ -80,16 +91,27 @@ from mpcomm.errors import (
     PermissionDeniedError,
     ProtocolError,
     TransferError,
+    TransferTimeout,
     TransportUnavailable,
     UnknownRegionError,
 )
 from mpcomm.memory import check_allocatable
 from mpcomm.peer import PeerInfo, same_host
 
-from . import _native
+from . import _copyloop, _native
+
+if TYPE_CHECKING:
+    from mpcomm import Operation
+    from mpcomm.transport import OperationGroup
 
 PAGE = mmap.PAGESIZE
 _MAX_MSG = 4096
+_MAX_ATTACH = 4096  # attachments one served region records (each costs a dict entry until unregister)
+_MAX_KEYS = 4096  # revoke keys accepted in one revoke request
+_MAX_REVOKED = 4096  # revoked (epoch, region id) pairs remembered for a clear error without a round trip
+_FD_CLIENTS = 64  # fd-socket clients served at once
+_FD_TIMEOUT = 1.0  # seconds an fd-socket client gets per step (one recv, one send: an initiator sends at once)
+_SMALL = 64 << 10  # single requests up to this size copy under the mapping's lock (one lock, no counter)
 
 
 @dataclass(eq=False)
@@ -105,37 +127,49 @@ class _Segment:
 
 @dataclass(eq=False)
 class _Served:
-    """Target side: a region registered with shm and who attached to it."""
+    """Target side: a region registered with shm and the attachments it granted."""
 
     region: Region
     seg: _Segment | None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    attached: dict[str, PeerInfo] = field(default_factory=dict)  # node_id -> peer
+    attached: dict[str, PeerInfo] = field(default_factory=dict)  # revoke key -> the peer that attached
     nonces: set[str] = field(default_factory=set)
     closed: bool = False
 
 
 class _Mapping:
-    """Initiator side: how to reach one remote region, with an in-flight count for revocation."""
+    """Initiator side: how to reach one remote region, with an in-flight count for revocation.
 
-    __slots__ = ("kind", "base", "size", "access", "token", "pid", "mm", "inflight", "error", "_lock", "_idle")
+    ``lock`` guards ``error`` and ``inflight``; small copies run while holding
+    it (so a revocation waits for them), long ones count themselves in
+    ``inflight``. The memory and the pidfd are released only when ``error`` is
+    set and nothing runs.
+    """
 
-    def __init__(self, kind: str, base: int, size: int, access: str, token: int, pid: int = 0,
-                 mm: mmap.mmap | None = None) -> None:
+    __slots__ = ("kind", "base", "size", "access", "can_read", "can_write", "token", "pid", "pidfd", "mm", "owner",
+                 "rkey", "inflight", "error", "lock", "_idle")
+
+    def __init__(self, kind: str, base: int, size: int, access: str, token: int, *, pid: int = 0, pidfd: int = -1,
+                 mm: mmap.mmap | None = None, owner: tuple[str, str] = ("", ""), rkey: str = "") -> None:
         self.kind = kind  # "map" (our mapping of the memfd) or "cma" (an address in pid)
         self.base = base
         self.size = size
         self.access = access  # what the target says, not what the descriptor claims
+        self.can_read = "r" in access
+        self.can_write = "w" in access
         self.token = token  # the token the target accepted at attach time
         self.pid = pid
+        self.pidfd = pidfd  # the owner process (-1: liveness unknown)
         self.mm = mm
+        self.owner = owner  # (node_id, epoch) of the peer that granted the mapping
+        self.rkey = rkey  # the revoke key the owner issued for this attachment
         self.inflight = 0
         self.error: MpcommError | None = None
-        self._lock = threading.Lock()  # raw lock: enter/exit sit on the small-request path
-        self._idle = threading.Condition(self._lock)
+        self.lock = threading.Lock()  # raw lock: it sits on the small-request path
+        self._idle = threading.Condition(self.lock)
 
     def enter(self) -> MpcommError | None:
-        lock = self._lock
+        lock = self.lock
         lock.acquire()
         if self.error is not None:
             lock.release()
@@ -145,13 +179,11 @@ class _Mapping:
         return None
 
     def exit(self) -> None:
-        lock = self._lock
-        lock.acquire()
-        self.inflight -= 1
-        if self.inflight == 0 and self.error is not None:
-            self._unmap()
-            self._idle.notify_all()
-        lock.release()
+        with self.lock:
+            self.inflight -= 1
+            if self.inflight == 0 and self.error is not None:
+                self._release()
+                self._idle.notify_all()
 
     def revoke(self, error: MpcommError, wait: float = 0.0) -> bool:
         """Refuse new copies; True once no copy runs (after up to ``wait`` seconds)."""
@@ -161,16 +193,22 @@ class _Mapping:
             if wait > 0:
                 self._idle.wait_for(lambda: self.inflight == 0, wait)
             if self.inflight == 0:
-                self._unmap()
+                self._release()
                 return True
             return False
 
-    def _unmap(self) -> None:
+    def _release(self) -> None:
         mm, self.mm = self.mm, None
         if mm is not None:
             try:
                 mm.close()
             except (BufferError, ValueError, OSError):  # pragma: no cover - we never export it
+                pass
+        fd, self.pidfd = self.pidfd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:  # pragma: no cover
                 pass
 
 
@@ -186,9 +224,6 @@ class ShmTransport(Transport):
     """Same-host transfers through shared memory (memfd) or cross-memory attach."""
 
     name: ClassVar[str] = "shm"
-    # post() copies at most inline_threshold bytes on the caller's thread; the
-    # first attach waits on the peer with the request's own deadline.
-    post_may_block: ClassVar[bool] = False
     capabilities: ClassVar[Capabilities] = Capabilities(
         memory_kinds=frozenset({"host"}),
         intra_node=True,
@@ -197,15 +232,18 @@ class ShmTransport(Transport):
         zero_copy=True,
         inflight_cancel=True,
         modes=frozenset({"zero-copy", "copy"}),
+        revocation="fence",  # unregister returns once every attached initiator dropped its mapping
+        bandwidth_class="memory",
     )
     default_options: ClassVar[dict[str, Any]] = {
         "cma": True,  # use (initiator) and offer (target) cross-memory attach for non-memfd buffers
         "allow_any_ptracer": True,  # under Yama ptrace_scope=1, let same-uid peers attach (PR_SET_PTRACER_ANY)
-        "inline_threshold": 256 << 10,  # copy requests up to this size on the caller's thread
-        "stripe_threshold": 1 << 20,  # split requests at least this large over workers
+        "native": True,  # use the compiled copy loop when it builds (False: the Python fallback)
+        "inline_threshold": 16 << 20,  # copy requests (and batches) up to this size on the caller's thread
+        "stripe_threshold": 32 << 20,  # split larger requests into stripes on the workers
         "stripes": 0,  # pieces per striped request; 0 = min(4, CPUs)
         "caller_stripes": False,  # True: the caller copies the first stripe itself (post blocks for it)
-        "chunk": 4 << 20,  # abort-check granularity of a piece
+        "chunk": 4 << 20,  # abort-check granularity of a long copy (and of a batch)
         "bounce_size": 1 << 20,  # copy mode's per-thread staging buffer
         "revoke_timeout": 2.0,  # seconds a target waits for an initiator to drop a region
     }
@@ -222,6 +260,8 @@ class ShmTransport(Transport):
         self._caller_stripes = bool(o["caller_stripes"])
         self._bounce_size = max(int(o["bounce_size"]), PAGE)
         self._use_cma = bool(o["cma"]) and not _native.cma_available()
+        self._loop = _copyloop.get() if o["native"] else _copyloop.fallback()
+        self._copy1, self._cma1 = self._loop.copy, self._loop.cma  # bound once: the small-request path
         self._serve_cma = False
         self._serve_cma_reason = ""
         self._closed = False
@@ -230,12 +270,15 @@ class ShmTransport(Transport):
         self._served: dict[int, _Served] = {}
         self._quarantine: list[Any] = []
         self._listener: socket.socket | None = None
+        self._fd_slots = threading.BoundedSemaphore(_FD_CLIENTS)
         self._sock_name = ""
         self._cookie = ctypes.c_uint64(secrets.randbits(63))
         # initiator side
         self._maps: dict[tuple[str, int], _Mapping] = {}
-        self._revoked: set[tuple[str, int]] = set()
-        self._attaching: dict[tuple[str, int], threading.Lock] = {}
+        self._by_rkey: dict[str, tuple[str, int]] = {}
+        self._revoked: dict[tuple[str, int], None] = {}
+        self._attaching: dict[tuple[str, int], list[Any]] = {}  # key -> [lock, users]
+        self._early: dict[tuple[str, int], set[str]] = {}  # revoke keys that arrived before the attach answer
         self._reach_cache: dict[tuple[str, str], Availability] = {}
         self._tls = threading.local()
 
@@ -245,7 +288,9 @@ class ShmTransport(Transport):
             return Availability.no("needs Linux (memfd_create, process_vm_writev)")
         if not hasattr(os, "memfd_create"):
             return Availability.no("os.memfd_create is missing")
-        return Availability.yes("memfd + SCM_RIGHTS; cross-memory attach for other buffers")
+        live = "pidfd liveness checks" if hasattr(os, "pidfd_open") else "no pidfd (liveness from the control link only)"
+        return Availability.yes(f"memfd + SCM_RIGHTS; cross-memory attach for other buffers; {live}; "
+                                f"{_copyloop.status()}")
 
     # -- start / target side ----------------------------------------------------------
 
@@ -280,6 +325,7 @@ class ShmTransport(Transport):
             "cma_reason": self._serve_cma_reason,
             "probe": ctypes.addressof(self._cookie),
             "cookie": self._cookie.value,
+            "copy_loop": "native" if self._loop.native else "python",
         }
 
     def allocate(self, size: int, alignment: int) -> tuple[memoryview, Any] | None:
@@ -309,19 +355,24 @@ class ShmTransport(Transport):
             return
         with served.lock:
             served.closed = True
-            peers = list(served.attached.values())
+            grants = list(served.attached.items())
             served.attached.clear()
             served.nonces.clear()
             if served.seg is not None and served.seg.fd >= 0:
                 os.close(served.seg.fd)
                 served.seg.fd = -1
-        for peer in peers:
-            self._revoke_at(peer, region)
+        by_peer: dict[str, tuple[PeerInfo, list[str]]] = {}
+        for key, peer in grants:
+            by_peer.setdefault(peer.address, (peer, []))[1].append(key)
+        for peer, keys in by_peer.values():
+            self._revoke_at(peer, region, keys)
 
-    def _revoke_at(self, peer: PeerInfo, region: Region) -> None:
+    def _revoke_at(self, peer: PeerInfo, region: Region, keys: list[str]) -> None:
         timeout = float(self.ctx.options["revoke_timeout"])
         try:
-            self.ctx.control(peer, self.name, {"op": "revoke", "region_id": region.id}, timeout)
+            for i in range(0, len(keys), _MAX_KEYS):
+                self.ctx.control(peer, self.name, {"op": "revoke", "region_id": region.id,
+                                                   "keys": keys[i : i + _MAX_KEYS]}, timeout)
         except (PeerConnectionError, UnknownRegionError, TransportUnavailable):
             pass  # its engine is gone (or never mapped it): nobody can write any more
         except EngineClosedError:
@@ -334,20 +385,45 @@ class ShmTransport(Transport):
             self._quarantine.append(region.view)
 
     def _fd_loop(self) -> None:
+        """Hand out memfds; any local process can connect, so each client gets a thread and a deadline.
+
+        At most ``_FD_CLIENTS`` are served at once (more are closed at once: a
+        flood, not initiators, which connect once per attach); out of file
+        descriptors the loop backs off and goes on instead of dying.
+        """
         sock = self._listener
         assert sock is not None
+        backoff = 0.01
         while not self._closed:
             try:
                 conn, _ = sock.accept()
-            except OSError:
-                return
-            try:
-                conn.settimeout(2.0)
-                self._send_fd(conn)
-            except Exception as exc:  # noqa: BLE001 - a bad client must not stop the listener
-                self.log.debug("shm: fd request failed: %s", exc)
-            finally:
+            except OSError as exc:
+                if self._closed or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.log.warning("shm: fd listener: %s; retrying in %.2fs", exc.strerror, backoff)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.01
+            if not self._fd_slots.acquire(blocking=False):
                 conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve_fd, args=(conn,), name="mpcomm-shm-fd", daemon=True).start()
+            except RuntimeError:
+                self._fd_slots.release()
+                conn.close()
+
+    def _serve_fd(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(_FD_TIMEOUT)
+            self._send_fd(conn)
+        except Exception as exc:  # noqa: BLE001 - a bad client must not stop the listener
+            self.log.debug("shm: fd request failed: %s", exc)
+        finally:
+            conn.close()
+            self._fd_slots.release()
 
     def _send_fd(self, conn: socket.socket) -> None:
         try:
@@ -377,33 +453,85 @@ class ShmTransport(Transport):
         if op == "attach":
             return self._handle_attach(peer, body)
         if op == "revoke":
-            key = (peer.epoch, int(body["region_id"]))
-            self._revoke_local(key, float(self.ctx.options["revoke_timeout"]))
-            return {"ok": True}
+            return self._handle_revoke(peer, body)
         raise ProtocolError(f"unknown shm control request {op!r}")
 
     def _handle_attach(self, peer: PeerInfo, body: dict[str, Any]) -> dict[str, Any]:
-        rid = int(body["region_id"])
+        try:
+            rid, token = int(body["region_id"]), int(body["token"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError("malformed shm attach request") from None
         with self._lock:
             served = self._served.get(rid)
         if served is None:
             raise UnknownRegionError(f"no region with id {rid} is registered with shm here")
-        region = self.ctx.regions.serve(rid, int(body["token"]), body.get("epoch"), 0, 0, served.region.access[0])
+        region = self.ctx.regions.serve(rid, token, body.get("epoch"), 0, 0, served.region.access[0])
         region.release()
         nonce = secrets.token_hex(16)
+        rkey = secrets.token_hex(16)
         with served.lock:
             if served.closed:
                 raise UnknownRegionError(f"region {region.name!r} was unregistered", region=region.name)
-            served.attached[peer.node_id] = peer
+            if len(served.attached) >= _MAX_ATTACH:
+                raise PermissionDeniedError(f"region {region.name!r} has {_MAX_ATTACH} shm attachments already",
+                                            region=region.name)
+            served.attached[rkey] = peer
             if served.seg is not None:
+                if len(served.nonces) >= _MAX_ATTACH:
+                    served.nonces.pop()
                 served.nonces.add(nonce)
         return {
             "kind": "memfd" if served.seg is not None else "cma",
             "nonce": nonce,
+            "revoke_key": rkey,
             "base": region.address,
             "size": region.size,
             "access": region.access,
         }
+
+    def _handle_revoke(self, peer: PeerInfo, body: dict[str, Any]) -> dict[str, Any]:
+        """The owner of a region unregistered it: drop the attachments named by their revoke keys.
+
+        Only keys we hold count, and only for a mapping whose owner (recorded
+        at attach time) is the peer of this control connection: what the body
+        claims (ids, epochs) is never enough.
+        """
+        try:
+            rid = int(body["region_id"])
+            keys = body.get("keys")
+            if not isinstance(keys, list) or len(keys) > _MAX_KEYS or not all(isinstance(k, str) for k in keys):
+                raise TypeError("keys")
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError("malformed shm revoke request") from None
+        owner = (peer.node_id, peer.epoch)
+        dropped: list[_Mapping] = []
+        with self._lock:
+            for k in keys:
+                key = self._by_rkey.get(k)
+                if key is None:
+                    pending = (peer.epoch, rid)
+                    if pending in self._attaching:  # its answer may still be on the way
+                        early = self._early.setdefault(pending, set())
+                        if len(early) < 64:
+                            early.add(k)
+                    continue
+                m = self._maps.get(key)
+                if m is None or m.owner != owner or key[1] != rid or m.rkey != k:
+                    continue  # not the owner's grant: ignore
+                del self._maps[key]
+                del self._by_rkey[k]
+                self._remember_revoked(key)
+                dropped.append(m)
+        wait = float(self.ctx.options["revoke_timeout"])
+        for m in dropped:
+            if not m.revoke(UnknownRegionError("the region was unregistered by its owner"), wait):
+                self.log.warning("shm: copies into a revoked region did not stop within %.1fs", wait)
+        return {"ok": True, "revoked": len(dropped)}
+
+    def _remember_revoked(self, key: tuple[str, int]) -> None:
+        self._revoked[key] = None
+        if len(self._revoked) > _MAX_REVOKED:
+            del self._revoked[next(iter(self._revoked))]
 
     # -- initiator side -------------------------------------------------------------
 
@@ -447,60 +575,100 @@ class ShmTransport(Transport):
             return "peer published no CMA probe"
         return _native.cma_probe(pid, probe, cookie)
 
-    def _mapping(self, op: Operation) -> _Mapping:
-        r = op.remote
-        key = (r.epoch, r.region_id)
+    def _mapping(self, remote: Any, peer: PeerInfo, deadline: float) -> _Mapping:
+        """The mapping of ``remote``, attaching first if needed (blocks: never on the posting thread)."""
+        key = (remote.epoch, remote.region_id)
         m = self._maps.get(key)
         if m is not None:
             return m
         with self._lock:
-            lock = self._attaching.setdefault(key, threading.Lock())
-        with lock:
-            m = self._maps.get(key)
-            if m is None:
-                m = self._attach(op, key)
+            slot = self._attaching.get(key)
+            if slot is None:
+                slot = self._attaching[key] = [threading.Lock(), 0]
+            slot[1] += 1  # attaches waiting on or holding this key's lock
+        lock = slot[0]
+        try:
+            if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
+                raise TransferTimeout(f"attaching to region {remote.name!r} on {remote.address} took too long",
+                                      region=remote.name, peer=remote.address)
+            try:
+                m = self._maps.get(key)
+                if m is None:
+                    m = self._attach(remote, peer, key, deadline)
+            finally:
+                lock.release()
+        finally:
+            with self._lock:
+                slot[1] -= 1
+                if slot[1] == 0:
+                    del self._attaching[key]
+                    self._early.pop(key, None)
         return m
 
-    def _attach(self, op: Operation, key: tuple[str, int]) -> _Mapping:
-        r, peer = op.remote, op.peer
+    def _attach(self, r: Any, peer: PeerInfo, key: tuple[str, int], deadline: float) -> _Mapping:
         if key in self._revoked:
             raise UnknownRegionError(f"region {r.name!r} was unregistered by its owner", region=r.name, peer=r.address)
-        timeout = max(op.time_left(), 0.001)
+        timeout = max(deadline - time.monotonic(), 0.001)
         reply = self.ctx.control(peer, self.name, {"op": "attach", "region_id": r.region_id, "token": r.token,
                                                    "epoch": r.epoch}, timeout)
-        size = int(reply["size"])
+        try:
+            size, access, kind = int(reply["size"]), str(reply["access"]), str(reply["kind"])
+            rkey = str(reply.get("revoke_key", ""))
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(f"malformed shm attach answer from {r.address}", peer=r.address) from None
         if size != r.size:
             raise OutOfBoundsError(f"region {r.name!r} is {size} bytes, the descriptor says {r.size}",
                                    region=r.name, peer=r.address)
-        access = str(reply["access"])
+        owner = (peer.node_id, peer.epoch)
         m: _Mapping | None = None
         why = ""
-        if reply["kind"] == "memfd":
+        if kind == "memfd":
             why = self._memfd_reason(peer)
             if not why:
-                m = self._map_fd(op, reply, timeout)
+                m = self._map_fd(r, peer, reply, timeout, owner, rkey)
         if m is None:
             cma_why = self._cma_reason(peer)
             if cma_why:
                 raise TransportUnavailable(f"shm cannot reach region {r.name!r}: {why or cma_why}",
                                            region=r.name, peer=r.address)
-            m = _Mapping("cma", int(reply["base"]), size, access, r.token, pid=int(peer.host["pid"]))
+            pid = int(peer.host["pid"])
+            m = _Mapping("cma", int(reply["base"]), size, access, r.token, pid=pid, pidfd=self._pidfd_cma(peer, pid),
+                         owner=owner, rkey=rkey)
         with self._lock:
-            if key in self._revoked:
+            early = self._early.get(key, ())
+            if key in self._revoked or rkey in early:
                 m.revoke(UnknownRegionError("unregistered"))
                 raise UnknownRegionError(f"region {r.name!r} was unregistered by its owner", region=r.name,
                                          peer=r.address)
             self._maps[key] = m
-            self._attaching.pop(key, None)
+            if rkey:
+                self._by_rkey[rkey] = key
         return m
 
-    def _map_fd(self, op: Operation, reply: dict[str, Any], timeout: float) -> _Mapping:
-        r = op.remote
-        name = str(op.peer.transports[self.name]["socket"])
+    def _pidfd_cma(self, peer: PeerInfo, pid: int) -> int:
+        """A pidfd of the CMA target, bound to the right process by re-running the probe after opening it."""
+        fd = _pidfd_open(pid)
+        if fd < 0:
+            return -1
+        info = peer.transports.get(self.name) or {}
+        try:
+            why = _native.cma_probe(pid, int(info["probe"]), int(info["cookie"]))
+        except (KeyError, TypeError, ValueError):
+            why = "no probe"
+        if why:
+            os.close(fd)
+            raise TransportUnavailable(f"shm: cross-memory attach to {peer.address} failed: {why}", peer=peer.address)
+        return fd
+
+    def _map_fd(self, r: Any, peer: PeerInfo, reply: dict[str, Any], timeout: float, owner: tuple[str, str],
+                rkey: str) -> _Mapping:
+        name = str(peer.transports[self.name]["socket"])
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(min(timeout, 5.0))
             try:
                 s.connect("\0" + name)
+                # The kernel's word on who listens there: the owner whose liveness we check.
+                pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
                 s.sendall(json.dumps({"region_id": r.region_id, "token": r.token, "nonce": reply["nonce"]}).encode())
                 msg, fds, _flags, _addr = socket.recv_fds(s, _MAX_MSG, 1)
             except OSError as exc:
@@ -513,6 +681,9 @@ class ShmTransport(Transport):
             raise PermissionDeniedError(f"shm: {r.address} refused the fd of {r.name!r}: {why}",
                                         region=r.name, peer=r.address)
         fd = fds[0]
+        for extra in fds[1:]:
+            os.close(extra)
+        pidfd = -1
         try:
             head = json.loads(msg)
             offset, size, total = int(head["offset"]), int(head["size"]), int(head["total"])
@@ -523,54 +694,124 @@ class ShmTransport(Transport):
             if size != r.size or offset < 0 or offset + size > min(total, st.st_size):
                 raise OutOfBoundsError(f"shm: the fd of {r.name!r} does not hold the region", region=r.name)
             start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if "w" in str(reply.get("access", "")) else 0)
+            access = str(reply.get("access", ""))
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if "w" in access else 0)
+            pidfd = _pidfd_open(pid) if pid > 0 else -1
             mm = mmap.mmap(fd, offset + size - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                            prot=prot, offset=start)
+        except BaseException:
+            if pidfd >= 0:
+                os.close(pidfd)
+            raise
         finally:
             os.close(fd)
-        return _Mapping("map", _native.map_address(mm) + (offset - start), size, str(reply["access"]), r.token, mm=mm)
-
-    def _revoke_local(self, key: tuple[str, int], wait: float) -> None:
-        with self._lock:
-            self._revoked.add(key)
-            m = self._maps.pop(key, None)
-        if m is not None:
-            err = UnknownRegionError("the region was unregistered by its owner")
-            if not m.revoke(err, wait):
-                self.log.warning("shm: copies into a revoked region did not stop within %.1fs", wait)
+        return _Mapping("map", _native.map_address(mm) + (offset - start), size, access, r.token, pid=pid,
+                        pidfd=pidfd, mm=mm, owner=owner, rkey=rkey)
 
     # -- data path ------------------------------------------------------------------
 
     def post(self, op: Operation) -> None:
         n = op.length
-        if n == 0:
-            op.complete(0)
+        r = op.remote
+        m = self._maps.get((r.epoch, r.region_id))
+        if m is None:
+            if n == 0:
+                op.complete(0)
+                return
+            self._off_thread(self._attach_then, op)
             return
-        m = self._mapping(op)
         write = op.kind == "write"
-        if op.remote.token != m.token:
+        off = op.remote_offset
+        if r.token != m.token or not (m.can_write if write else m.can_read) or off < 0 or off + n > m.size:
+            raise self._refusal(op, m, write)
+        if n <= _SMALL and not self.copy_mode:
+            local = op.local.address + op.local_offset
+            remote = m.base + off
+            lock = m.lock
+            lock.acquire()
+            try:
+                err = m.error
+                if err is None:
+                    if m.kind == "map":
+                        rc = self._copy1(remote, local, n, m.pidfd) if write else \
+                            self._copy1(local, remote, n, m.pidfd)
+                    else:
+                        rc = self._cma1(m.pid, write, local, remote, n, m.pidfd)
+            finally:
+                lock.release()
+            if err is not None:
+                raise _again(err, r)
+            if rc:
+                op.fail(self._rc_error(rc, op.kind, r, m))
+            else:
+                op.complete(n)
+            return
+        self._start(op, m, write, True)
+
+    def _off_thread(self, fn: Any, *args: Any) -> None:
+        try:
+            self.ctx.executor.submit(fn, *args)
+        except RuntimeError as exc:  # the executor is shut down
+            raise EngineClosedError(f"cannot schedule the shm request: {exc}") from exc
+
+    def _attach_then(self, op: Operation) -> None:
+        """Worker: attach (a control round trip, within the op's deadline), then run the request."""
+        try:
+            if op.abort_exc is not None:
+                raise op.abort_exc
+            m = self._mapping(op.remote, op.peer, op.deadline)
+            write = op.kind == "write"
+            if op.remote.token != m.token or not (m.can_write if write else m.can_read) or \
+                    not 0 <= op.remote_offset <= m.size - op.length:
+                raise self._refusal(op, m, write)
+            self._start(op, m, write, False)
+        except BaseException as exc:  # noqa: BLE001 - reported through the operation
+            op.fail(exc)
+
+    @staticmethod
+    def _refusal(op: Operation, m: _Mapping, write: bool) -> MpcommError:
+        r = op.remote
+        if r.token != m.token:
             # The cached mapping was granted to another token: ask nothing, refuse.
-            raise PermissionDeniedError(f"wrong token for region {op.remote.name!r} on {op.remote.address}",
-                                        region=op.remote.name, peer=op.remote.address)
-        if ("w" if write else "r") not in m.access:
+            return PermissionDeniedError(f"wrong token for region {r.name!r} on {r.address}", region=r.name,
+                                         peer=r.address)
+        if not (m.can_write if write else m.can_read):
             # The descriptor claimed more than the target granted (it is checked, not trusted).
-            raise PermissionDeniedError(f"region {op.remote.name!r} on {op.remote.address} may not be "
-                                        f"{'written' if write else 'read'} (target grants {m.access!r})",
-                                        region=op.remote.name, peer=op.remote.address)
-        if op.remote_offset + n > m.size:
-            # The engine checked the descriptor; the mapping knows the size the target registered.
-            raise OutOfBoundsError(f"[{op.remote_offset}, {op.remote_offset + n}) is outside region "
-                                   f"{op.remote.name!r} of {m.size} bytes on {op.remote.address}",
-                                   region=op.remote.name, peer=op.remote.address)
+            return PermissionDeniedError(f"region {r.name!r} on {r.address} may not be "
+                                         f"{'written' if write else 'read'} (target grants {m.access!r})",
+                                         region=r.name, peer=r.address)
+        # The engine checked the descriptor; the mapping knows the size the target registered.
+        return OutOfBoundsError(f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside region "
+                                f"{r.name!r} of {m.size} bytes on {r.address}", region=r.name, peer=r.address)
+
+    def _start(self, op: Operation, m: _Mapping, write: bool, posting: bool) -> None:
+        """A request that is not small: inline up to ``inline_threshold``, else on the workers."""
+        n = op.length
+        r = op.remote
         err = m.enter()
         if err is not None:
-            raise type(err)(f"{err}: {op.remote.name!r} on {op.remote.address}", region=op.remote.name,
-                            peer=op.remote.address)
+            e = _again(err, r)
+            if posting:
+                raise e
+            op.fail(e)
+            return
         local = op.local.address + op.local_offset
         remote = m.base + op.remote_offset
-        if n <= self._inline:
+        if n <= self._inline or not posting and n < self._stripe_threshold:
+            # On the caller's thread (or the worker that attached): no hop.
             try:
-                self._copy(m, write, local, remote, n)
+                if n <= self._chunk and not self.copy_mode:
+                    # One native call, few frames: after a copy this large the
+                    # caches are cold and every Python step costs a miss.
+                    if m.kind == "map":
+                        rc = self._copy1(remote, local, n, m.pidfd) if write else \
+                            self._copy1(local, remote, n, m.pidfd)
+                    else:
+                        rc = self._cma1(m.pid, write, local, remote, n, m.pidfd)
+                    if rc:
+                        raise self._rc_error(rc, op.kind, r, m)
+                else:
+                    self._chunks(op, m, write, local, remote, n)
             except BaseException as exc:  # noqa: BLE001 - reported through the operation
                 m.exit()
                 op.fail(self._map_error(exc, op, m))
@@ -600,20 +841,119 @@ class ShmTransport(Transport):
         if inline_first:
             self._piece(op, st, write, local, remote, min(step, n))
 
+    # -- vectorised batches ------------------------------------------------------------
+
+    def post_many(self, group: OperationGroup) -> None:
+        """N requests against one remote region: one bounds pass and one native call per ``chunk`` bytes."""
+        r = group.remote
+        m = self._maps.get((r.epoch, r.region_id))
+        if m is None:
+            self._off_thread(self._attach_then_many, group)
+            return
+        self._start_many(group, m, True)
+
+    def _attach_then_many(self, g: OperationGroup) -> None:
+        try:
+            if g.abort_exc is not None:
+                raise g.abort_exc
+            self._start_many(g, self._mapping(g.remote, g.peer, g.deadline), False)
+        except BaseException as exc:  # noqa: BLE001 - reported through the group
+            g.fail(exc)
+
+    def _start_many(self, g: OperationGroup, m: _Mapping, posting: bool) -> None:
+        r = g.remote
+        n = g.count
+        write = g.kind == "write"
+        if r.token != m.token or not (m.can_write if write else m.can_read):
+            raise PermissionDeniedError(f"region {r.name!r} on {r.address} may not be "
+                                        f"{'written' if write else 'read'} with this descriptor (target grants "
+                                        f"{m.access!r})", region=r.name, peer=r.address)
+        ro, lo, ln = g.remote_offsets, g.local_offsets, g.lengths
+        # The target's size, not the descriptor's: one pass over the arrays, no Python loop per index.
+        side, bad, total = self._loop.check2(ro, lo, ln, n, m.size, g.local.size)
+        if side == "remote":
+            raise OutOfBoundsError(f"request {bad} of the batch, [{ro[bad]}, {ro[bad] + ln[bad]}), is outside "
+                                   f"region {r.name!r} of {m.size} bytes on {r.address}", region=r.name,
+                                   peer=r.address)
+        if side == "local":
+            raise OutOfBoundsError(f"request {bad} of the batch, [{lo[bad]}, {lo[bad] + ln[bad]}), is outside the "
+                                   f"local region {g.local.name!r} of {g.local.size} bytes", region=g.local.name)
+        err = m.enter()
+        if err is not None:
+            raise _again(err, r)
+        if total <= self._inline or not posting:
+            self._run_many(g, m, write)
+            return
+        try:
+            self.ctx.executor.submit(self._run_many, g, m, write)
+        except RuntimeError as exc:  # the executor is shut down
+            m.exit()
+            raise EngineClosedError(f"cannot schedule the shm batch: {exc}") from exc
+
+    def _run_many(self, g: OperationGroup, m: _Mapping, write: bool) -> None:
+        """Copy the group ``chunk`` bytes per native call; indices done before a failure complete."""
+        n = g.count
+        ro, lo, ln = g.remote_offsets, g.local_offsets, g.lengths
+        la = g.local.address
+        loop, chunk = self._loop, self._chunk
+        i = 0
+        err: BaseException | None = None
+        try:
+            while i < n:
+                if g.abort_exc is not None:
+                    err = g.abort_exc
+                    break
+                if m.error is not None:
+                    err = m.error
+                    break
+                if i and time.monotonic() > g.deadline:
+                    err = TransferTimeout(f"shm batch of {n} passed its deadline after {i} requests",
+                                          region=g.remote.name, peer=g.remote.address)
+                    break
+                if self.copy_mode:
+                    rc = self._copy(m, write, la + lo[i], m.base + ro[i], ln[i])
+                    nxt = rc if rc else i + 1
+                elif m.kind == "map":
+                    nxt = loop.copy_many(m.base, ro, la, lo, ln, i, n, chunk, m.pidfd) if write else \
+                        loop.copy_many(la, lo, m.base, ro, ln, i, n, chunk, m.pidfd)
+                else:
+                    nxt = loop.cma_many(m.pid, write, la, lo, m.base, ro, ln, i, n, chunk, m.pidfd)
+                if nxt < 0:
+                    err = self._rc_error(nxt, g.kind, g.remote, m)
+                    break
+                i = nxt
+        except BaseException as exc:  # noqa: BLE001 - reported through the group
+            err = self._map_error(exc, g, m)
+        m.exit()
+        if err is None:
+            g.complete()
+            return
+        if i:
+            g.complete(range(i))
+        g.fail(err)
+
+    def _chunks(self, op: Operation, m: _Mapping, write: bool, local: int, remote: int, length: int) -> None:
+        """Copy ``length`` bytes a chunk at a time, stopping for abort, deadline or revocation."""
+        chunk = self._chunk
+        pos = 0
+        while pos < length:
+            if op.abort_exc is not None:
+                raise op.abort_exc
+            if m.error is not None:
+                raise m.error
+            if pos and time.monotonic() > op.deadline:
+                raise TransferTimeout(f"shm {op.kind} of {length} bytes passed its deadline after {pos} bytes",
+                                      region=op.remote.name, peer=op.remote.address)
+            k = min(chunk, length - pos)
+            rc = self._copy(m, write, local + pos, remote + pos, k)
+            if rc:
+                raise self._rc_error(rc, op.kind, op.remote, m)
+            pos += k
+
     def _piece(self, op: Operation, st: _Pieces, write: bool, local: int, remote: int, length: int) -> None:
         err: BaseException | None = None
-        m = st.mapping
-        chunk = self._chunk
         try:
-            pos = 0
-            while pos < length:
-                if op.abort_exc is not None:
-                    raise op.abort_exc
-                if m.error is not None:
-                    raise m.error
-                k = min(chunk, length - pos)
-                self._copy(m, write, local + pos, remote + pos, k)
-                pos += k
+            self._chunks(op, st.mapping, write, local, remote, length)
         except BaseException as exc:  # noqa: BLE001
             err = exc
         self._piece_done(op, st, err)
@@ -632,30 +972,30 @@ class ShmTransport(Transport):
         else:
             op.fail(self._map_error(st.error, op, st.mapping))
 
-    def _copy(self, m: _Mapping, write: bool, local: int, remote: int, n: int) -> None:
+    def _copy(self, m: _Mapping, write: bool, local: int, remote: int, n: int) -> int:
+        """One contiguous move (0 or -errno), through the bounce buffer in copy mode."""
         if not self.copy_mode:
-            self._move(m, write, local, remote, n)
-            return
+            return self._move(m, write, local, remote, n)
         bounce = self._bounce()
         b = self._bounce_size
         for pos in range(0, n, b):
             k = min(b, n - pos)
             if write:
                 _native.memcpy(bounce, local + pos, k)
-                self._move(m, True, bounce, remote + pos, k)
+                rc = self._move(m, True, bounce, remote + pos, k)
             else:
-                self._move(m, False, bounce, remote + pos, k)
+                rc = self._move(m, False, bounce, remote + pos, k)
                 _native.memcpy(local + pos, bounce, k)
+            if rc:
+                return rc
+        return 0
 
-    @staticmethod
-    def _move(m: _Mapping, write: bool, local: int, remote: int, n: int) -> None:
+    def _move(self, m: _Mapping, write: bool, local: int, remote: int, n: int) -> int:
         if m.kind == "map":
             if write:
-                _native.memcpy(remote, local, n)
-            else:
-                _native.memcpy(local, remote, n)
-        else:
-            _native.cma_one(write, m.pid, local, remote, n)
+                return self._loop.copy(remote, local, n, m.pidfd)
+            return self._loop.copy(local, remote, n, m.pidfd)
+        return self._loop.cma(m.pid, write, local, remote, n, m.pidfd)
 
     def _bounce(self) -> int:
         buf = getattr(self._tls, "bounce", None)
@@ -663,37 +1003,47 @@ class ShmTransport(Transport):
             buf = self._tls.bounce = ctypes.create_string_buffer(self._bounce_size)
         return ctypes.addressof(buf)
 
-    @staticmethod
-    def _map_error(exc: BaseException, op: Operation, m: _Mapping) -> BaseException:
-        r = op.remote
-        if isinstance(exc, MpcommError) or not isinstance(exc, OSError):
-            return exc
-        if exc.errno == errno.ESRCH:
-            return PeerConnectionError(f"shm: the process of {r.address} (pid {m.pid}) is gone", peer=r.address,
-                                       region=r.name)
-        if exc.errno in (errno.EPERM, errno.EACCES):
-            return PermissionDeniedError(f"shm: cross-memory attach to pid {m.pid} denied: {exc.strerror}",
+    def _rc_error(self, rc: int, kind: str, r: Any, m: _Mapping) -> MpcommError:
+        """A copy-loop error code as an mpcomm error; a dead owner also ends the mapping."""
+        code = -rc
+        if code == errno.ESRCH:
+            # Not retryable: no transport reaches a process that exited (a
+            # restarted peer has a new epoch, and the descriptor is stale).
+            err = PeerConnectionError(f"shm: the process owning region {r.name!r} on {r.address} (pid {m.pid}) has "
+                                      "exited; nobody will read these bytes", peer=r.address, region=r.name,
+                                      retryable=False)
+            m.revoke(err)  # later requests fail at once; unmapped when no copy runs
+            return err
+        if code in (errno.EPERM, errno.EACCES):
+            return PermissionDeniedError(f"shm: cross-memory attach to pid {m.pid} denied: {os.strerror(code)}",
                                          peer=r.address, region=r.name)
-        if exc.errno == errno.EFAULT:
+        if code == errno.EFAULT:
             return TransferError(f"shm: region {r.name!r} is no longer mapped in pid {m.pid}; the range may be "
                                  "partly written", peer=r.address, region=r.name)
+        return TransferError(f"shm {kind}: {os.strerror(code)}", peer=r.address, region=r.name)
+
+    @staticmethod
+    def _map_error(exc: BaseException, op: Any, m: _Mapping) -> BaseException:
+        if isinstance(exc, MpcommError) or not isinstance(exc, OSError):
+            return exc
+        r = op.remote
         return TransferError(f"shm {op.kind}: {exc}", peer=r.address, region=r.name)
 
-    def abort(self, op: Operation) -> None:
-        """Nothing to interrupt: pieces check ``op.aborted`` between chunks."""
+    def abort(self, op: Any) -> None:
+        """Nothing to interrupt: copies check ``abort_exc`` between chunks."""
 
     def peer_changed(self, peer: PeerInfo) -> None:
         err = PeerConnectionError(f"peer {peer.address} is gone or restarted", peer=peer.address)
         with self._lock:
             keys = [k for k in self._maps if k[0] == peer.epoch]
             maps = [self._maps.pop(k) for k in keys]
+            for m in maps:
+                self._by_rkey.pop(m.rkey, None)
             self._reach_cache.pop((peer.node_id, peer.epoch), None)
-            served = list(self._served.values())
         for m in maps:
             m.revoke(err)  # unmapped by the last copy that still runs
-        for s in served:
-            with s.lock:
-                s.attached.pop(peer.node_id, None)
+        # Attachments it holds on our regions stay recorded: a lost link is not
+        # a dead initiator, and unregister must still revoke a live one.
 
     def close(self) -> None:
         self._closed = True
@@ -706,6 +1056,7 @@ class ShmTransport(Transport):
         with self._lock:
             maps = list(self._maps.values())
             self._maps.clear()
+            self._by_rkey.clear()
             served = list(self._served.values())
             self._served.clear()
         grace = self.ctx.config.runtime.abort_grace_ms / 1000
@@ -717,6 +1068,23 @@ class ShmTransport(Transport):
                 if s.seg is not None and s.seg.fd >= 0:
                     os.close(s.seg.fd)
                     s.seg.fd = -1
+
+
+def _again(err: MpcommError, r: Any) -> MpcommError:
+    """A mapping's stored error, raised anew for one request (same class and retryability)."""
+    return type(err)(f"{err}: {r.name!r} on {r.address}", region=r.name, peer=r.address, retryable=err.retryable)
+
+
+def _pidfd_open(pid: int) -> int:
+    """A pidfd for ``pid`` (-1 when the kernel or Python lacks them, or the pid is gone)."""
+    fn = getattr(os, "pidfd_open", None)
+    if fn is None or pid <= 0:
+        return -1
+    try:
+        return int(fn(pid))
+    except OSError as exc:
+        logging.getLogger("mpcomm.transport.shm").debug("shm: pidfd_open(%d) failed: %s", pid, exc)
+        return -1
 
 
 def _fcntl_seals(fd: int) -> int:

@@ -38,7 +38,7 @@ from mpcomm import Availability, Capabilities, Transport, TransportContext
 from mpcomm.control import listen
 from mpcomm.errors import MpcommError
 from mpcomm.peer import PeerInfo, parse_endpoint
-from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes, unconfirmed
+from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes
 
 from . import wire
 from .client import Piece, Pool, next_id
@@ -77,6 +77,7 @@ class TcpTransport(Transport):
         inflight_cancel=True,
         modes=frozenset({"zero-copy", "copy"}),
         revocation="target-check",  # the target checks every request against its region table
+        bandwidth_class="low",  # kernel sockets
     )
     #: Checked by the core when the engine starts (a ConfigError names the option).
     option_ranges: ClassVar[dict[str, Any]] = OPTION_RANGES
@@ -265,16 +266,14 @@ class TcpTransport(Transport):
             if err is None:
                 group.complete(indices=range(a, b))
                 return
-            if not confirmed:
-                err = unconfirmed(group, err)
             if status is None:
-                group.fail(err, indices=range(a, b))
+                group.fail(err, indices=range(a, b), confirmed=confirmed)
                 return
             ok = [a + i for i, s in enumerate(status) if not s]
             bad = [a + i for i, s in enumerate(status) if s]
             if ok:
                 group.complete(indices=ok)
-            group.fail(err, indices=bad)
+            group.fail(err, indices=bad, confirmed=confirmed)
 
         return report
 

@@ -35,6 +35,7 @@ PROT_LOCAL_READ, PROT_LOCAL_WRITE, PROT_REMOTE_READ, PROT_REMOTE_WRITE = 1, 2, 1
 _MM_ALLOCATE = 1 << 1
 _MEM_ATTR_ADDRESS, _MEM_ATTR_LENGTH = 1, 2
 _OP_ATTR_FIELD_FLAGS, _OP_ATTR_FIELD_MEMH = 1 << 4, 1 << 8
+_OP_ATTR_FLAG_MULTI_SEND = 1 << 19
 _EP_CLOSE_FLAG_FORCE = 1 << 0
 
 _API_MAJOR, _API_MINOR = 1, 21  # header version the layouts were checked against
@@ -369,11 +370,12 @@ class Worker:
         return self._efd
 
     def arm(self) -> bool:
-        """Drain progress, then arm the efd. False means events are pending
-        (UCS_ERR_BUSY): progress again instead of sleeping, or they are lost.
+        """Arm the efd. False means there is work (a progress call just did some, or
+        UCS_ERR_BUSY): look at your requests and progress again instead of sleeping, or
+        completions that progress call produced are never looked at.
         Use with fileno() to sleep in your own select/poll/epoll loop."""
-        while self.progress():
-            pass
+        if self.progress():
+            return False
         st = self._lib.ucp_worker_arm(self._h)
         if st == UCS_ERR_BUSY:
             return False
@@ -419,6 +421,8 @@ class Endpoint:
         self.error_status = None  # set (from inside progress) when the peer fails
         self._on_error = on_error
         self._rkeys: list[RemoteKey] = []
+        self._params: dict = {}
+        self._flush_param = _req_param()
         addr_buf = C.create_string_buffer(address, len(address))
         p = _EpParams(field_mask=_EP_FIELD_REMOTE_ADDRESS | _EP_FIELD_ERR_MODE, address=C.addressof(addr_buf),
                       err_mode=_ERR_MODE_PEER if error_handling else _ERR_MODE_NONE)
@@ -450,6 +454,113 @@ class Endpoint:
         p = _req_param(memh)
         r = fn(self._h, local_addr, length, remote_addr, rkey._h, C.byref(p))
         return Request._wrap(self.worker, r, name)
+
+    def rma_now(self, write: bool, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
+                memh: MemHandle | None = None) -> "Request | int":
+        """One put/get, then local progress while it makes progress; the hot path of small requests.
+
+        Returns UCS_OK (0) when the operation finished locally (a cma copy is done inside the
+        calls), a negative status on failure, or the pending Request (never waits for the peer). The request parameters
+        are built once per memh and reused (UCX reads them only during the call)."""
+        if self.error_status is not None:
+            return self.error_status
+        p = self._params.get(memh)
+        if p is None:
+            p = self._params[memh] = _req_param(memh)
+        fn = self._lib.ucp_put_nbx if write else self._lib.ucp_get_nbx
+        r = fn(self._h, local_addr, length, remote_addr, rkey._h, C.byref(p))
+        if not r:
+            return UCS_OK
+        if r >= (UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF):
+            return r - (1 << 64)
+        lib = self._lib
+        st = lib.ucp_request_check_status(r)
+        wh = self.worker._h
+        # Progress while it makes progress: on cma each call copies further fragments of a large
+        # put/get (local work); over a network it returns 0 at once and the caller hands off.
+        while st == UCS_INPROGRESS and lib.ucp_worker_progress(wh):
+            st = lib.ucp_request_check_status(r)
+        if st == UCS_INPROGRESS:
+            return Request(self.worker, r, "ucp_put_nbx" if write else "ucp_get_nbx")
+        lib.ucp_request_free(r)
+        return st
+
+    def rma_many(self, write: bool, local_addrs, remote_addrs, lengths, rkey: "RemoteKey",
+                 memh: MemHandle | None = None) -> dict:
+        """Issue N puts/gets (sequences of addresses and lengths) without tracking each request.
+
+        Every request UCX returns is released at once (``ucp_request_free`` on a pending
+        request lets UCX free it when it completes); completion of all of them, and of their
+        remote side, is what a following endpoint flush reports. Returns {index: status} of
+        the ones UCX refused immediately (nothing of those was issued)."""
+        if self.error_status is not None:
+            return {i: self.error_status for i in range(len(lengths))}
+        key = ("many", memh)
+        p = self._params.get(key)
+        if p is None:
+            p = self._params[key] = _req_param(memh)
+            p.op_attr_mask |= _OP_ATTR_FIELD_FLAGS
+            p.flags = _OP_ATTR_FLAG_MULTI_SEND
+        lib = self._lib
+        fn = lib.ucp_put_nbx if write else lib.ucp_get_nbx
+        free, h, rk, ref = lib.ucp_request_free, self._h, rkey._h, C.byref(p)
+        last = UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF
+        failed = {}
+        i = 0
+        for la, ra, n in zip(local_addrs, remote_addrs, lengths):
+            r = fn(h, la, n, ra, rk, ref)
+            if r:
+                if r >= last:
+                    failed[i] = r - (1 << 64)
+                else:
+                    free(r)
+            i += 1
+        return failed
+
+    def rma_group(self, write: bool, lbase: int, local_offsets, rbase: int, remote_offsets, lengths,
+                  rkey: "RemoteKey", memh: MemHandle | None = None) -> dict:
+        """rma_many over ``base + offset`` arrays (``array('q')``), in the compiled helper when
+        there is one (issue, release and progress without the interpreter), else in Python.
+        The worker is progressed while it reports work afterwards either way."""
+        native = _native_helper()
+        n = len(lengths)
+        if native is None or self.error_status is not None or n == 0:
+            failed = self.rma_many(write, [lbase + x for x in local_offsets],
+                                   [rbase + x for x in remote_offsets], lengths, rkey, memh)
+            self.progress_all()
+            return failed
+        key = ("many", memh)
+        p = self._params.get(key)
+        if p is None:
+            p = self._params[key] = _req_param(memh)
+            p.op_attr_mask |= _OP_ATTR_FIELD_FLAGS
+            p.flags = _OP_ATTR_FLAG_MULTI_SEND
+        lib = self._lib
+        fns = _fn_pointers(lib)
+        arr = C.c_int64 * n
+        status = (C.c_int8 * n)()
+        refused = native.mpcomm_ucx_rma_many(
+            fns[0] if write else fns[1], fns[2], fns[3], self._h, self.worker._h,
+            arr.from_buffer(local_offsets), lbase, arr.from_buffer(remote_offsets), rbase,
+            arr.from_buffer(lengths), n, rkey._h, C.byref(p), status)
+        if not refused:
+            return {}
+        return {i: status[i] for i in range(n) if status[i]}
+
+    def progress_all(self) -> None:
+        """ucp_worker_progress until it reports nothing more (local work only)."""
+        progress, wh = self._lib.ucp_worker_progress, self.worker._h
+        while progress(wh):
+            pass
+
+    def flush_now(self) -> "Request | int":
+        """ucp_ep_flush_nbx: UCS_OK when nothing was outstanding, a status, or the pending Request."""
+        r = self._lib.ucp_ep_flush_nbx(self._h, C.byref(self._flush_param))
+        if not r:
+            return UCS_OK
+        if r >= (UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF):
+            return r - (1 << 64)
+        return Request(self.worker, r, "ucp_ep_flush_nbx")
 
     def put(self, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
             memh: MemHandle | None = None) -> "Request | None":
@@ -560,6 +671,29 @@ class Request:
             if not w.progress() and blocking:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 w.wait(min(left, 0.1) if left is not None else 0.1)
+
+
+_native_state: list = []
+_fn_cache: dict = {}
+
+
+def _native_helper():
+    """The compiled batch helper (plugins/ucx/_native.py) or None; loaded once."""
+    if not _native_state:
+        try:
+            from . import _native  # absent when this file is loaded by path (tests' peers)
+            _native_state.append(_native.load())
+        except ImportError:
+            _native_state.append(None)
+    return _native_state[0]
+
+
+def _fn_pointers(lib):
+    fns = _fn_cache.get(id(lib))
+    if fns is None:
+        fns = _fn_cache[id(lib)] = tuple(C.cast(getattr(lib, name), C.c_void_p).value for name in (
+            "ucp_put_nbx", "ucp_get_nbx", "ucp_request_free", "ucp_worker_progress"))
+    return fns
 
 
 def wait_all(reqs, timeout: float | None = None, blocking: bool = False):

@@ -1,84 +1,90 @@
 """The ucx transport: one-sided puts and gets through UCX's UCP API.
 
 The native calls live in :mod:`mpcomm.plugins.ucx._ucp` (a ctypes binding to
-the libucp that the ``libucx-cu12`` wheel ships; ``ucxx``'s Python layer does
-not wrap RMA). Nothing here loads UCX before :meth:`UcxTransport.availability`
-or :meth:`UcxTransport.start` runs.
+the libucp that the ``libucx`` wheel ships; ``ucxx``'s Python layer does not
+wrap RMA). Nothing here loads UCX before :meth:`UcxTransport.availability` or
+:meth:`UcxTransport.start` runs. docs/ucx.md is the user-facing description;
+this docstring records why the code is shaped as it is.
 
-Layout. One UCP context and one worker per engine. ``start()`` publishes the
-worker address (hex) to peers; ``register(region)`` maps the region
-(``ucp_mem_map``) and puts the packed rkey, base address and size into the
-region's descriptor. An endpoint per peer worker is created on first use and
-caches the unpacked rkeys of that peer's regions.
+Defaults. Peer error handling is on (a dead peer is an error, not a crash)
+and ``RNDV_THRESH`` is ``inf`` unless ``UCX_RNDV_THRESH`` is set: UCX asks,
+with error handling on and rendezvous enabled, for memory domains that can
+invalidate remote access (only InfiniBand can), which drops cma and leaves
+tcp with RMA emulated in software. This transport uses no rendezvous (no
+tag or AM API), so with the threshold at ``inf`` UCX wires up cma for RMA on
+one host (zero-copy, ``process_vm_writev``), tcp for wire-up and keepalive,
+and tcp (or verbs where built) between hosts.
 
-Progress. One progress thread per engine. Idle, it sleeps on the worker's event
-fd (``ucp_worker_arm`` + ``select``; ``ucp_worker_signal`` wakes it): no CPU
-without traffic. While anything is outstanding, or for ``spin_us`` after the
-last event, it polls ``ucp_worker_progress`` and yields the CPU between polls
-(``sched_yield``), so the caller's thread keeps its core on a 2-core machine.
-The same thread serves peers: with peer error handling, RMA to this worker is
-emulated with active messages over tcp and needs this worker to progress.
-Requests up to ``inline_threshold`` bytes are issued and, for up to
-``inline_spin_us``, progressed on the caller's thread (no thread hop); what
-is not done by then is handed to the progress thread. Measured here: inline
-wins on shared memory (error handling off), the thread wins over tcp, so the
-default (-1) inlines up to 64 KiB only with error handling off.
+Access. The descriptor carries only the base, size and access the target
+registered. The packed rkey is handed out only over the authenticated
+control channel: the first request to a region *attaches* (a control
+request carrying the descriptor's token and epoch, sent from a connector
+thread, never from ``post``); the target checks the token against its own
+table, records who attached and answers with the rkey, base, size and
+access from its own registration. The initiator refuses a descriptor whose
+fields do not match that answer and checks every request against it.
 
-Large transfers are split into ``chunk``-byte puts/gets with at most
-``window`` bytes outstanding per request; a write ends with one endpoint flush
-(remote completion). A read is complete when its gets are.
+Revocation (``Capabilities.revocation = "fence"``). On ``unregister`` the
+target marks the region closed (no new attach), then asks every initiator
+that attached to revoke it; the initiator stops issuing into the region,
+waits until every put/get it issued there completed and was flushed,
+destroys the rkey and answers. Only then is the memory handle unmapped and
+``unregister`` returns. If an initiator does not answer within
+``revoke_timeout`` (hung, but alive), the mapping and the buffer are kept
+alive (quarantined), so a late access lands in allocated memory, never in
+freed pages. Against a peer that does not cooperate nothing here (nor UCX on
+cma, sysv/posix or tcp) can stop it: see docs/ucx.md.
 
-Abort (timeout, cancel, peer lost). ``ucp_request_cancel`` does nothing to RMA
-requests, and a forced endpoint close does not stop bytes already handed to
-the kernel on the tcp path (they land when the target next progresses —
-measured), so abort is a *fence*: stop issuing, flush the endpoint, and call
-``op.fail`` once every outstanding request and the flush completed — then no
-more byte of the request can land. A peer UCX reports as failed (peer error
-handling) or the engine reports lost (``peer_changed``) ends the wait at once:
-the endpoint is force-closed and the request fails with PeerConnectionError.
-A live but stalled target cannot be fenced: the request is left to the
-engine's abort grace (``runtime.abort_grace_ms``), which fails it saying bytes
-may still land; only then is the endpoint force-closed (and other requests on
-it re-issued on a fresh endpoint: re-writing the same bytes is harmless).
+Progress. One progress thread per engine sleeps on the worker's event fd
+(``ucp_worker_arm`` + ``select``), woken by UCX events and by
+``ucp_worker_signal`` (new work, aborts, revocations); its only timeout is
+the next abort-grace expiry. It polls for ``spin_us`` after the last event
+before arming. It reports completions (``op.complete``/``op.fail``) and does
+nothing else that could block. Requests up to ``inline_threshold`` bytes are
+issued on the posting thread (cma copies are synchronous and need nothing
+from the target); what is not done right after issuing is left to the
+progress thread.
 
-Error handling (``[plugins.ucx] error_handling``, default true). On, UCX
-detects dead peers (the contract's peer-death guarantee holds) but excludes
-its shared-memory and cma transports: everything goes over tcp with RMA
-emulated in software. Off, UCX uses sysv/posix/cma on one host (several times
-faster), but a dead peer is not detected: cma aborts the whole process
-(SIGABRT inside UCX) and tcp hangs until the deadline, and a forced close does
-not fail outstanding requests, so timeouts end in the engine's abort grace.
+Batches (``post_many``): the N puts/gets are issued as one unit (``Endpoint.rma_group``:
+a compiled loop when a C compiler is available, see ``_native.py``, else Python),
+their requests released at once, then one endpoint flush reports them all; an
+index UCX refuses at once fails alone, a failed flush fails every index.
 
-Bounds. UCX does not refuse accesses outside a mapping (measured on tcp,
-sysv/posix and cma: a put past the mapped range lands). The engine checks
-requests against the descriptor; this transport checks them again against the
-size it published next to the rkey. Both come from the descriptor, so the
-descriptor (with its rkey) is the capability: whoever holds a forged one can
-reach any memory of the target that UCX can reach.
+Wake-ups. Completions are seen only by whoever calls ``ucp_worker_progress``: a
+posting thread that progressed while work was handed off signals the progress
+thread, and ``Worker.arm`` reports work its progress call did instead of sleeping.
+
+Abort (timeout, cancel, peer lost, revocation). ``ucp_request_cancel`` does
+nothing to RMA requests, so an abort is a fence: stop issuing, wait for what
+was issued, flush the endpoint, then fail. A stalled target over tcp cannot
+be fenced; after the engine's abort grace the endpoint is force-closed and
+the other requests on it start over on a fresh endpoint.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
+import operator
 import os
 import select
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mpcomm import Availability, Capabilities, Operation, Transport, TransportContext
+from mpcomm import Availability, Capabilities, Transport, TransportContext
 from mpcomm.errors import (
+    AccessError,
+    EngineClosedError,
     MpcommError,
     OutOfBoundsError,
     PeerConnectionError,
     PermissionDeniedError,
+    ProtocolError,
     TransferError,
     TransferTimeout,
     TransportUnavailable,
+    UnknownRegionError,
 )
 from mpcomm.peer import PeerInfo
 
@@ -88,7 +94,7 @@ if TYPE_CHECKING:
     from . import _ucp
 
 INSTALL_HINT = "pip install 'mpcomm[ucx]'"
-MAX_RKEYS = 1024  # unpacked rkeys cached per peer endpoint
+MAX_ATTACHED = 1024  # idle attachments (unpacked rkeys) kept per peer endpoint
 
 _PEER_GONE = {-25, -80, -6, -24, -3}  # CONNECTION_RESET, ENDPOINT_TIMEOUT, UNREACHABLE, NOT_CONNECTED, IO_ERROR
 
@@ -99,59 +105,123 @@ def _ucp_module() -> Any:
     return _ucp
 
 
-def map_status(status: int, op: Operation, where: str) -> MpcommError:
+def _error(kind: type[MpcommError], text: str, remote: Any) -> MpcommError:
+    return kind(text, peer=getattr(remote, "address", None), region=getattr(remote, "name", None))
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """A new instance of a shared error (one per request: each gets its own traceback)."""
+    if isinstance(exc, MpcommError):
+        try:
+            return type(exc)(str(exc), region=exc.region, peer=exc.peer)
+        except TypeError:
+            return exc
+    return exc
+
+
+def map_status(status: int, remote: Any, kind: str, where: str) -> MpcommError:
     """A UCX status of a failed request as an mpcomm error."""
     ucp = _ucp_module()
-    text = f"ucx {op.kind} to {op.remote.address}: {where}: {ucp.status_string(status)} (ucs_status {status})"
+    text = f"ucx {kind} to {remote.address}: {where}: {ucp.status_string(status)} (ucs_status {status})"
     if status in _PEER_GONE or status == ucp.UCS_ERR_CANCELED:
-        return PeerConnectionError(text, peer=op.remote.address, region=op.remote.name)
+        return _error(PeerConnectionError, text, remote)
     if status == ucp.UCS_ERR_TIMED_OUT:
-        return TransferTimeout(text, peer=op.remote.address, region=op.remote.name)
-    return TransferError(text, peer=op.remote.address, region=op.remote.name)
+        return _error(TransferTimeout, text, remote)
+    return _error(TransferError, text, remote)
+
+
+class _Remote:
+    """Names a peer in an error raised before any request is involved."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.name = None
 
 
 class _Peer:
-    """The endpoint to one peer worker, and the rkeys unpacked on it."""
+    """The endpoint to one peer worker and this initiator's attachments to its regions."""
 
     def __init__(self, key: tuple[str, str], address: bytes, name: str) -> None:
         self.key = key
         self.address = address
         self.name = name
         self.ep: _ucp.Endpoint | None = None
-        self.rkeys: OrderedDict[str, _ucp.RemoteKey] = OrderedDict()
         self.generation = 0
         self.failed: int | None = None  # UCX status from the error callback
-        self.ops: set[_OpState] = set()
+        self.works: set[_Work] = set()
+        self.attached: OrderedDict[tuple[int, str, int], _Attach] = OrderedDict()
+        self.connecting: list[_Attach] = []  # attaches queued for the connector thread
+        self.connector: threading.Thread | None = None
 
 
-@dataclass(eq=False)
-class _OpState:
-    op: Operation
-    peer: _Peer
-    local_addr: int
-    remote_addr: int
-    rkey_hex: str
-    memh: Any
-    generation: int = -1
-    rkey: Any = None
-    next: int = 0  # next byte to issue
-    reqs: list[tuple[Any, int]] = field(default_factory=list)  # (request, bytes)
-    inflight: int = 0
-    flush: Any = None  # the outstanding flush request
-    flushed: bool = False  # a flush issued after the last put completed OK
-    error: int | None = None  # first failed status
-    fatal: MpcommError | None = None  # fail with this once drained (peer dead)
-    abort_at: float | None = None
-    abort_flushed: bool = False
-    restart: bool = False  # re-issue everything on a fresh endpoint once drained
+class _Attach:
+    """Initiator side: one remote region as the target described it over the control channel."""
+
+    __slots__ = ("key", "peer", "info", "state", "error", "rkey_hex", "rkey", "generation", "base", "size",
+                 "access", "waiting", "works", "ok_remote")
+
+    def __init__(self, key: tuple[int, str, int], peer: _Peer, info: PeerInfo) -> None:
+        self.key = key  # (region_id, epoch, token)
+        self.peer = peer
+        self.info = info  # the target's PeerInfo, for the control request
+        self.state = "pending"  # -> "ready" | "revoked"
+        self.error: MpcommError | None = None
+        self.rkey_hex = ""
+        self.rkey: Any = None
+        self.generation = -1
+        self.base = self.size = 0
+        self.access = ""
+        self.waiting: list[_Work] = []  # posted before the attach finished
+        self.works: set[_Work] = set()  # issuing or in flight
+        self.ok_remote: Any = None  # the last RemoteRegion object found to match the target's answer
+
+
+class _Work:
+    """One Operation or one OperationGroup on its way through UCX."""
+
+    __slots__ = ("op", "group", "kind", "att", "peer", "items", "count", "lengths", "next", "reqs", "inflight",
+                 "flush", "flushed", "error", "failed", "fatal", "stop", "abort_at", "fenced", "restart", "memh",
+                 "generation")
+
+    def __init__(self, op: Any, group: bool, att: _Attach, memh: Any) -> None:
+        self.op = op
+        self.group = group
+        self.kind = op.kind
+        self.att = att
+        self.peer = att.peer
+        self.memh = memh
+        # items: (local address, remote offset, length, index), issued in order
+        self.items: list[tuple[int, int, int, int]] = []
+        self.count = 1
+        self.next = 0  # next item to issue
+        self.reqs: list[tuple[Any, int, int]] = []  # (request, bytes, index)
+        self.inflight = 0
+        self.flush: Any = None
+        self.flushed = False
+        self.error: int | None = None  # first failed status (single op)
+        self.failed: dict[int, MpcommError] = {}  # group: index -> why
+        self.fatal: MpcommError | None = None  # fail with this once drained (peer dead, revoked)
+        self.stop = False  # stop issuing (revoked)
+        self.abort_at: float | None = None
+        self.fenced = False
+        self.restart = False
+        self.generation = -1
 
     @property
     def outstanding(self) -> bool:
         return bool(self.reqs) or self.flush is not None
 
+    @property
+    def issued_all(self) -> bool:
+        return self.next >= len(self.items)
+
+    @property
+    def remote(self) -> Any:
+        return self.op.remote
+
 
 class UcxTransport(Transport):
-    """One-sided RMA over UCX (tcp, shared memory, cma, InfiniBand, ... as UCX picks)."""
+    """One-sided RMA over UCX (cma and shared memory on one host, tcp or InfiniBand between hosts)."""
 
     name: ClassVar[str] = "ucx"
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -162,18 +232,20 @@ class UcxTransport(Transport):
         zero_copy=True,
         inflight_cancel=True,
         modes=frozenset({"zero-copy"}),
+        # Initiators are told over the control channel and confirm before unregister returns; UCX's
+        # software transports do not check rkeys, so nothing stronger holds (docs/ucx.md, Revocation).
+        revocation="fence",
+        bandwidth_class="medium",
     )
     default_options: ClassVar[dict[str, Any]] = {
-        "error_handling": True,  # peer error handling: dead peers detected, but no shm/cma (see docs/ucx.md)
+        "error_handling": True,  # peer error handling: a dead peer is an error (see docs/ucx.md)
         "tls": "",  # UCX_TLS for this engine's context; "" keeps the environment's / UCX's choice
-        "chunk": 8 << 20,  # bytes per put/get of a large request
+        "chunk": 4 << 20,  # bytes per put/get of a large request (an abort stops between chunks)
         "window": 64 << 20,  # outstanding bytes per request
-        # Issue and progress requests up to this size on the caller's thread; -1: 64 KiB with error
-        # handling off (shm/cma: 4 KiB p50 120 us inline vs 200 us via the thread), 0 with it on
-        # (tcp round trips outlast the spin: 270 us via the thread vs 490 us inline). Measured here.
-        "inline_threshold": -1,
-        "inline_spin_us": 200,  # how long the caller's thread progresses before handing off
-        "spin_us": 100,  # the progress thread polls this long after the last event before sleeping
+        "inline_threshold": 4 << 20,  # requests up to this size are issued on the posting thread
+        "spin_us": 50,  # the progress thread polls this long after the last event before sleeping
+        "revoke_timeout": 2.0,  # seconds a target waits for an initiator to confirm a revocation
+        "attach_timeout": 10.0,  # upper bound of an attach round trip (the request's deadline is shorter)
     }
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -182,22 +254,30 @@ class UcxTransport(Transport):
         self.error_handling = bool(o["error_handling"])
         self._chunk = max(4096, int(o["chunk"]))
         self._window = max(self._chunk, int(o["window"]))
-        thr = int(o["inline_threshold"])
-        self._inline_threshold = thr if thr >= 0 else (0 if self.error_handling else 64 << 10)
-        self._inline_spin = int(o["inline_spin_us"]) / 1e6
+        self._inline_threshold = int(o["inline_threshold"])
         self._spin = int(o["spin_us"]) / 1e6
+        self._revoke_timeout = float(o["revoke_timeout"])
+        self._attach_timeout = float(o["attach_timeout"])
         self._abort_grace = ctx.config.runtime.abort_grace_ms / 1000
         self.log = ctx.log
         self._lock = threading.RLock()
+        self._drained = threading.Condition(self._lock)
         self._ucp: Any = None
         self._context: _ucp.Context | None = None
         self._worker: _ucp.Worker | None = None
-        self._memh: dict[int, _ucp.MemHandle] = {}
+        # target side: region id -> [region, memh, packed rkey hex, {node_id: PeerInfo}, closed]
+        self._served: dict[int, list[Any]] = {}
+        self._memh: dict[int, Any] = {}  # local region id -> memh (local side of puts/gets)
+        self._quarantine: list[Any] = []  # (memh, view) kept alive after an unconfirmed revocation
+        self._gone: set[str] = set()  # node ids reported dead while something was quarantined
         self._peers: dict[tuple[str, str], _Peer] = {}
-        self._active: set[_OpState] = set()
+        self._by_info: dict[int, tuple[PeerInfo, _Peer]] = {}  # id(op.peer) -> (that PeerInfo, its peer)
+        self._active: set[_Work] = set()
+        self._waits: list[tuple[Any, threading.Event]] = []  # connector threads waiting for a wire-up flush
         self._thread: threading.Thread | None = None
         self._closing = False
         self._closed = False
+        self.wakeups = 0  # progress-thread sleeps that ended (observability; tests check it stays event-driven)
 
     # -- availability ---------------------------------------------------------
 
@@ -240,10 +320,19 @@ class UcxTransport(Transport):
 
     # -- lifecycle --------------------------------------------------------------
 
+    def context_settings(self) -> dict[str, str]:
+        """UCX settings this engine's context gets on top of the environment (see the module docstring)."""
+        env: dict[str, str] = {}
+        tls = str(self.ctx.options["tls"])
+        if tls:
+            env["TLS"] = tls
+        if "UCX_RNDV_THRESH" not in os.environ:
+            env["RNDV_THRESH"] = "inf"
+        return env
+
     def start(self) -> dict[str, Any]:
         ucp = self._ucp = _ucp_module()
-        tls = str(self.ctx.options["tls"])
-        self._context = ucp.Context(env={"TLS": tls} if tls else None)
+        self._context = ucp.Context(env=self.context_settings())
         try:
             self._worker = self._context.create_worker(ucp.THREAD_MULTI)
             address = self._worker.address.hex()
@@ -261,31 +350,39 @@ class UcxTransport(Transport):
             return
         self._closed = True
         self._closing = True
-        if self._worker is not None:
-            try:
-                self._worker.signal()
-            except Exception:  # noqa: BLE001
-                pass
+        self._signal()
         if self._thread is not None:
             self._thread.join(5.0)
         with self._lock:
-            states = list(self._active)
+            works = list(self._active)
             self._active.clear()
             peers = list(self._peers.values())
             self._peers.clear()
+            for p in peers:
+                for att in p.attached.values():
+                    works.extend(att.waiting)
+                    att.waiting = []
+                    works.extend(att.works)
+            self._drained.notify_all()
+        err = EngineClosedError("the ucx transport was closed")
+        for w in set(works):
+            self._release_requests(w)
         for peer in peers:
-            self._force_close(peer)
-        for st in states:
-            self._release_requests(st)
-            st.op.fail(PeerConnectionError("the ucx transport was closed", peer=st.op.remote.address))
+            # The progress thread is gone: progress the closes here, or UCX tears down a worker
+            # whose endpoints still have queued operations (an assertion that aborts the process).
+            self._force_close(peer, timeout=2.0)
+        for w in set(works):
+            self._release_requests(w)
+            self._report_fail(w, err)
         try:
             if self._context is not None:
                 self._context.close()  # workers, their endpoints, then every memory mapping
         except Exception:  # noqa: BLE001 - close must not raise
             self.log.exception("ucx: context cleanup failed")
         self._memh.clear()
+        self._served.clear()
 
-    # -- memory -------------------------------------------------------------------
+    # -- memory (target side and local side) ---------------------------------------
 
     def register(self, region: Region) -> dict[str, Any] | None:
         if region.kind != "host" or self._context is None:
@@ -295,36 +392,87 @@ class UcxTransport(Transport):
         if "w" in region.access:
             prot |= ucp.PROT_REMOTE_WRITE
         try:
+            # Exactly the registered range, with the registered rights (enforced by hardware
+            # transports; cma/tcp/shm ignore the remote bits: see docs/ucx.md).
             memh = self._context.mem_map(region.address, region.size, prot)
-            rkey = memh.pack_rkey()
+            rkey = memh.pack_rkey().hex()
         except Exception as exc:  # noqa: BLE001 - the region is simply not served by ucx
             self.log.warning("ucx: cannot map region %s: %s", region.name, exc)
             return None
         with self._lock:
-            old = self._memh.pop(region.id, None)
+            old = self._served.pop(region.id, None)
+            self._served[region.id] = [region, memh, rkey, {}, False]
             self._memh[region.id] = memh
         if old is not None:
-            self._unmap(old)
-        info = {"rkey": rkey.hex(), "base": region.address, "size": region.size, "access": region.access}
-        info["tag"] = self._tag(info, region.token, region.id, self.ctx.epoch)
-        return info
-
-    def _tag(self, info: dict[str, Any], token: int, region_id: int, epoch: str) -> str:
-        """Binds the rkey to the descriptor's token, id, epoch, access and bounds.
-
-        Keyed with ``transport.secret`` when one is set (then only engines
-        holding the secret can make a descriptor this transport accepts);
-        otherwise a plain hash that catches inconsistent (edited) descriptors.
-        """
-        msg = f"{info['rkey']}|{info['base']}|{info['size']}|{info['access']}|{token}|{region_id}|{epoch}".encode()
-        key = (self.ctx.config.transport.secret or "").encode()
-        return hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
+            self._retire(old)
+        # No rkey here: it travels only over the authenticated control channel (attach).
+        return {"base": region.address, "size": region.size, "access": region.access}
 
     def unregister(self, region: Region) -> None:
         with self._lock:
-            memh = self._memh.pop(region.id, None)
-        if memh is not None:
+            served = self._served.pop(region.id, None)
+            self._memh.pop(region.id, None)
+        if served is not None:
+            self._retire(served)
+
+    def _retire(self, served: list[Any]) -> None:
+        """Revoke a served region at every initiator that attached, then unmap it."""
+        region, memh = served[0], served[1]
+        with self._lock:
+            served[4] = True  # no new attach from here on
+            peers = list(served[3].values())
+            served[3].clear()
+        left = [p for p in peers if not self._revoke_at(p, region)]
+        if not left:
             self._unmap(memh)
+            return
+        # A live initiator did not confirm: keep the pages and the mapping, so a late access
+        # lands in memory that is still allocated, not in freed pages. A slice shares the
+        # exporter's buffer: the engine's release of region.view then cannot free it (a
+        # bytearray cannot resize, an mmap cannot close) while this holds it. Keep asking in
+        # the background; once every initiator confirmed (or is gone), unmap and let go.
+        entry = (memh, region.view[:])
+        with self._lock:
+            self._quarantine.append(entry)
+        threading.Thread(target=self._keep_revoking, args=(entry, region, left), name="mpcomm-ucx-revoke",
+                         daemon=True).start()
+
+    def _keep_revoking(self, entry: tuple[Any, memoryview], region: Region, left: list[PeerInfo]) -> None:
+        delay = self._revoke_timeout
+        while left and not self._closing:
+            time.sleep(delay)  # back-off between retries to a hung initiator; no one waits on this
+            delay = min(delay * 2, 30.0)
+            with self._lock:
+                gone = self._gone
+            left = [p for p in left if p.node_id not in gone and not self._revoke_at(p, region)]
+        if self._closing:
+            return  # close() unmaps everything with the context
+        with self._lock:
+            try:
+                self._quarantine.remove(entry)
+            except ValueError:
+                return
+        self._unmap(entry[0])
+        entry[1].release()
+
+    def _revoke_at(self, peer: PeerInfo, region: Region) -> bool:
+        try:
+            self.ctx.control(peer, self.name, {"op": "revoke", "region_id": region.id}, self._revoke_timeout)
+            return True
+        except PeerConnectionError as exc:
+            if getattr(exc, "retryable", False):  # no answer in time: alive but hung, maybe
+                self.log.warning("ucx: %s did not confirm revoking region %r (%s); keeping it mapped",
+                                 peer.address, region.name, exc)
+                return False
+            return True  # refused or reset: its engine is gone (a dead process accesses nothing)
+        except (UnknownRegionError, TransportUnavailable):
+            return True  # it no longer runs ucx
+        except EngineClosedError:
+            return False
+        except MpcommError as exc:
+            self.log.warning("ucx: %s did not confirm revoking region %r (%s); keeping it mapped",
+                             peer.address, region.name, exc)
+            return False
 
     def _unmap(self, memh: Any) -> None:
         try:
@@ -337,6 +485,70 @@ class UcxTransport(Transport):
                 ctx._memhs.remove(memh)
             except ValueError:
                 pass
+
+    # -- control channel -----------------------------------------------------------
+
+    def handle_control(self, peer: PeerInfo | None, body: dict[str, Any]) -> dict[str, Any]:
+        if peer is None:
+            raise PermissionDeniedError("ucx control requests need an identified peer")
+        op = body.get("op")
+        try:
+            rid = int(body["region_id"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError("ucx control request without a region id") from None
+        if op == "attach":
+            return self._handle_attach(peer, rid, body)
+        if op == "revoke":
+            return self._handle_revoke(peer, rid)
+        raise ProtocolError(f"unknown ucx control request {op!r}")
+
+    def _handle_attach(self, peer: PeerInfo, rid: int, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            served = self._served.get(rid)
+        if served is None:
+            raise UnknownRegionError(f"no region with id {rid} is registered with ucx here")
+        region = served[0]
+        try:
+            token = int(body["token"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError("ucx attach without a token") from None
+        epoch = body.get("epoch")
+        # The engine's table decides: token, epoch, and that the region is still registered.
+        self.ctx.regions.serve(rid, token, None if epoch is None else str(epoch), 0, 0, region.access[0]).release()
+        with self._lock:
+            if served[4] or self._served.get(rid) is not served:
+                raise UnknownRegionError(f"region {region.name!r} was unregistered", region=region.name)
+            served[3][peer.node_id] = peer
+            return {"rkey": served[2], "base": region.address, "size": region.size, "access": region.access}
+
+    def _handle_revoke(self, peer: PeerInfo, rid: int) -> dict[str, Any]:
+        """Initiator side: the target unregisters ``rid``; answer once nothing of ours can reach it."""
+        err = UnknownRegionError(f"region {rid} of {peer.address} was unregistered by its owner")
+        with self._lock:
+            atts = [a for p in self._peers.values() if p.key[0] == peer.node_id
+                    for a in p.attached.values() if a.key[0] == rid and a.key[1] == peer.epoch]
+            waiting: list[_Work] = []
+            for a in atts:
+                a.state, a.error = "revoked", err
+                waiting.extend(a.waiting)
+                a.waiting = []
+                for w in a.works:
+                    w.stop = True
+                    w.fatal = w.fatal or err
+        for w in waiting:
+            self._report_fail(w, err)
+        self._signal()
+        deadline = time.monotonic() + self._revoke_timeout
+        with self._lock:
+            while any(a.works for a in atts):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"accesses to region {rid} did not drain in {self._revoke_timeout}s")
+                self._drained.wait(left)
+            for a in atts:
+                self._drop_rkey(a)
+                a.peer.attached.pop(a.key, None)
+        return {"ok": True}
 
     # -- peers ----------------------------------------------------------------------
 
@@ -351,17 +563,23 @@ class UcxTransport(Transport):
             return Availability.no("peer's ucx worker address is not hex")
         return Availability.yes()
 
-    def _peer_for(self, op: Operation) -> _Peer:
+    def _peer_for(self, op: Any) -> _Peer:
         info = op.peer.transports.get(self.name) or {}
         worker = str(info.get("worker", ""))
         key = (op.peer.node_id, worker)
         peer = self._peers.get(key)
         if peer is None:
             peer = self._peers[key] = _Peer(key, bytes.fromhex(worker), op.remote.address)
+        if len(self._by_info) > 4 * len(self._peers) + 64:
+            self._by_info.clear()
+        self._by_info[id(op.peer)] = (op.peer, peer)  # the object is kept: its id cannot be reused
         return peer
 
     def _endpoint(self, peer: _Peer) -> Any:
-        """The peer's endpoint, (re)created on demand; call with the lock held."""
+        """The peer's endpoint, (re)created on demand (lock held; never on a posting thread).
+
+        ``ucp_ep_create`` from a worker address starts the wire-up and returns; requests
+        issued before it finished wait inside UCX."""
         if peer.ep is None:
             assert self._worker is not None
             peer.failed = None
@@ -372,252 +590,600 @@ class UcxTransport(Transport):
 
             peer.ep = self._worker.connect(peer.address, error_handling=self.error_handling, on_error=on_error)
             peer.generation += 1
-            peer.rkeys.clear()
         return peer.ep
 
-    def _rkey(self, peer: _Peer, rkey_hex: str) -> Any:
-        rk = peer.rkeys.get(rkey_hex)
-        if rk is not None:
-            peer.rkeys.move_to_end(rkey_hex)
-            return rk
-        if len(peer.rkeys) >= MAX_RKEYS:
-            in_use = {st.rkey_hex for st in peer.ops}
-            for key in [k for k in peer.rkeys if k not in in_use][: len(peer.rkeys) // 2]:
-                old = peer.rkeys.pop(key)
-                old.destroy()
-                try:
-                    peer.ep._rkeys.remove(old)  # type: ignore[union-attr]
-                except ValueError:
-                    pass
-        rk = peer.ep.unpack_rkey(bytes.fromhex(rkey_hex))  # type: ignore[union-attr]
-        peer.rkeys[rkey_hex] = rk
-        return rk
+    def _rkey(self, att: _Attach) -> Any:
+        peer = att.peer
+        if att.generation != peer.generation or att.rkey is None:
+            self._drop_rkey(att)
+            att.rkey = peer.ep.unpack_rkey(bytes.fromhex(att.rkey_hex))  # type: ignore[union-attr]
+            att.generation = peer.generation
+        return att.rkey
 
-    def _force_close(self, peer: _Peer) -> None:
-        """Force-close the peer's endpoint: its outstanding requests fail (CANCELED)."""
+    def _drop_rkey(self, att: _Attach) -> None:
+        rk, att.rkey = att.rkey, None
+        if rk is None:
+            return
+        ep = att.peer.ep
+        if att.generation == att.peer.generation and ep is not None:
+            rk.destroy()
+            try:
+                ep._rkeys.remove(rk)
+            except ValueError:
+                pass
+        # else: the endpoint it was unpacked on is closed, which destroyed it
+
+    def _force_close(self, peer: _Peer, timeout: float = 0.0) -> None:
+        """Force-close the peer's endpoint: its outstanding requests fail (CANCELED).
+
+        timeout 0 (the progress thread): the close finishes in later progress calls."""
         with self._lock:
             ep, peer.ep = peer.ep, None
-            peer.rkeys.clear()
+            for att in peer.attached.values():
+                att.rkey = None  # destroyed with the endpoint
             if ep is None:
                 return
             try:
-                ep.close(force=True, timeout=2.0)
+                ep.close(force=True, timeout=timeout)
             except Exception as exc:  # noqa: BLE001
                 self.log.debug("ucx: forced close of the endpoint to %s: %s", peer.name, exc)
 
     def peer_changed(self, peer: PeerInfo) -> None:
         """The peer died or restarted: fail what is in flight to it, drop its endpoint and rkeys."""
+        waiting: list[_Work] = []
         with self._lock:
             gone = [p for k, p in self._peers.items() if k[0] == peer.node_id]
+            self._by_info = {k: v for k, v in self._by_info.items() if v[1] not in gone}
             for p in gone:
                 del self._peers[p.key]
-            for p in gone:
-                for st in p.ops:
-                    st.fatal = st.fatal or PeerConnectionError(
-                        f"peer {p.name} is gone", peer=p.name, region=st.op.remote.name)
+                for att in p.attached.values():
+                    att.state = "revoked"
+                    att.error = PeerConnectionError(f"peer {p.name} is gone", peer=p.name)
+                    waiting.extend(att.waiting)
+                    att.waiting = []
+                for w in p.works:
+                    w.fatal = w.fatal or PeerConnectionError(f"peer {p.name} is gone", peer=p.name,
+                                                             region=w.remote.name)
+        for w in waiting:
+            self._report_fail(w, PeerConnectionError(f"peer {peer.address} is gone", peer=peer.address))
         for p in gone:
             self._force_close(p)
-        self._wake()
+        with self._lock:
+            # Target side: that process (or its old incarnation) holds no rkey of ours any more.
+            for served in self._served.values():
+                served[3].pop(peer.node_id, None)
+            if self._quarantine:
+                self._gone.add(peer.node_id)
+        self._signal()
 
-    def handle_control(self, peer: PeerInfo | None, body: dict[str, Any]) -> dict[str, Any]:
-        return {}
+    # -- attach (connector threads) -------------------------------------------------------
+
+    def _connector(self, peer: _Peer) -> None:
+        """Runs attaches to one peer's regions, one after the other, off every posting thread."""
+        while True:
+            with self._lock:
+                if not peer.connecting or self._closing:
+                    peer.connector = None
+                    return
+                att = peer.connecting.pop(0)
+                lefts = [w.op.time_left() for w in att.waiting]
+            timeout = min(self._attach_timeout, max(lefts, default=0.0))
+            end = time.monotonic() + timeout
+            try:
+                if timeout <= 0:
+                    raise TransferTimeout("the deadline passed before the ucx attach could be sent")
+                with self._lock:
+                    if peer.ep is None and self._worker is not None:
+                        self._endpoint(peer)  # wire-up runs (progress thread) during the attach round trip
+                rid, epoch, token = att.key
+                ans = self.ctx.control(att.info, self.name,
+                                       {"op": "attach", "region_id": rid, "token": token, "epoch": epoch}, timeout)
+                rkey_hex, base, size = str(ans["rkey"]), int(ans["base"]), int(ans["size"])
+                access = str(ans["access"])
+                bytes.fromhex(rkey_hex)
+                self._wired(peer, end)
+            except MpcommError as exc:
+                self._attach_failed(att, exc)
+                continue
+            except (KeyError, TypeError, ValueError) as exc:
+                self._attach_failed(att, ProtocolError(f"malformed ucx attach answer ({exc})"))
+                continue
+            except Exception as exc:  # noqa: BLE001 - never lose the waiting requests
+                self._attach_failed(att, TransferError(f"ucx attach failed: {exc}"))
+                continue
+            refused: list[tuple[_Work, Any]] = []
+            with self._lock:
+                if att.state != "pending":  # revoked (or the peer went) meanwhile
+                    waiting, att.waiting = att.waiting, []
+                    refused = [(w, att.error or UnknownRegionError("region revoked")) for w in waiting]
+                else:
+                    att.rkey_hex, att.base, att.size, att.access = rkey_hex, base, size, access
+                    att.state = "ready"
+                    waiting, att.waiting = att.waiting, []
+                    for w in waiting:
+                        if w.op.aborted:
+                            refused.append((w, w.op.abort_exc))
+                            continue
+                        exc = self._start(w)
+                        if exc is not None:
+                            refused.append((w, exc))
+            for w, exc in refused:
+                self._report_fail(w, exc)
+
+    def _wired(self, peer: _Peer, end: float) -> None:
+        """Wait (connector thread) until the endpoint's wire-up finished: a flush completes then.
+
+        Requests issued before that would queue inside UCX; issued after, a cma copy finishes
+        inside the call."""
+        with self._lock:
+            ep = peer.ep
+            if ep is None:
+                return
+            try:
+                req = ep.flush_now()
+            except self._ucp.UcxError as exc:
+                raise map_status(exc.status, _Remote(peer.name), "attach", "wire-up") from None
+            if isinstance(req, int):
+                if req < 0:
+                    raise map_status(req, _Remote(peer.name), "attach", "wire-up")
+                return
+            done = threading.Event()
+            self._waits.append((req, done))
+        self._signal()
+        if not done.wait(max(0.0, end - time.monotonic())):
+            with self._lock:
+                self._waits = [x for x in self._waits if x[0] is not req]
+                req.free()
+            raise TransferTimeout(f"ucx wire-up with {peer.name} did not finish within the request's deadline",
+                                  peer=peer.name)
+        st = req._final
+        if st is not None and st < 0:
+            raise map_status(st, _Remote(peer.name), "attach", "wire-up")
+
+    def _attach_failed(self, att: _Attach, exc: MpcommError) -> None:
+        with self._lock:
+            waiting, att.waiting = att.waiting, []
+            if att.peer.attached.get(att.key) is att:
+                del att.peer.attached[att.key]  # not cached: the next request asks again
+        for w in waiting:
+            self._report_fail(w, exc)
 
     # -- initiator ----------------------------------------------------------------------
 
-    def post(self, op: Operation) -> None:
-        info = op.remote.transports.get(self.name) or {}
+    def _descriptor(self, remote: Any) -> tuple[int, int, str]:
+        info = remote.transports.get(self.name) or {}
         try:
-            rkey_hex, base, size = str(info["rkey"]), int(info["base"]), int(info["size"])
-            access, tag = str(info["access"]), str(info["tag"])
+            return int(info["base"]), int(info["size"]), str(info["access"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise TransportUnavailable(f"region {op.remote.name!r} carries no usable ucx registration ({exc})",
-                                       region=op.remote.name, peer=op.remote.address) from None
+            raise TransportUnavailable(f"region {remote.name!r} carries no usable ucx registration ({exc})",
+                                       region=remote.name, peer=remote.address) from None
+
+    def _check(self, w: _Work, att: _Attach) -> MpcommError | None:
+        """The target's word (from its attach answer) against the descriptor and the request."""
+        r = w.remote
+        base, size, access = self._descriptor(r)
+        if (base, size, access) != (att.base, att.size, att.access) or r.size != att.size:
+            return _error(PermissionDeniedError,
+                          f"the descriptor of region {r.name!r} does not match what its owner registered "
+                          f"(base/size/access {base:#x}/{size}/{access} vs {att.base:#x}/{att.size}/{att.access})", r)
+        need = "w" if w.kind == "write" else "r"
+        if need not in att.access:
+            return _error(PermissionDeniedError, f"region {r.name!r} was registered with access {att.access!r}", r)
+        op = w.op
+        if w.group:
+            lo = min(op.remote_offsets)
+            hi = max(op.remote_offsets) + max(op.lengths)  # an upper bound, cheap; exact only if needed
+            if hi > att.size:
+                hi = max(map(operator.add, op.remote_offsets, op.lengths))
+        else:
+            lo, hi = op.remote_offset, op.remote_offset + op.length
+        if lo < 0 or hi > att.size:
+            return _error(OutOfBoundsError, f"[{lo}, {hi}) is outside the {att.size} bytes registered for region "
+                                            f"{r.name!r}", r)
+        return None
+
+    def post(self, op: Any) -> None:
+        # Hot path: a small request to a region already attached on a wired-up endpoint, whose
+        # descriptor object was already checked against the target's answer. Everything else
+        # (and whatever this cannot finish at once) takes the general path.
         r = op.remote
-        if not hmac.compare_digest(tag, self._tag(info, r.token, r.region_id, r.epoch)):
-            raise PermissionDeniedError(
-                f"the descriptor of region {r.name!r} does not match its ucx registration "
-                "(token, access, bounds or rkey were changed)", region=r.name, peer=r.address)
-        if (op.kind == "write" and "w" not in access) or (op.kind == "read" and "r" not in access):
-            raise PermissionDeniedError(f"region {r.name!r} was registered with access {access!r}",
-                                        region=r.name, peer=r.address)
-        if op.remote_offset < 0 or op.remote_offset + op.length > size:
-            raise OutOfBoundsError(
-                f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside the {size} bytes mapped "
-                f"for region {op.remote.name!r}", region=op.remote.name, peer=op.remote.address)
-        if op.length == 0:
+        length = op.length
+        peer = self._by_info.get(id(op.peer))
+        if peer is not None and peer[0] is op.peer and 0 < length <= self._chunk and length <= self._inline_threshold:
+            p = peer[1]
+            with self._lock:
+                att = p.attached.get((r.region_id, r.epoch, r.token))
+                ep = p.ep
+                if (att is not None and att.ok_remote is r and att.state == "ready" and ep is not None
+                        and p.failed is None and att.rkey is not None and att.generation == p.generation
+                        and op.remote_offset >= 0 and op.remote_offset + length <= att.size
+                        and not self._closed):
+                    st = ep.rma_now(op.kind == "write", op.local.address + op.local_offset, length,
+                                    att.base + op.remote_offset, att.rkey, self._memh.get(op.local.id))
+                    if st == 0 and op.kind == "write":
+                        st = ep.flush_now()
+                    if st == 0:
+                        done = True
+                    elif isinstance(st, int):
+                        done = False
+                        err = map_status(st, r, op.kind, "request failed")
+                    else:
+                        # still in flight (a network lane): the progress thread finishes it
+                        w = _Work(op, False, att, None)
+                        w.items = [(0, op.remote_offset, length, 0)]
+                        w.next = 1
+                        if op.kind == "write" and st.name == "ucp_ep_flush_nbx":
+                            w.flush = st
+                        else:
+                            w.reqs.append((st, length, 0))
+                            w.inflight = length
+                        op.state = w
+                        att.works.add(w)
+                        p.works.add(w)
+                        self._active.add(w)
+                        self._signal()
+                        return
+                    p.attached.move_to_end(att.key)
+                    if self._active:
+                        # Our progress calls may have completed requests of handed-off work (its
+                        # event is consumed now): let the progress thread look.
+                        self._signal()
+                else:
+                    done = None
+            if done:
+                op.complete(length)  # the bytes landed before any revocation could be processed
+                return
+            if done is False:
+                op.fail(err)
+                return
+        self._post(op, False)
+
+    def post_many(self, group: Any) -> None:
+        """N puts or gets and one flush; each index reported (see the module docstring)."""
+        self._post(group, True)
+
+    def _post(self, op: Any, group: bool) -> None:
+        r = op.remote
+        self._descriptor(r)  # a region that ucx does not serve: refused before anything moved
+        if group:
+            if op.count == 0:
+                op.complete()
+                return
+        elif op.length == 0:
             op.complete(0)
             return
         with self._lock:
             if self._closed:
                 raise TransportUnavailable("the ucx transport is closed")
             peer = self._peer_for(op)
-            st = _OpState(op, peer, op.local.address + op.local_offset, base + op.remote_offset, rkey_hex,
-                          self._memh.get(op.local.id))
-            op.state = st
-            peer.ops.add(st)
-            self._issue(st)
-        if op.length <= self._inline_threshold and st.error is None:
-            end = time.monotonic() + self._inline_spin
-            worker = self._worker
-            assert worker is not None
-            while True:
-                worker.progress()
-                self._reap(st)
-                if not st.outstanding and st.error is None and st.next >= op.length:
-                    if op.kind == "read" or st.flushed:
-                        self._finish(st, None)
-                        return
-                    with self._lock:
-                        self._issue(st)  # the flush after the last put
-                    continue
-                if st.error is not None or op.aborted or time.monotonic() > end:
-                    break
-        with self._lock:
-            self._active.add(st)
-        self._wake()
+            key = (int(r.region_id), str(r.epoch), int(r.token))
+            att = peer.attached.get(key)
+            w = _Work(op, group, att or _Attach(key, peer, op.peer), self._memh.get(op.local.id))
+            op.state = w
+            if att is None:
+                att = w.att
+                peer.attached[key] = att
+                self._trim(peer)
+            if att.state == "revoked":
+                raise _fresh(att.error or UnknownRegionError("region revoked", region=r.name))
+            if att.state == "pending":
+                self._items(w)
+                att.waiting.append(w)
+                if att not in peer.connecting:
+                    peer.connecting.append(att)
+                if peer.connector is None:
+                    peer.connector = threading.Thread(target=self._connector, args=(peer,),
+                                                      name="mpcomm-ucx-attach", daemon=True)
+                    peer.connector.start()
+                return
+            peer.attached.move_to_end(key)
+            exc = self._start(w)
+            if exc is not None:
+                raise exc
 
-    def _issue(self, st: _OpState) -> None:
-        """Issue more of ``st`` (lock held): chunks within the window, then the flush."""
-        op, peer = st.op, st.peer
-        if (peer.failed is not None and peer.ep is not None) or st.error is not None or st.fatal is not None:
+    def _start(self, w: _Work) -> MpcommError | None:
+        """Check ``w`` against the target's word and issue it (lock held); the error refuses it."""
+        op, att, peer, r = w.op, w.att, w.peer, w.op.remote
+        if att.ok_remote is not r:
+            exc = self._check(w, att)
+            if exc is not None:
+                return exc
+            if not w.group:
+                att.ok_remote = r  # this descriptor matches the target's word; bounds per request below
+        elif op.remote_offset < 0 or op.remote_offset + op.length > att.size:
+            return _error(OutOfBoundsError, f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside "
+                                            f"the {att.size} bytes registered for region {r.name!r}", r)
+        if not w.group and self._fast(w):
+            return None
+        self._items(w)
+        att.works.add(w)
+        peer.works.add(w)
+        inline = peer.ep is not None and peer.failed is None and self._total(w) <= self._inline_threshold
+        if inline:
+            self._issue(w)
+            # A cma put/get is copied inside ucp_put_nbx/ucp_get_nbx (large ones fragment by
+            # fragment inside progress); UCX marks requests done in progress calls, which are
+            # local and never wait on the peer: progress while it makes progress.
+            progress = self._worker.progress  # type: ignore[union-attr]
+            if w.outstanding:  # (a group's rma_group already progressed)
+                while progress():
+                    pass
+                if self._active:
+                    self._signal()  # those calls may have completed handed-off work: let the thread look
+            self._reap(w)
+            if not w.outstanding and w.issued_all and ((w.kind == "read" and not w.group) or w.flushed
+                                                        or w.error is not None or self._issue_flush(w)):
+                if self._settled(w):
+                    return None
+            if w.flush is not None:
+                while progress():
+                    pass
+                self._reap(w)
+                if w.flushed or w.error is not None:
+                    self._settled(w)
+                    return None
+        self._active.add(w)
+        self._signal()
+        return None
+
+    def _fast(self, w: _Work) -> bool:
+        """One-chunk request on a connected endpoint: issue, and report if it finished (lock held).
+
+        The lock is held from issue to report, so a revocation cannot slip in between."""
+        op, peer = w.op, w.peer
+        ep = peer.ep
+        if ep is None or peer.failed is not None or op.length > self._chunk or op.length > self._inline_threshold:
+            return False
+        ucp = self._ucp
+        att = w.att
+        if att.generation != peer.generation or att.rkey is None:
+            self._rkey(att)
+        write = w.kind == "write"
+        loc = op.local.address + op.local_offset
+        st = ep.rma_now(write, loc, op.length, att.base + op.remote_offset, att.rkey, w.memh)
+        w.next = 1
+        if self._active:
+            self._signal()  # rma_now's progress calls may have completed handed-off work
+        if isinstance(st, int):
+            if st != 0:
+                w.error = st
+                return self._settled(w)
+            if write:
+                f = ep.flush_now()
+                if isinstance(f, int):
+                    if f != 0:
+                        w.error = f
+                    return self._settled(w)
+                w.flush = f
+        else:
+            w.reqs.append((st, op.length, 0))
+            w.inflight = op.length
+        w.items = [(loc, op.remote_offset, op.length, 0)]
+        att.works.add(w)
+        peer.works.add(w)
+        self._active.add(w)
+        self._signal()
+        return True
+
+    @staticmethod
+    def _total(w: _Work) -> int:
+        return sum(w.op.lengths) if w.group else w.op.length
+
+    def _items(self, w: _Work) -> None:
+        op = w.op
+        base = op.local.address
+        if w.group:
+            w.count = op.count
+            w.items = [(0, 0, 0, 0)]  # issued as one unit (rma_many), then one flush
+        else:
+            loc, rem, n, c = base + op.local_offset, op.remote_offset, op.length, self._chunk
+            w.items = [(loc + o, rem + o, min(c, n - o), 0) for o in range(0, n, c)]
+
+    def _trim(self, peer: _Peer) -> None:
+        """Bound the idle attachments (unpacked rkeys) per peer (lock held)."""
+        if len(peer.attached) <= MAX_ATTACHED:
+            return
+        for key in list(peer.attached)[: len(peer.attached) // 2]:
+            a = peer.attached[key]
+            if a.state == "ready" and not a.works and not a.waiting:
+                self._drop_rkey(a)
+                del peer.attached[key]
+
+    def _issue(self, w: _Work) -> None:
+        """Issue more of ``w`` (lock held): items within the window."""
+        peer, att = w.peer, w.att
+        if w.stop or w.fatal is not None or w.error is not None or w.op.aborted:
+            return
+        if peer.failed is not None and peer.ep is not None:
             return
         ucp = self._ucp
         try:
             ep = self._endpoint(peer)
-            if st.generation != peer.generation:
-                st.rkey = self._rkey(peer, st.rkey_hex)
-                st.generation = peer.generation
-            issue = ep.put if op.kind == "write" else ep.get
-            while st.next < op.length and st.inflight < self._window and not op.aborted:
-                n = min(self._chunk, op.length - st.next)
-                r = issue(st.local_addr + st.next, n, st.remote_addr + st.next, st.rkey, st.memh)
-                st.next += n
+            rkey = self._rkey(att)
+            if w.group:
+                if w.next == 0:
+                    op, base = w.op, att.base
+                    lbase = op.local.address
+                    failed = ep.rma_group(w.kind == "write", lbase, op.local_offsets, base, op.remote_offsets,
+                                          op.lengths, rkey, w.memh)
+                    for i, status in failed.items():
+                        w.failed[i] = map_status(status, w.remote, w.kind, "request refused")
+                    w.next = len(w.items)
+                return
+            issue = ep.put if w.kind == "write" else ep.get
+            items, base, memh = w.items, att.base, w.memh
+            while w.next < len(items) and w.inflight < self._window:
+                loc, ro, n, i = items[w.next]
+                w.next += 1
+                try:
+                    r = issue(loc, n, base + ro, rkey, memh)
+                except ucp.UcxError as exc:
+                    if not w.group:
+                        raise
+                    w.failed[i] = map_status(exc.status, w.remote, w.kind, "request failed")
+                    continue
                 if r is not None:
-                    st.reqs.append((r, n))
-                    st.inflight += n
-            if (op.kind == "write" and st.next >= op.length and not st.reqs and st.flush is None
-                    and not st.flushed and not op.aborted):
-                r = ep.flush()
-                if r is None:
-                    st.flushed = True
-                else:
-                    st.flush = r
+                    w.reqs.append((r, n, i))
+                    w.inflight += n
         except ucp.UcxError as exc:
-            st.error = exc.status
+            w.error = exc.status
 
-    def _reap(self, st: _OpState) -> None:
-        """Collect finished requests of ``st``."""
-        if st.reqs:
+    def _issue_flush(self, w: _Work) -> bool:
+        """The write's remote-completion flush (lock held); True when it is already done."""
+        if w.flush is not None or w.flushed:
+            return w.flushed
+        ep = w.peer.ep
+        if ep is None:
+            return False
+        try:
+            r = ep.flush()
+        except self._ucp.UcxError as exc:
+            w.error = exc.status
+            return True
+        if r is None:
+            w.flushed = True
+        else:
+            w.flush = r
+        return w.flushed
+
+    def _reap(self, w: _Work) -> None:
+        """Collect finished requests of ``w``."""
+        if w.reqs:
             left = []
-            for r, n in st.reqs:
+            for item in w.reqs:
+                r = item[0]
                 s = r.status()
                 if s == 1:
-                    left.append((r, n))
+                    left.append(item)
                     continue
                 r.free()
-                st.inflight -= n
-                if s < 0 and st.error is None:
-                    st.error = s
-            st.reqs = left
-        if st.flush is not None:
-            s = st.flush.status()
-            if s != 1:
-                st.flush.free()
-                st.flush = None
+                w.inflight -= item[1]
                 if s < 0:
-                    st.error = st.error if st.error is not None else s
-                elif st.next >= st.op.length and st.error is None:
-                    st.flushed = True
+                    if w.group:
+                        w.failed.setdefault(item[2], map_status(s, w.remote, w.kind, "request failed"))
+                    if w.error is None:
+                        w.error = s
+            w.reqs = left
+        if w.flush is not None:
+            s = w.flush.status()
+            if s != 1:
+                w.flush.free()
+                w.flush = None
+                if s < 0:
+                    w.error = w.error if w.error is not None else s
+                elif w.issued_all:
+                    w.flushed = True
 
-    def _release_requests(self, st: _OpState) -> None:
-        for r, _n in st.reqs:
+    def _release_requests(self, w: _Work) -> None:
+        for r, _n, _i in w.reqs:
             r.free()  # UCX reclaims a request freed before it completes
-        st.reqs = []
-        st.inflight = 0
-        if st.flush is not None:
-            st.flush.free()
-            st.flush = None
+        w.reqs = []
+        w.inflight = 0
+        if w.flush is not None:
+            w.flush.free()
+            w.flush = None
 
-    def _finish(self, st: _OpState, exc: MpcommError | None) -> None:
+    def _settled(self, w: _Work) -> bool:
+        """Everything issued finished: report (lock held). False: more to do."""
+        if w.group:
+            if w.error is not None:
+                # the flush failed (or the endpoint went): no index is known to have landed in full
+                exc = map_status(w.error, w.remote, w.kind, "flush failed")
+                self._forget(w)
+                self._report_fail(w, exc)
+                return True
+            self._forget(w)
+            op = w.op
+            by_exc: dict[int, list[int]] = {}
+            errs: dict[int, MpcommError] = {}
+            for i, exc in w.failed.items():
+                by_exc.setdefault(id(exc), []).append(i)
+                errs[id(exc)] = exc
+            for k, idx in by_exc.items():
+                op.fail(errs[k], idx)
+            op.complete()
+            return True
+        if w.error is not None:
+            self._forget(w)
+            self._report_fail(w, map_status(w.error, w.remote, w.kind, "request failed"))
+            return True
+        self._forget(w)
+        w.op.complete(w.op.length)
+        return True
+
+    def _forget(self, w: _Work) -> None:
+        """``w`` leaves every table (lock held); a waiting revocation may now answer."""
+        self._active.discard(w)
+        w.peer.works.discard(w)
+        if w in w.att.works:
+            w.att.works.discard(w)
+            if not w.att.works:
+                self._drained.notify_all()
+
+    def _report_fail(self, w: _Work, exc: BaseException) -> None:
         with self._lock:
-            self._active.discard(st)
-            st.peer.ops.discard(st)
-        op = st.op
-        if exc is None:
-            if op.before_complete is not None:
-                # The notification goes over the control channel: not on the progress thread.
-                self.ctx.executor.submit(op.complete, op.length)
-            else:
-                op.complete(op.length)
-        else:
-            op.fail(exc)
+            self._forget(w)
+        w.op.fail(_fresh(exc))
 
-    def _step(self, st: _OpState, now: float) -> None:
-        """Advance ``st`` on the progress thread."""
-        op, peer = st.op, st.peer
-        self._reap(st)
-        if op.done and st.abort_at is not None and now - st.abort_at > self._abort_grace:
-            # The engine gave up on a stalled target (abort grace): reclaim the endpoint,
-            # and let the other requests on it start over on a fresh one.
-            with self._lock:
-                for o in peer.ops:
-                    if o is not st:
-                        o.restart = True
-            if st.outstanding:
-                self._force_close(peer)
-                self._reap(st)
-            self._release_requests(st)
-            self._finish(st, TransferError("abandoned after the abort grace"))
+    def _step(self, w: _Work, now: float) -> None:
+        """Advance ``w`` on the progress thread (lock held)."""
+        op, peer = w.op, w.peer
+        self._reap(w)
+        aborted = op.aborted
+        if aborted and w.abort_at is not None and now - w.abort_at > self._abort_grace and w.outstanding:
+            # The target does not answer the fence (stalled): reclaim the endpoint and let the
+            # other requests on it start over on a fresh one (re-writing the same bytes is harmless).
+            for o in list(peer.works):
+                if o is not w and not o.op.aborted and o.fatal is None:
+                    o.restart = True
+            self._force_close(peer)
+            self._reap(w)
+            self._release_requests(w)
+            self._report_fail(w, op.abort_exc)
             return
         if peer.failed is not None and peer.ep is not None:
-            with self._lock:
-                for o in peer.ops:
-                    o.fatal = o.fatal or map_status(peer.failed, o.op, "peer failure")
-        if st.fatal is not None:
-            if st.outstanding and peer.ep is not None:
-                self._force_close(peer)  # fails what is outstanding
-                self._reap(st)
-            if st.outstanding:
+            for o in peer.works:
+                o.fatal = o.fatal or map_status(peer.failed, o.remote, o.kind, "peer failure")
+        if w.fatal is not None and not w.stop:
+            # The peer is dead: nothing can land any more; close the endpoint to end what is outstanding.
+            if w.outstanding and peer.ep is not None:
+                self._force_close(peer)
+                self._reap(w)
+            if w.outstanding:
                 return
-            self._finish(st, st.fatal)
+            self._report_fail(w, w.fatal)
             return
-        if op.aborted:
-            if st.abort_at is None:
-                st.abort_at = now
-            if st.outstanding:
+        if aborted or w.stop:
+            if w.abort_at is None:
+                w.abort_at = now
+            if w.outstanding:
                 return
-            if st.error is None and op.kind == "write" and not st.abort_flushed and st.next and not st.flushed:
+            if (w.kind == "write" or w.group) and not w.fenced and w.next and not w.flushed and w.error is None:
                 # The fence: once this flush completes, nothing issued before it can land.
-                st.abort_flushed = True
-                with self._lock:
-                    ep = peer.ep
-                    try:
-                        st.flush = ep.flush() if ep is not None else None
-                    except self._ucp.UcxError as exc:
-                        st.error = exc.status
-                if st.flush is not None:
+                w.fenced = True
+                if not self._issue_flush(w):
                     return
-            if st.error is not None and st.error != self._ucp.UCS_ERR_CANCELED and peer.failed is None:
-                self.log.debug("ucx: aborted %s ended with status %s", op.kind, st.error)
-            self._finish(st, op.abort_exc)  # type: ignore[arg-type]
+            self._report_fail(w, w.fatal if w.stop else op.abort_exc)
             return
-        if st.error is not None or st.restart:
-            if st.outstanding:
+        if w.error is not None or w.restart:
+            if w.outstanding:
                 return
-            if st.error is not None and not st.restart and st.error != self._ucp.UCS_ERR_CANCELED:
-                self._finish(st, map_status(st.error, op, "request failed"))
+            if w.error is not None and not w.restart and w.error != self._ucp.UCS_ERR_CANCELED:
+                self._settled(w)
                 return
-            # Our own forced close cancelled it: start over on a fresh endpoint.
-            st.error, st.restart, st.next, st.flushed, st.generation = None, False, 0, False, -1
-        if not st.outstanding and st.next >= op.length and (op.kind == "read" or st.flushed):
-            self._finish(st, None)
+            if w.restart or w.error == self._ucp.UCS_ERR_CANCELED:
+                # Our own forced close cancelled it: start over on a fresh endpoint.
+                w.error, w.restart, w.next, w.flushed, w.fenced = None, False, 0, False, False
+                w.failed.clear()
+        if not w.outstanding and w.issued_all:
+            if (w.kind == "read" and not w.group) or w.flushed or self._issue_flush(w):
+                self._settled(w)
             return
-        with self._lock:
-            self._issue(st)
+        self._issue(w)
 
     # -- progress thread ----------------------------------------------------------------
 
-    def _wake(self) -> None:
+    def _signal(self) -> None:
         w = self._worker
         if w is not None and not self._closed:
             try:
@@ -633,16 +1199,29 @@ class UcxTransport(Transport):
         try:
             while not self._closing:
                 n = w.progress()
-                with self._lock:
-                    states = list(self._active)
                 now = time.monotonic()
-                for st in states:
-                    try:
-                        self._step(st, now)
-                    except Exception as exc:  # noqa: BLE001 - a bug fails the request, not the thread
-                        self.log.exception("ucx: progress of a %s failed", st.op.kind)
-                        self._release_requests(st)
-                        self._finish(st, MpcommError(f"ucx transport failed: {exc}"))
+                wake_at = None
+                with self._lock:
+                    if self._waits:
+                        keep = []
+                        for req, ev in self._waits:
+                            if req.status() == 1:
+                                keep.append((req, ev))
+                            else:
+                                req.free()
+                                ev.set()
+                        self._waits = keep
+                    works = list(self._active)
+                    for st in works:
+                        try:
+                            self._step(st, now)
+                        except Exception as exc:  # noqa: BLE001 - a bug fails the request, not the thread
+                            self.log.exception("ucx: progress of a %s failed", st.kind)
+                            self._release_requests(st)
+                            self._report_fail(st, MpcommError(f"ucx transport failed: {exc}"))
+                        if st.abort_at is not None and st in self._active:
+                            t = st.abort_at + self._abort_grace
+                            wake_at = t if wake_at is None else min(wake_at, t)
                 if n:
                     last = now
                     continue
@@ -652,14 +1231,17 @@ class UcxTransport(Transport):
                 if not w.arm():
                     last = time.monotonic()
                     continue
-                # Sleep on the event fd; with requests outstanding wake up now and then anyway.
-                select.select([efd], [], [], 0.001 if states else 1.0)
+                # Sleep until UCX has an event or someone signals; the only timer is the abort grace.
+                timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic()) + 0.001
+                select.select([efd], [], [], timeout)
+                self.wakeups += 1
                 last = time.monotonic()
         except Exception:  # noqa: BLE001
             self.log.exception("ucx: the progress thread died")
 
-    def abort(self, op: Operation) -> None:
-        self._wake()
+    def abort(self, op: Any) -> None:
+        """Never blocks: the progress thread fences and reports."""
+        self._signal()
 
 
 logging.getLogger("mpcomm.transport.ucx").addHandler(logging.NullHandler())

@@ -296,3 +296,38 @@ def test_closed_engine(make_engine: Any) -> None:
     with pytest.raises(mpcomm.EngineClosedError):
         e.register(bytearray(8))
     e.close()  # idempotent
+
+
+def test_prepared_batch_posts_again_and_again(kv: Any) -> None:
+    target, initiator, buf, remote = kv
+    src = initiator.register(bytearray(b"p" * 64 + b"q" * 64))
+    prepared = initiator.prepare([Request("write", src, remote, 0, 64), Request("write", src, remote, 64, 64,
+                                                                                 local_offset=64)])
+    assert prepared.count == 2
+    for _ in range(3):
+        batch = prepared.post()
+        assert batch.result(5) == 128 and batch.statuses == [TransferStatus.COMPLETED] * 2
+    assert bytes(buf[:128]) == b"p" * 64 + b"q" * 64
+    many = initiator.prepare_many("write", src, remote, [0, 64], [256, 512], [64, 64])
+    assert many.post().result(5) == 128 and bytes(buf[256:320]) == b"p" * 64 and bytes(buf[512:576]) == b"q" * 64
+
+
+def test_prepare_refuses_what_it_cannot_repeat(kv: Any) -> None:
+    _, initiator, _, remote = kv
+    with pytest.raises(mpcomm.MpcommError, match="registered Regions"):
+        initiator.prepare([Request("write", b"plain bytes", remote, 0)])
+    src = initiator.register(bytearray(16))
+    with pytest.raises(mpcomm.OutOfBoundsError, match="request 1 of the batch"):
+        initiator.prepare([Request("write", src, remote, 0, 16), Request("write", src, remote, remote.size - 8, 16)])
+    with pytest.raises(mpcomm.OutOfBoundsError):
+        initiator.prepare_many("write", src, remote, [0], [remote.size], [16])
+
+
+def test_write_many_names_the_bad_index_and_moves_nothing(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+    src = initiator.register(bytearray(b"z" * 64))
+    with pytest.raises(mpcomm.OutOfBoundsError, match="request 2 of the batch"):
+        initiator.write_many(src, remote, [0, 0, 0], [0, 16, remote.size - 4], [8, 8, 8])
+    assert bytes(buf[:24]) == bytes(24)
+    np_batch = initiator.write_many(src, remote, np.array([0, 8]), np.array([100, 200]), np.array([8, 8]))
+    assert np_batch.result(5) == 16 and np_batch.failed == [] and np_batch.bytes_per_request == [8, 8]

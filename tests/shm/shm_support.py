@@ -7,11 +7,9 @@ import os
 import select
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 import mpcomm
 

@@ -9,6 +9,12 @@ per stdin line:
 * ``unregister NAME`` → ``ok`` or ``error <message>``;
 * ``notes`` → JSON list of notifications, each with ``in_place`` (the data
   the note describes was already there when it arrived);
+* ``raw NAME OFF LEN`` → hex sha256 of a ``buffer`` region's bytearray, also
+  after the region was unregistered (what a late write would change);
+* ``ids`` → JSON ``{name: region id}``;
+* ``hold`` → forks a child that keeps every fd of this process open (control
+  sockets included) and sleeps; prints its pid. Killing this process then
+  leaves its connections up: nothing but the pid's death tells a peer;
 * ``quit``.
 """
 
@@ -18,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 
 def main() -> int:
@@ -30,11 +37,13 @@ def main() -> int:
 
     engine = mpcomm.Engine(spec.get("config") or None, transports=spec.get("transports", ["shm", "tcp"]))
     regions = {}
+    raw = {}
     for name, (size, how) in spec.get("regions", {}).items():
         if how == "allocate":
             regions[name] = engine.allocate(size, name=name)
         else:
-            regions[name] = engine.register(bytearray(size), name=name)
+            raw[name] = bytearray(size)
+            regions[name] = engine.register(raw[name], name=name)
     notes = []
 
     def on_note(note):
@@ -60,6 +69,17 @@ def main() -> int:
                 out.write("ok\n")
             except mpcomm.MpcommError as exc:
                 out.write(f"error {exc}\n")
+        elif cmd == "raw":
+            name, off, ln = args[0], int(args[1]), int(args[2])
+            out.write(hashlib.sha256(raw[name][off : off + ln]).hexdigest() + "\n")
+        elif cmd == "ids":
+            out.write(json.dumps({name: r.id for name, r in regions.items()}) + "\n")
+        elif cmd == "hold":
+            pid = os.fork()
+            if pid == 0:  # only this thread exists here: sleep, touch nothing
+                time.sleep(120)
+                os._exit(0)
+            out.write(f"{pid}\n")
         elif cmd == "notes":
             out.write(json.dumps(notes) + "\n")
         elif cmd == "quit":

@@ -66,6 +66,13 @@ class Target(TargetProcess):
             s.settimeout(timeout)
         return s
 
+    def stop(self) -> None:
+        """SIGSTOP, and wait until the kernel says it is stopped (delivery is not instant under load)."""
+        super().stop()
+        end = time.monotonic() + 5
+        while self.ps.status() != psutil.STATUS_STOPPED and time.monotonic() < end:
+            time.sleep(0.002)
+
     def threads(self) -> int:
         return self.ps.num_threads()
 

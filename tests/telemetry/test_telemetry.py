@@ -60,6 +60,7 @@ def test_a_span_per_transfer_with_attributes(pair: Any, spans: Any) -> None:
         "mpcomm.transport": "tcp", "mpcomm.route": f"tcp->{target.address}", "mpcomm.direction": "write",
         "mpcomm.size": 4096, "mpcomm.peer": target.address, "mpcomm.peer.node_id": target.node_id,
         "mpcomm.region": "kv", "mpcomm.outcome": "ok", "mpcomm.retries": 0, "mpcomm.bytes_moved": 4096,
+        "mpcomm.route.transports": "tcp", "mpcomm.route.rule": "default",  # issue 10
     }
     assert r.attributes["mpcomm.direction"] == "read" and r.attributes["mpcomm.size"] == 1000
     assert w.status.status_code is StatusCode.UNSET

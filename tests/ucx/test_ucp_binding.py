@@ -52,8 +52,10 @@ def _env(tls):
 class Pair:
     """A target and an initiator process wired together by pipes."""
 
-    def __init__(self, size, offset, eh, tls=None, kill_test=False, seed=7):
+    def __init__(self, size, offset, eh, tls=None, kill_test=False, seed=7, rndv=None):
         env = _env(tls)
+        if rndv is not None:
+            env["UCX_RNDV_THRESH"] = rndv
         self.target = subprocess.Popen(
             [sys.executable, PEER, "target", "--size", str(offset + size + 64)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -86,12 +88,15 @@ class Pair:
 
 
 @needs_ucx
+@pytest.mark.parametrize("rndv", [None, "inf"], ids=["rndv-default", "rndv-inf"])
 @pytest.mark.parametrize("tls", [None, "tcp"], ids=["tls-env", "tls-tcp"])
 @pytest.mark.parametrize("eh", [True, False], ids=["eh-peer", "eh-none"])
 @pytest.mark.parametrize("size,offset", [(1, 1), (4096, 3), (4 * 1024 * 1024 + 7, 5)],
                          ids=["1B", "4KiB", "4MiB+7"])
-def test_put_get_roundtrip(size, offset, eh, tls):
-    pair = Pair(size, offset, eh, tls)
+def test_put_get_roundtrip(size, offset, eh, tls, rndv):
+    if os.environ.get("UCX_TLS") or os.environ.get("UCX_RNDV_THRESH"):
+        pytest.skip("UCX_TLS / UCX_RNDV_THRESH set in the environment")
+    pair = Pair(size, offset, eh, tls, rndv=rndv)
     try:
         res = pair.recv(pair.init)
         assert res["roundtrip_ok"], res
@@ -103,16 +108,22 @@ def test_put_get_roundtrip(size, offset, eh, tls):
         assert pair.recv(pair.target) == {"bye": True}
         assert pair.target.wait(TIMEOUT) == 0
         lanes = " ".join(res["lanes"])
-        if eh or tls == "tcp":
-            # Peer error handling excludes sysv/posix/cma on this build.
+        if tls == "tcp" or (eh and rndv is None):
+            # Peer error handling with rendezvous enabled (UCX's default threshold) asks for memory
+            # domains that can invalidate remote access: that excludes cma, leaving tcp.
             assert "tcp/" in lanes and "cma/" not in lanes, lanes
+        elif tls is None:
+            # RNDV_THRESH=inf (what the transport sets): cma carries RMA even with peer error handling.
+            assert "cma/" in lanes, lanes
     finally:
         pair.close()
 
 
 @needs_ucx
-def test_get_from_killed_peer_fails_fast():
-    pair = Pair(4096, 1, eh=True, kill_test=True)
+@pytest.mark.parametrize("rndv", [None, "inf"], ids=["tcp", "cma"])
+def test_get_from_killed_peer_fails_fast(rndv):
+    """Peer error handling detects a dead peer over tcp and over cma (RNDV_THRESH=inf): an error, no abort."""
+    pair = Pair(4096, 1, eh=True, kill_test=True, rndv=rndv)
     try:
         assert pair.recv(pair.init)["roundtrip_ok"]
         assert pair.recv(pair.init) == {"ready": True}

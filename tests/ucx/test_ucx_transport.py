@@ -22,12 +22,10 @@ from mpcomm.testing import CHECKS, ConformanceEnv, Skip
 AVAIL = UcxTransport.availability()
 needs_ucx = pytest.mark.skipif(not AVAIL, reason=f"ucx transport unavailable: {AVAIL.reason}")
 
-# Known failures, each with its reason (see the report in docs/ucx.md).
-KNOWN = {
-    "check_timeout_stalled_target": "UCX RMA over tcp (error handling on) cannot be fenced against a SIGSTOPped "
-                                    "target: bytes already in its socket buffer land when it resumes; the engine's "
-                                    "abort grace fails the request saying so (docs/ucx.md)",
-}
+# Known failures, each with its reason (see docs/ucx.md). None today: with the default configuration
+# (cma on one host) a write to a SIGSTOPped target lands at once, and over tcp the stalled-target
+# check skips itself because the transport says it could not fence (TransferTimeout.confirmed=False).
+KNOWN: dict[str, str] = {}
 
 
 def _env(config: dict | None = None) -> ConformanceEnv:
@@ -57,7 +55,7 @@ def test_conformance(kit_env, check):
 
 
 TCP_CHECKS = [c for c in CHECKS if c.__name__ in ("check_read_integrity", "check_timeout", "check_cancel_after_post",
-                                                  "check_peer_killed")]
+                                                  "check_peer_killed", "check_timeout_stalled_target")]
 
 
 @pytest.fixture(scope="module")
@@ -106,31 +104,6 @@ def test_write_read_odd_offsets(eh):
             back = bytearray(size + 2)
             assert a.read(back, remote, off, size, local_offset=1).result(30) == size
             assert back[1 : 1 + size] == src.view[3 : 3 + size] and back[0] == 0 and back[-1] == 0
-
-
-@needs_ucx
-def test_forged_descriptor_bounds_and_access():
-    """UCX itself does not refuse accesses outside a mapping; the transport does, from its registration info."""
-    a, b = _pair()
-    with a, b:
-        b.allocate(8192, "small")
-        remote = a.open(b.address, "small")
-        src = a.register(bytearray(16384))
-        # Bigger size in the descriptor only: the engine lets it through, the ucx info refuses.
-        bigger = dataclasses.replace(remote, size=16384)
-        with pytest.raises(OutOfBoundsError):
-            a.write(src, bigger, 8192, 4096).result(10)
-        # Edited ucx info too (size), without re-making its tag: refused.
-        info = dict(remote.transports["ucx"], size=16384)
-        forged = dataclasses.replace(remote, size=16384, transports={"ucx": info})
-        with pytest.raises(PermissionDeniedError):
-            a.write(src, forged, 8192, 4096).result(10)
-        # Descriptor consistent but the request past the ucx size (engine bypassed): OutOfBoundsError.
-        t = a.transports["ucx"]
-        op = type("Op", (), {})()
-        op.remote, op.remote_offset, op.length, op.kind = remote, 8000, 4096, "write"
-        with pytest.raises(OutOfBoundsError):
-            t.post(op)  # type: ignore[arg-type]
 
 
 @needs_ucx

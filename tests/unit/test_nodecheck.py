@@ -1,12 +1,7 @@
-"""Tests for core/nodecheck.py (read-only node acceptance checks).
-
-The module is loaded by file path so these tests do not depend on the
-``mpcomm`` package being installed.
-"""
+"""Tests for cli/nodecheck.py (read-only node acceptance checks, ``mpcomm doctor``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import resource
@@ -14,26 +9,10 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-MODULE_PATH = Path(__file__).resolve().parents[2] / "core" / "nodecheck.py"
-MODULE_NAME = "_mpcomm_nodecheck_under_test"
-
-
-def _load() -> ModuleType:
-    if MODULE_NAME in sys.modules:
-        return sys.modules[MODULE_NAME]
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, MODULE_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module  # dataclasses look the module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-nodecheck = _load()
+from mpcomm.cli import nodecheck
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +127,13 @@ def test_memlock_warns_with_lowered_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     script = textwrap.dedent(
         f"""
-        import importlib.util, json, resource, sys
+        import json, resource
         soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         new = 1 << 20
         if hard != resource.RLIM_INFINITY and hard < new:
             new = hard
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (new, hard))
-        spec = importlib.util.spec_from_file_location("nc", {str(MODULE_PATH)!r})
-        m = importlib.util.module_from_spec(spec)
-        sys.modules["nc"] = m
-        spec.loader.exec_module(m)
+        from mpcomm.cli import nodecheck as m
         out = [c.to_dict() for c in m.run_checks(min_memlock_bytes=64 << 20)
                if c.section == "memory" and c.name == "memlock"]
         print(json.dumps({{"limit": new, "checks": out}}))

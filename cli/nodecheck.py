@@ -11,7 +11,9 @@ limit (RDMA and UCX pin registered memory), the size of ``/dev/shm`` (the shm
 transport's backing store), and whether cross-memory attach
 (``process_vm_readv``) works between processes of the same user.
 
-It reads ``/proc``, ``/sys``, ``resource`` limits and ``os.statvfs`` and never
+Discovery (NUMA nodes, interfaces, RDMA devices, memlock, /dev/shm) comes from
+:mod:`mpcomm.topology`, the same data a node sends peers in its handshake;
+this module judges it.  It reads ``/proc``, ``/sys``, ``resource`` limits and ``os.statvfs`` and never
 modifies the system: no sysctl, no module loading, no limit raising.  The only
 side effect is the cross-memory-attach probe, which forks a short-lived child
 process that is always killed and reaped before the probe returns.
@@ -49,6 +51,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Iterable, Optional
 
+from mpcomm import topology
+
 __all__ = [
     "SECTIONS",
     "Check",
@@ -70,8 +74,6 @@ _SYS_IB = "/sys/class/infiniband"
 _SYS_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 _YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
-_IFF_UP = 0x1
-_IFF_LOOPBACK = 0x8
 _RDMA_MTU = 4200  # smallest Ethernet MTU that carries a 4096-byte RoCE MTU
 
 _NUMA_HINT = "pin transfer threads to the NIC's NUMA node (numactl --cpunodebind)"
@@ -144,26 +146,7 @@ def _read_text(path: str) -> Optional[str]:
         return None
 
 
-def _parse_meminfo(text: str) -> dict[str, int]:
-    """Parse ``/proc/meminfo`` style text into bytes (kB fields) or counts."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        # "/sys/devices/system/node/nodeN/meminfo" lines start with "Node N "
-        line = re.sub(r"^Node\s+\d+\s+", "", line)
-        key, sep, rest = line.partition(":")
-        if not sep:
-            continue
-        parts = rest.split()
-        if not parts:
-            continue
-        try:
-            number = int(parts[0])
-        except ValueError:
-            continue
-        if len(parts) > 1 and parts[1].lower() == "kb":
-            number *= 1024
-        out[key.strip()] = number
-    return out
+_parse_meminfo = topology.parse_meminfo
 
 
 def _meminfo() -> dict[str, int]:
@@ -270,16 +253,8 @@ def _check_sockets() -> list[Check]:
     return [Check("cpu", "sockets", Status.INFO, f"{len(ids)} (from {source})")]
 
 
-def _node_sort_key(path: str) -> int:
-    match = re.search(r"node(\d+)$", path)
-    return int(match.group(1)) if match else 0
-
-
 def _check_numa() -> list[Check]:
-    nodes = sorted(
-        (p for p in glob.glob(f"{_SYS_NODE}/node[0-9]*") if os.path.isdir(p)),
-        key=_node_sort_key,
-    )
+    nodes = topology.discover_numa(_SYS_NODE)
     if not nodes:
         return [
             Check(
@@ -295,36 +270,32 @@ def _check_numa() -> list[Check]:
     else:
         checks.append(Check("cpu", "numa_nodes", Status.PASS, "1"))
     for node in nodes:
-        name = os.path.basename(node)
-        cpulist = _read_text(os.path.join(node, "cpulist")) or "?"
-        mem_text = _read_text(os.path.join(node, "meminfo"))
-        mem = _parse_meminfo(mem_text).get("MemTotal") if mem_text else None
-        mem_s = _human_bytes(mem) if mem is not None else "?"
+        cpulist = _format_cpus(node.cpus)
+        mem_s = _human_bytes(node.mem_total) if node.mem_total >= 0 else "?"
         checks.append(
-            Check("cpu", f"numa.{name}", Status.INFO, f"cpus {cpulist or '-'}, MemTotal {mem_s}")
+            Check("cpu", f"numa.node{node.id}", Status.INFO, f"cpus {cpulist or '-'}, MemTotal {mem_s}")
         )
     return checks
 
 
+def _format_cpus(cpus: tuple[int, ...]) -> str:
+    """(0, 1, 2, 3, 8) → ``0-3,8`` (the kernel's cpulist form)."""
+    parts: list[str] = []
+    start = prev = None
+    for c in sorted(cpus):
+        if prev is not None and c == prev + 1:
+            prev = c
+            continue
+        if start is not None:
+            parts.append(f"{start}-{prev}" if prev != start else str(start))
+        start = prev = c
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(parts)
+
+
 # --------------------------------------------------------------------------
 # network
-
-
-def _iface_flag(iface_dir: str, flag: int) -> bool:
-    """Test one IFF_* bit of ``/sys/class/net/<iface>/flags`` (hex text)."""
-    flags = _read_text(os.path.join(iface_dir, "flags"))
-    try:
-        return flags is not None and bool(int(flags, 16) & flag)
-    except ValueError:
-        return False
-
-
-def _iface_is_up(iface_dir: str, operstate: str) -> bool:
-    if operstate == "up":
-        return True
-    if operstate == "unknown":  # loopback, tun and some virtual devices
-        return _iface_flag(iface_dir, _IFF_UP)
-    return False
 
 
 def _check_network() -> list[Check]:
@@ -332,35 +303,28 @@ def _check_network() -> list[Check]:
         return [Check("network", "interfaces", Status.WARN, f"{_SYS_NET} not readable")]
     checks: list[Check] = []
     up_non_lo = 0
-    for name in sorted(os.listdir(_SYS_NET)):
-        d = os.path.join(_SYS_NET, name)
-        operstate = _read_text(os.path.join(d, "operstate")) or "unknown"
-        mtu_s = _read_text(os.path.join(d, "mtu")) or "?"
-        address = _read_text(os.path.join(d, "address")) or "-"
-        speed = _read_text(os.path.join(d, "speed"))  # EINVAL on many virtual NICs
-        virtual = not os.path.exists(os.path.join(d, "device"))
-        parts = [operstate, f"mtu {mtu_s}", address]
-        if speed is not None and speed.lstrip("-").isdigit() and int(speed) > 0:
-            parts.append(f"{int(speed)} Mb/s")
-        if virtual:
+    ifaces, _dropped = topology.discover_interfaces(_SYS_NET, limit=None)
+    for iface in sorted(ifaces, key=lambda i: i.name):
+        name = iface.name
+        address = _read_text(os.path.join(_SYS_NET, name, "address")) or "-"
+        parts = [iface.state, f"mtu {iface.mtu if iface.mtu >= 0 else '?'}", address]
+        if iface.speed_mbps > 0:
+            parts.append(f"{iface.speed_mbps} Mb/s")
+        if iface.numa_node >= 0:
+            parts.append(f"numa node {iface.numa_node}")
+        if iface.virtual:
             parts.append("virtual")
         value = ", ".join(parts)
-        is_up = _iface_is_up(d, operstate)
-        loopback = name == "lo" or _iface_flag(d, _IFF_LOOPBACK)
-        if loopback:
+        if iface.loopback or name == "lo":
             checks.append(Check("network", f"iface.{name}", Status.INFO, value))
             continue
-        if not is_up:
+        if iface.state != "up":
             checks.append(
                 Check("network", f"iface.{name}", Status.WARN, value, "interface is down")
             )
             continue
         up_non_lo += 1
-        try:
-            mtu = int(mtu_s)
-        except ValueError:
-            mtu = -1
-        if 0 <= mtu < _RDMA_MTU:
+        if 0 <= iface.mtu < _RDMA_MTU:
             checks.append(Check("network", f"iface.{name}", Status.INFO, value, _MTU_HINT))
         else:
             checks.append(Check("network", f"iface.{name}", Status.PASS, value))
@@ -387,49 +351,34 @@ def _check_network() -> list[Check]:
 # rdma
 
 
-def _ib_port_state(raw: Optional[str]) -> str:
-    # sysfs state reads like "4: ACTIVE"
-    if not raw:
-        return "?"
-    return raw.split(":", 1)[-1].strip() or raw
-
-
 def _check_rdma_devices() -> list[Check]:
-    devices = sorted(os.listdir(_SYS_IB)) if os.path.isdir(_SYS_IB) else []
+    devices = topology.discover_rdma(_SYS_IB)
     if not devices:
         return [Check("rdma", "devices", Status.INFO, "no RDMA devices", _NO_RDMA_HINT)]
     checks: list[Check] = []
     any_active = False
     for dev in devices:
-        ddir = os.path.join(_SYS_IB, dev)
-        ports_dir = os.path.join(ddir, "ports")
         port_desc: list[str] = []
-        dev_active = False
-        ports = os.listdir(ports_dir) if os.path.isdir(ports_dir) else []
-        for port in sorted(ports, key=lambda p: int(p) if p.isdigit() else 0):
-            pdir = os.path.join(ports_dir, port)
-            link_layer = _read_text(os.path.join(pdir, "link_layer")) or "?"
-            state = _ib_port_state(_read_text(os.path.join(pdir, "state")))
-            rate = _read_text(os.path.join(pdir, "rate"))
-            desc = f"port {port}: {link_layer} {state}"
-            if rate:
-                desc += f" ({rate})"
+        for port in dev.ports:
+            desc = f"port {port.port}: {port.link_layer} {port.state}"
+            if port.rate:
+                desc += f" ({port.rate})"
             port_desc.append(desc)
-            if state.upper() == "ACTIVE":
-                dev_active = True
-        fw = _read_text(os.path.join(ddir, "fw_ver"))
-        value = f"hca_id {dev}"
+        fw = _read_text(os.path.join(_SYS_IB, dev.name, "fw_ver"))
+        value = f"hca_id {dev.name}"
         if fw:
             value += f", fw {fw}"
+        if dev.numa_node >= 0:
+            value += f", numa node {dev.numa_node}"
         value += "; " + ("; ".join(port_desc) if port_desc else "no ports")
-        any_active = any_active or dev_active
+        any_active = any_active or dev.active
         checks.append(
             Check(
                 "rdma",
-                f"device.{dev}",
-                Status.PASS if dev_active else Status.WARN,
+                f"device.{dev.name}",
+                Status.PASS if dev.active else Status.WARN,
                 value,
-                "" if dev_active else "no ACTIVE port: check cabling / subnet manager",
+                "" if dev.active else "no ACTIVE port: check cabling / subnet manager",
             )
         )
     uverbs = glob.glob("/dev/infiniband/uverbs*")
@@ -453,7 +402,7 @@ def _check_rdma_devices() -> list[Check]:
             "rdma",
             "devices",
             Status.PASS if any_active else Status.WARN,
-            f"{len(devices)} device(s): {', '.join(devices)}",
+            f"{len(devices)} device(s): {', '.join(d.name for d in devices)}",
         ),
     )
     return checks
@@ -524,15 +473,13 @@ def _check_thp() -> list[Check]:
 
 
 def _check_memlock(min_memlock_bytes: int) -> list[Check]:
-    import resource  # POSIX only; ImportError becomes a WARN via _guarded
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft, hard = topology.memlock_limits()  # -1: unlimited
 
     def fmt(v: int) -> str:
-        return "unlimited" if v == resource.RLIM_INFINITY else _human_bytes(v)
+        return "unlimited" if v < 0 else _human_bytes(v)
 
     value = f"soft {fmt(soft)}, hard {fmt(hard)}"
-    if soft != resource.RLIM_INFINITY and soft < min_memlock_bytes:
+    if soft >= 0 and soft < min_memlock_bytes:
         return [
             Check(
                 "memory",

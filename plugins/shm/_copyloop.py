@@ -1,0 +1,320 @@
+"""The shm copy loop: a small compiled helper, or the same functions in Python.
+
+:func:`get` returns one :class:`CopyLoop` per process. The compiled one comes
+from ``_copyloop.c`` (next to this file), built at first use with the system
+C compiler (``$CC`` or ``cc``) into a per-user cache directory and loaded with
+``ctypes.CDLL`` — which releases the GIL for the whole call, so a batch of N
+pieces costs one call outside the interpreter. The file name holds a hash of
+the source, the interpreter's cache tag and ABI and the machine, so a changed
+source or another Python never loads a stale build; the build lands under a
+temporary name and is renamed into place (atomic, so concurrent processes can
+race safely). Nothing is written into the package directory.
+
+Without a compiler (or with ``MPCOMM_SHM_NATIVE=0``) the Python fallback does
+the same work with one ctypes ``memcpy`` per piece; the reason is logged at
+debug level and shown in the transport's availability text (``mpcomm
+plugins`` / doctor).
+
+Return conventions (both implementations): copy functions return 0 or the
+next piece index on success and ``-errno`` on failure; ``-ESRCH`` means the
+process owning the target memory has exited (its pidfd polled readable:
+after a memfd copy, whose pages outlive their owner; before a CMA copy, so a
+reused pid is never written — a CMA copy that succeeds found the process's
+memory in place).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import logging
+import os
+import platform
+import secrets
+import select
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from operator import add
+from pathlib import Path
+from typing import Any
+
+from . import _native
+
+log = logging.getLogger("mpcomm.transport.shm")
+
+ABI = 1
+SOURCE = Path(__file__).with_name("_copyloop.c")
+_ENV = "MPCOMM_SHM_NATIVE"
+
+
+def _addr(a: Any) -> int:
+    """Address of an int64 array's first element (array('q') or a writable buffer)."""
+    try:
+        return a.buffer_info()[0]
+    except AttributeError:
+        return ctypes.addressof(ctypes.c_int64.from_buffer(a))
+
+
+class CopyLoop:
+    """The Python fallback; :class:`NativeLoop` overrides every method with one C call."""
+
+    native = False
+
+    def __init__(self, reason: str) -> None:
+        #: Why this implementation is in use (shown in availability text).
+        self.reason = reason
+
+    @staticmethod
+    def alive(pidfd: int) -> int:
+        """0 while the process behind ``pidfd`` runs (or pidfd < 0), -ESRCH once it exited."""
+        if pidfd < 0:
+            return 0
+        try:
+            ready, _, _ = select.select([pidfd], [], [], 0)
+        except (OSError, ValueError) as exc:
+            return -(getattr(exc, "errno", None) or errno.EBADF)
+        return -errno.ESRCH if ready else 0
+
+    def copy(self, dst: int, src: int, n: int, pidfd: int) -> int:
+        _native.memcpy(dst, src, n)
+        return self.alive(pidfd)
+
+    @staticmethod
+    def check(offs: Any, lens: Any, n: int, size: int) -> tuple[int, int]:
+        """(-1, total bytes) when every [off, off+len) lies in [0, size); else (first bad index, 0).
+
+        Vectorised: min/max over the arrays and one C-level map, no Python loop
+        per index (the loop below runs only to name the bad index).
+        """
+        if n == 0:
+            return -1, 0
+        if min(offs) >= 0 and min(lens) >= 0 and max(map(add, offs, lens)) <= size:
+            return -1, sum(lens)
+        for i in range(n):
+            if offs[i] < 0 or lens[i] < 0 or offs[i] + lens[i] > size:
+                return i, 0
+        return -1, sum(lens)  # pragma: no cover - unreachable
+
+    def check2(self, roffs: Any, loffs: Any, lens: Any, n: int, rsize: int, lsize: int) -> tuple[str, int, int]:
+        """Both sides of a batch: ("", -1, total), or ("remote"|"local", first bad index, 0)."""
+        bad, total = self.check(roffs, lens, n, rsize)
+        if bad >= 0:
+            return "remote", bad, 0
+        bad, _ = self.check(loffs, lens, n, lsize)
+        if bad >= 0:
+            return "local", bad, 0
+        return "", -1, total
+
+    def copy_many(self, dst: int, doffs: Any, src: int, soffs: Any, lens: Any, start: int, n: int, budget: int,
+                  pidfd: int) -> int:
+        mc = _native.memcpy
+        moved = 0
+        i = start
+        while i < n:
+            k = lens[i]
+            mc(dst + doffs[i], src + soffs[i], k)
+            moved += k
+            i += 1
+            if moved >= budget:
+                break
+        a = self.alive(pidfd)
+        return a if a < 0 else i
+
+    def cma(self, pid: int, write: int, local: int, remote: int, n: int, pidfd: int) -> int:
+        a = self.alive(pidfd)
+        if a < 0:
+            return a
+        try:
+            _native.cma_one(bool(write), pid, local, remote, n)
+        except OSError as exc:
+            return -(exc.errno or errno.EIO)
+        return 0  # it found the memory in place: the process had not exited
+
+    def cma_many(self, pid: int, write: int, local: int, loffs: Any, remote: int, roffs: Any, lens: Any,
+                 start: int, n: int, budget: int, pidfd: int) -> int:
+        a = self.alive(pidfd)
+        if a < 0:
+            return a
+        lv: list[tuple[int, int]] = []
+        rv: list[tuple[int, int]] = []
+        moved = 0
+        i = start
+        while i < n and moved < budget:
+            k = lens[i]
+            if k:
+                lv.append((local + loffs[i], k))
+                rv.append((remote + roffs[i], k))
+            moved += k
+            i += 1
+        try:
+            _native.cma_transfer(bool(write), pid, lv, rv)
+        except OSError as exc:
+            return -(exc.errno or errno.EIO)
+        return i
+
+
+class NativeLoop(CopyLoop):
+    """The compiled helper: each method is one ctypes call (GIL released)."""
+
+    native = True
+
+    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
+        super().__init__(f"compiled copy loop ({path})")
+        self.path = path
+        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+        def fn(name: str, *args: Any) -> Any:
+            f = getattr(lib, name)
+            f.argtypes = list(args)
+            f.restype = i64 if name != "mp_alive" else ci
+            return f
+
+        self.alive = fn("mp_alive", ci)  # type: ignore[method-assign,assignment]
+        self.copy = fn("mp_copy", vp, vp, i64, ci)  # type: ignore[method-assign]
+        self.cma = fn("mp_cma", ci, ci, vp, vp, i64, ci)  # type: ignore[method-assign]
+        self._check = fn("mp_check", vp, vp, i64, i64)
+        self._check2 = fn("mp_check2", vp, vp, vp, i64, i64, i64)
+        self._copy_many = fn("mp_copy_many", vp, vp, vp, vp, vp, i64, i64, i64, ci)
+        self._cma_many = fn("mp_cma_many", ci, ci, vp, vp, vp, vp, vp, i64, i64, i64, ci)
+
+    def check(self, offs: Any, lens: Any, n: int, size: int) -> tuple[int, int]:  # type: ignore[override]
+        r = self._check(_addr(offs), _addr(lens), n, size)
+        return (r, 0) if r >= 0 else (-1, -1 - r)
+
+    def check2(self, roffs: Any, loffs: Any, lens: Any, n: int, rsize: int, lsize: int) -> tuple[str, int, int]:
+        r = self._check2(_addr(roffs), _addr(loffs), _addr(lens), n, rsize, lsize)
+        if r < 0:
+            return "", -1, -1 - r
+        return ("remote", r, 0) if r < n else ("local", r - n, 0)
+
+    def copy_many(self, dst: int, doffs: Any, src: int, soffs: Any, lens: Any, start: int, n: int, budget: int,
+                  pidfd: int) -> int:
+        return self._copy_many(dst, _addr(doffs), src, _addr(soffs), _addr(lens), start, n, budget, pidfd)
+
+    def cma_many(self, pid: int, write: int, local: int, loffs: Any, remote: int, roffs: Any, lens: Any,
+                 start: int, n: int, budget: int, pidfd: int) -> int:
+        return self._cma_many(pid, write, local, _addr(loffs), remote, _addr(roffs), _addr(lens), start, n, budget,
+                              pidfd)
+
+
+_lock = threading.Lock()
+_loop: CopyLoop | None = None
+
+
+def get() -> CopyLoop:
+    """The process's copy loop (builds the helper on the first call; never raises)."""
+    global _loop
+    loop = _loop
+    if loop is not None:
+        return loop
+    with _lock:
+        if _loop is None:
+            try:
+                _loop = _load()
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the fallback
+                _loop = CopyLoop(f"python fallback: loading the compiled copy loop failed ({exc})")
+            if not _loop.native:
+                log.debug("shm: %s", _loop.reason)
+        return _loop
+
+
+def fallback(reason: str = "python fallback: disabled by plugins.shm.native") -> CopyLoop:
+    return CopyLoop(reason)
+
+
+def status() -> str:
+    """What :func:`get` uses or would use, without building anything (for availability text)."""
+    if _loop is not None:
+        return _loop.reason
+    if os.environ.get(_ENV, "1") == "0":
+        return f"python fallback: disabled by {_ENV}=0"
+    if not SOURCE.is_file():
+        return f"python fallback: {SOURCE.name} is not installed beside the plugin"
+    d = _cache_dir()
+    if d is not None and (d / _lib_name()).is_file():
+        return f"compiled copy loop ({d / _lib_name()})"
+    if not _compiler():
+        return "python fallback: no C compiler (set CC or install cc)"
+    return "compiled copy loop (built at first use)"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "").split()
+    if cc:
+        return shutil.which(cc[0])
+    return shutil.which("cc")
+
+
+def _lib_name() -> str:
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    for part in (str(ABI), sys.implementation.cache_tag or "", str(sysconfig.get_config_var("SOABI")),
+                 platform.machine(), sys.platform):
+        h.update(b"\0" + part.encode())
+    return f"copyloop-{h.hexdigest()[:24]}.so"
+
+
+def _private_dir(path: Path) -> bool:
+    """Ours and not writable by anyone else (a shared-lib planted by another user must never load)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(path, os.W_OK | os.X_OK)
+
+
+def _cache_dir() -> Path | None:
+    explicit = os.environ.get("MPCOMM_CACHE_DIR")
+    candidates = []
+    if explicit:
+        candidates.append(Path(explicit) / "shm")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    candidates.append(Path(xdg) / "mpcomm" / "shm" if xdg else Path.home() / ".cache" / "mpcomm" / "shm")
+    candidates.append(Path(tempfile.gettempdir()) / f"mpcomm-{os.getuid()}" / "shm")
+    for d in candidates:
+        if _private_dir(d.parent) and _private_dir(d):
+            return d
+    return None
+
+
+def _load() -> CopyLoop:
+    if os.environ.get(_ENV, "1") == "0":
+        return CopyLoop(f"python fallback: disabled by {_ENV}=0")
+    if not SOURCE.is_file():
+        return CopyLoop(f"python fallback: {SOURCE.name} is not installed beside the plugin")
+    d = _cache_dir()
+    if d is None:
+        return CopyLoop("python fallback: no private writable cache directory for the compiled copy loop")
+    path = d / _lib_name()
+    if not path.is_file():
+        cc = _compiler()
+        if not cc:
+            return CopyLoop("python fallback: no C compiler (set CC or install cc)")
+        tmp = d / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        cmd = [cc, *os.environ.get("CC", "").split()[1:], "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                why = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                return CopyLoop(f"python fallback: {Path(cc).name} failed ({why[0][:200]})")
+            os.replace(tmp, path)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return CopyLoop(f"python fallback: building the copy loop failed ({exc})")
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return CopyLoop(f"python fallback: {path} is not private to this user; not loading it")
+    lib = ctypes.CDLL(str(path))
+    if lib.mp_abi() != ABI:
+        return CopyLoop(f"python fallback: {path} has another ABI")
+    return NativeLoop(lib, str(path))

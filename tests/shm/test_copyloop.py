@@ -1,0 +1,194 @@
+"""The copy loop: the compiled helper builds into a private cache, falls back cleanly, and both agree."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from shm_support import Target
+
+from mpcomm.plugins.shm import _copyloop
+from mpcomm.plugins.shm.transport import ShmTransport
+
+PROBE = """
+import json, sys
+from mpcomm.plugins.shm import _copyloop
+loop = _copyloop.get()
+print(json.dumps({"native": loop.native, "reason": loop.reason, "path": getattr(loop, "path", "")}))
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("MPCOMM_SHM_NATIVE", "CC", "MPCOMM_CACHE_DIR")}
+    return {**base, **extra}
+
+
+def _probe(env: dict[str, str]) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180,
+                          env=_env(**env))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _listing(d: Path) -> set[str]:
+    return {p.name for p in d.iterdir()}
+
+
+def test_builds_into_a_private_cache_not_the_package(tmp_path: Path) -> None:
+    if not _copyloop._compiler():
+        pytest.skip("no C compiler here: the fallback test below covers this machine")
+    pkg = _copyloop.SOURCE.parent
+    before = _listing(pkg)
+    # Two processes building at once into a fresh cache: the rename makes it safe.
+    env = _env(MPCOMM_CACHE_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [json.loads(p.communicate(timeout=180)[0].strip().splitlines()[-1]) for p in procs]
+    for out in outs:
+        assert out["native"], out["reason"]
+        assert Path(out["path"]).parent == tmp_path / "shm"
+    built = list((tmp_path / "shm").iterdir())
+    assert [p.suffix for p in built] == [".so"], built  # no temporaries left behind
+    assert (tmp_path / "shm").stat().st_mode & 0o077 == 0
+    assert _listing(pkg) == before  # nothing written beside the source
+    again = _probe({"MPCOMM_CACHE_DIR": str(tmp_path), "CC": "/nonexistent/cc"})
+    assert again["native"] and again["path"] == outs[0]["path"]  # cached: no compiler needed any more
+
+
+def test_falls_back_without_a_compiler(tmp_path: Path) -> None:
+    out = _probe({"MPCOMM_CACHE_DIR": str(tmp_path), "CC": "/nonexistent/cc"})
+    assert not out["native"] and "no C compiler" in out["reason"]
+    out = _probe({"MPCOMM_SHM_NATIVE": "0"})
+    assert not out["native"] and "MPCOMM_SHM_NATIVE=0" in out["reason"]
+
+
+def test_refuses_a_cache_others_can_write(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    (shared / "shm").mkdir(parents=True)
+    os.chmod(shared, 0o777)
+    os.chmod(shared / "shm", 0o777)
+    out = _probe({"MPCOMM_CACHE_DIR": str(shared), "XDG_CACHE_HOME": str(tmp_path / "private"),
+                  "CC": "/nonexistent/cc"})
+    assert not out["native"]  # the shared dir was skipped; the private one is empty and nothing can build
+    assert not list((shared / "shm").iterdir())
+
+
+def test_availability_names_the_copy_loop() -> None:
+    reason = ShmTransport.availability().reason
+    assert "copy loop" in reason or "fallback" in reason, reason
+
+
+def _addr(buf: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+
+
+LOOPS = {"native": _copyloop.get, "python": lambda: _copyloop.fallback("test")}
+
+
+@pytest.fixture(params=list(LOOPS))
+def loop(request: pytest.FixtureRequest) -> _copyloop.CopyLoop:
+    got = LOOPS[request.param]()
+    if request.param == "native" and not got.native:
+        pytest.skip(got.reason)
+    return got
+
+
+def test_check_is_exact(loop: _copyloop.CopyLoop) -> None:
+    offs = array("q", [0, 4096, 8192])
+    lens = array("q", [4096, 4096, 4096])
+    assert loop.check(offs, lens, 3, 12288) == (-1, 12288)
+    assert loop.check(offs, lens, 3, 12287) == (2, 0)
+    assert loop.check(array("q", [5, -1]), array("q", [1, 1]), 2, 100) == (1, 0)
+    assert loop.check(array("q", [5, 0]), array("q", [1, -1]), 2, 100) == (1, 0)
+    big = (1 << 62)
+    assert loop.check(array("q", [big]), array("q", [big]), 1, (1 << 63) - 1)[0] == 0  # no overflow
+    assert loop.check(array("q"), array("q"), 0, 0) == (-1, 0)
+
+
+def test_copy_many_respects_the_budget(loop: _copyloop.CopyLoop) -> None:
+    n = 100
+    src = bytearray(np.random.default_rng(1).integers(0, 256, n * 512, dtype=np.uint8).tobytes())
+    dst = bytearray(n * 512)
+    soffs = array("q", range(0, n * 512, 512))
+    doffs = array("q", reversed(soffs))
+    lens = array("q", [512] * n)
+    i, calls = 0, 0
+    while i < n:
+        nxt = loop.copy_many(_addr(dst), doffs, _addr(src), soffs, lens, i, n, 2000, -1)
+        assert nxt == min(n, i + 4)  # 4 pieces of 512 reach the 2000-byte budget
+        i, calls = nxt, calls + 1
+    assert calls == 25
+    assert all(dst[doffs[k] : doffs[k] + 512] == src[soffs[k] : soffs[k] + 512] for k in range(n))
+
+
+@pytest.fixture(scope="module")
+def target() -> Iterator[Target]:
+    t = Target({"regions": {"buf": [4 << 20, "buffer"]}})
+    yield t
+    t.close()
+
+
+def test_cma_many_into_another_process(loop: _copyloop.CopyLoop, target: Target) -> None:
+    """Cross-memory attach of a scattered batch into a real second process, in as few calls as the budget allows."""
+    import mpcomm
+
+    with mpcomm.Engine(transports=["tcp"]) as e:
+        base = e.open(target.address, "buf").base_address
+    n = 3000  # more than IOV_MAX pieces, so the helper splits system calls
+    rng = np.random.default_rng(7)
+    src = bytearray(rng.integers(0, 256, n * 1000, dtype=np.uint8).tobytes())
+    lens = array("q", rng.integers(0, 1000, n).tolist())  # zero-length pieces included
+    loffs = array("q", range(0, n * 1000, 1000))
+    roffs = array("q", range(0, n * 1000, 1000))
+    pidfd = os.pidfd_open(target.pid)
+    try:
+        i = 0
+        while i < n:
+            i = loop.cma_many(target.pid, 1, _addr(src), loffs, base, roffs, lens, i, n, 1 << 20, pidfd)
+            assert i > 0, os.strerror(-i)
+        want = bytearray(n * 1000)
+        for k in range(n):
+            want[roffs[k] : roffs[k] + lens[k]] = src[loffs[k] : loffs[k] + lens[k]]
+        assert target.cmd("sha", "buf", 0, n * 1000) == hashlib.sha256(want).hexdigest()
+        back = bytearray(n * 1000)
+        assert loop.cma_many(target.pid, 0, _addr(back), loffs, base, roffs, lens, 0, n, 1 << 40, pidfd) == n
+        assert back == want
+        assert loop.cma(target.pid, 1, _addr(src), 8, 16, pidfd) == -14  # EFAULT: nothing mapped at 8
+    finally:
+        os.close(pidfd)
+
+
+def test_check2_names_the_side(loop: _copyloop.CopyLoop) -> None:
+    ro = array("q", [0, 8192])
+    lo = array("q", [0, 4096])
+    ln = array("q", [4096, 4096])
+    assert loop.check2(ro, lo, ln, 2, 12288, 8192) == ("", -1, 8192)
+    assert loop.check2(ro, lo, ln, 2, 12287, 8192) == ("remote", 1, 0)
+    assert loop.check2(ro, lo, ln, 2, 12288, 8191) == ("local", 1, 0)
+    assert loop.check2(array("q", [-1]), array("q", [0]), array("q", [1]), 1, 10, 10) == ("remote", 0, 0)
+
+
+def test_cma_many_stops_at_an_unmapped_piece(loop: _copyloop.CopyLoop, target: Target) -> None:
+    import mpcomm
+
+    with mpcomm.Engine(transports=["tcp"]) as e:
+        base = e.open(target.address, "buf").base_address
+    src = bytearray(b"\x77" * 3 * 4096)
+    # piece 1 points at address 8 in the target: nothing is mapped there
+    roffs = array("q", [0, 8 - base, 8192])
+    loffs = array("q", [0, 4096, 8192])
+    lens = array("q", [4096, 4096, 4096])
+    pidfd = os.pidfd_open(target.pid)
+    try:
+        assert loop.cma_many(target.pid, 1, _addr(src), loffs, base, roffs, lens, 0, 3, 1 << 40, pidfd) == -14
+    finally:
+        os.close(pidfd)

@@ -1,0 +1,102 @@
+"""Two "hosts": this one and a network namespace joined by a veth pair.
+
+The engine in the namespace is another host to the route policy (another
+network namespace), so the route leaves shm out and the request goes over tcp;
+the route and its rule are on the handle. Root and iproute2 needed (skipped
+with the reason otherwise); only the two addresses of the private link are
+dialled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import mpcomm
+
+HERE = Path(__file__).resolve().parent
+NET = "10.232.{n}.{h}"
+
+RULES = [
+    {"name": "same-host", "same_host": True, "transports": ["shm", "ucx", "tcp"]},
+    {"name": "rdma-both-sides", "same_host": False, "requires": ["rdma_zerocopy"],
+     "transports": ["rdma_zerocopy", "ucx", "tcp"]},
+    {"name": "other-hosts", "transports": ["ucx", "tcp"]},
+]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def other_host() -> Iterator[dict[str, str]]:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 (ip) is not installed")
+    tag = uuid.uuid4().hex[:6]
+    ns, here, there = f"mpt-{tag}", f"mpx{tag}", f"mpy{tag}"
+    n = 1 + int(tag[:2], 16) % 250
+    local, remote = NET.format(n=n, h=1), NET.format(n=n, h=2)
+    try:
+        _ip("netns", "add", ns)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create a network namespace: {exc.stderr.strip()}")
+    try:
+        _ip("link", "add", here, "type", "veth", "peer", "name", there)
+        _ip("link", "set", there, "netns", ns)
+        _ip("addr", "add", f"{local}/24", "dev", here)
+        _ip("link", "set", here, "up")
+        _ip("-n", ns, "addr", "add", f"{remote}/24", "dev", there)
+        _ip("-n", ns, "link", "set", there, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        yield {"ns": ns, "local": local, "remote": remote, "dev": there}
+    finally:
+        _ip("link", "del", here, check=False)
+        _ip("netns", "del", ns, check=False)
+
+
+@pytest.fixture(scope="module")
+def target(other_host: dict[str, str]) -> Iterator[dict]:
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", other_host["ns"], sys.executable, str(HERE / "engine_proc.py"),
+         "", "kv", "65536", "10", f"{other_host['remote']}:0"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        pytest.fail(f"engine in the namespace exited with {proc.wait(10)}")
+    info = json.loads(line)
+    yield info
+    proc.kill()
+    proc.wait(10)
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("config, rule", [(None, "default"), ({"route": RULES}, "other-hosts")])
+def test_other_host_picks_tcp(other_host: dict[str, str], target: dict, config, rule: str) -> None:
+    with mpcomm.Engine(config) as initiator:
+        remote = initiator.open(target["address"], "kv")
+        data = os.urandom(65536)
+        t = initiator.write(data, remote)
+        assert t.result(20) == 65536
+        assert t.transport == "tcp"
+        assert "shm" not in t.route and t.route[-1] == "tcp"
+        assert t.route_rule == rule
+        back = bytearray(65536)
+        r = initiator.read(back, remote)
+        r.result(20)
+        assert back == data and r.route_rule == rule
+        # the namespace's topology came with the handshake: its own interfaces
+        peer_topo = initiator._peer(target["address"]).info.topology
+        assert peer_topo is not None
+        assert {i.name for i in peer_topo.interfaces} == {"lo", other_host["dev"]}
