@@ -27,8 +27,11 @@ from mpcomm.control import PeerLink
 from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.testing.patterns import pattern
 
-REQ = struct.Struct("!2sBBIQQQQQQd")  # the tcp transport's request header
-RESP = struct.Struct("!2sBBIQQ")
+from mpcomm.auth import client_authenticate
+from mpcomm.plugins.tcp import wire as tcp_wire
+
+REQ = tcp_wire.REQ  # the tcp transport's request header
+RESP = tcp_wire.RESP
 
 
 def expect_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
@@ -107,13 +110,28 @@ def target() -> Any:
 
 def data_port(address: str) -> tuple[str, int]:
     """The target's tcp data port, from its handshake (what an engine's info() publishes)."""
+    return data_port_and_epoch(address)[0]
+
+
+def data_port_and_epoch(address: str) -> tuple[tuple[str, int], str]:
     probe = PeerInfo(node_id="probe" + os.urandom(4).hex(), epoch=os.urandom(8).hex(), address="127.0.0.1:1")
     link = PeerLink(address, local_info=probe, secret="", timeout=5, on_lost=lambda _l: None)
     try:
-        port = link.info.transports["tcp"]["port"]
+        port, epoch = link.info.transports["tcp"]["port"], link.info.epoch
     finally:
         link.close()
-    return parse_endpoint(address)[0], int(port)
+    return (parse_endpoint(address)[0], int(port)), epoch
+
+
+def data_connection(address: str) -> socket.socket:
+    """A tcp data connection past HELLO and the (secret-less) authentication, ready for requests."""
+    where, epoch = data_port_and_epoch(address)
+    s = socket.create_connection(where, timeout=5)
+    me, them = tcp_wire.ident("garbage-test"), tcp_wire.ident(epoch)
+    s.sendall(tcp_wire.HELLO.pack(tcp_wire.HELLO_MAGIC, tcp_wire.VERSION, 0, me, them))
+    client_authenticate(s, "", time.monotonic() + 5, tcp_wire.context(me, them))
+    s.settimeout(5)
+    return s
 
 
 def assert_still_serves(target: Any, seed: int) -> None:
@@ -212,31 +230,34 @@ def test_parse_json_never_raises_recursion_error() -> None:
     assert wire.parse_json(ok)["t"] == "x"
 
 
-def req(magic: bytes = b"MD", version: int = wire.PROTOCOL_VERSION, op: int = 2, region_id: int = 0,
-        token: int = 0, epoch: int = 0, offset: int = 0, length: int = 0, deadline: float | None = None) -> bytes:
-    return REQ.pack(magic, version, op, 0, 1, region_id, token, epoch, offset, length,
+def req(magic: bytes = b"MQ", op: int = 2, region_id: int = 0, token: int = 0, epoch: int = 0, offset: int = 0,
+        length: int = 0, deadline: float | None = None) -> bytes:
+    return REQ.pack(magic, op, 0, 0, 1, region_id, token, epoch, offset, length,
                     time.time() + 10 if deadline is None else deadline)
 
 
 DATA_GARBAGE = {
     "random": os.urandom(REQ.size * 3),
     "wrong magic": req(magic=b"ZZ"),
-    "wrong version": req(version=42),
     "unknown op": req(op=9),
     "truncated header": req()[:17],
+    "nan deadline": req(deadline=float("nan")),
 }
 
 
 @pytest.mark.parametrize("what", sorted(DATA_GARBAGE))
-def test_data_port_survives(target: Any, what: str) -> None:
-    with socket.create_connection(data_port(target.address), timeout=5) as s:
+@pytest.mark.parametrize("where", ["before hello", "after authentication"])
+def test_data_port_survives(target: Any, what: str, where: str) -> None:
+    opened = data_connection(target.address) if where != "before hello" else \
+        socket.create_connection(data_port(target.address), timeout=5)
+    with opened as s:
         try:
             s.sendall(DATA_GARBAGE[what])
             if what == "truncated header":
                 s.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        assert expect_closed(s) == b""
+        assert expect_closed(s) == b""  # no reply to garbage: the connection is dropped
     assert target.alive
 
 
@@ -257,7 +278,7 @@ def test_data_port_refuses_bad_requests_without_touching_memory(target: Any) -> 
         "refused write": req(op=1, region_id=remote.region_id, token=remote.token, epoch=epoch,
                              offset=remote.size - 4, length=8) + b"\xAA" * 8,
     }
-    with socket.create_connection(data_port(target.address), timeout=5) as s:
+    with data_connection(target.address) as s:
         for what, frame in cases.items():  # one connection: each refusal leaves it usable
             s.sendall(frame)
             head = b""
@@ -265,7 +286,7 @@ def test_data_port_refuses_bad_requests_without_touching_memory(target: Any) -> 
                 chunk = s.recv(RESP.size - len(head))
                 assert chunk, f"connection closed after {what}"
                 head += chunk
-            magic, _ver, status, _f, _rid, length = RESP.unpack(head)
+            magic, status, _f, _count, _rid, length = RESP.unpack(head)
             assert (magic, status) == (b"MR", 1), what
             body = b""
             while len(body) < length:
@@ -278,7 +299,7 @@ def test_data_port_refuses_bad_requests_without_touching_memory(target: Any) -> 
 
 def test_data_port_oversized_write_then_hang_up(target: Any) -> None:
     """A write announcing 2**60 bytes to a bad region, then the peer vanishes."""
-    with socket.create_connection(data_port(target.address), timeout=5) as s:
+    with data_connection(target.address) as s:
         s.sendall(req(op=1, region_id=12345, length=1 << 60) + os.urandom(1 << 16))
     assert_still_serves(target, seed=4)
 

@@ -23,6 +23,22 @@ def _attr(view: Any, name: str, attrs: dict[str, str]) -> float:
     return total
 
 
+def done(t: Any, timeout: float = 5) -> Any:
+    """``t.result()``, then wait until the engine ran its callbacks (the telemetry records there).
+
+    ``result()`` returns as soon as the transport reported; the completion
+    thread runs the callbacks (telemetry's first, it was added at post) after.
+    """
+    import threading
+
+    ev = threading.Event()
+    try:
+        return t.result(timeout)
+    finally:
+        t.add_done_callback(lambda _t: ev.set())
+        assert ev.wait(timeout), "the completion thread did not run the callbacks"
+
+
 @pytest.fixture
 def pair() -> Any:
     with mpcomm.Engine(ON, transports=["tcp"]) as target, mpcomm.Engine(ON, transports=["tcp"]) as initiator:
@@ -34,8 +50,8 @@ def test_a_span_per_transfer_with_attributes(pair: Any, spans: Any) -> None:
     target, initiator, remote = pair
     tracer = trace.get_tracer("test")
     with tracer.start_as_current_span("caller") as parent:
-        initiator.write(bytearray(4096), remote, remote_offset=8).result(5)
-    initiator.read(bytearray(1000), remote).result(5)
+        done(initiator.write(bytearray(4096), remote, remote_offset=8))
+    done(initiator.read(bytearray(1000), remote))
     got = {s.name: s for s in spans.get_finished_spans()}
     w, r = got["mpcomm.write"], got["mpcomm.read"]
     assert w.kind is SpanKind.CLIENT
@@ -54,7 +70,7 @@ def test_failed_transfer_span_has_error_status_and_exception(pair: Any, spans: A
     _, initiator, remote = pair
     bad = dataclasses.replace(remote, token=remote.token ^ 1)
     with pytest.raises(mpcomm.PermissionDeniedError):
-        initiator.write(bytearray(64), bad).result(5)
+        done(initiator.write(bytearray(64), bad))
     (span,) = [s for s in spans.get_finished_spans() if s.name == "mpcomm.write"]
     assert span.status.status_code is StatusCode.ERROR
     assert span.attributes["mpcomm.outcome"] == "permission_denied"
@@ -67,10 +83,10 @@ def test_metrics_bytes_operations_latency_inflight_failures(pair: Any, collect: 
     tw = {"mpcomm.transport": "tcp", "mpcomm.direction": "write"}
     before = collect()
     for _ in range(3):
-        initiator.write(bytearray(4096), remote).result(5)
-    initiator.read(bytearray(100), remote).result(5)
+        done(initiator.write(bytearray(4096), remote))
+    done(initiator.read(bytearray(100), remote))
     with pytest.raises(mpcomm.PermissionDeniedError):
-        initiator.write(bytearray(10), dataclasses.replace(remote, token=remote.token ^ 1)).result(5)
+        done(initiator.write(bytearray(10), dataclasses.replace(remote, token=remote.token ^ 1)))
     after = collect()
 
     def delta(name: str, **extra: str) -> float:
@@ -111,7 +127,7 @@ def test_off_records_nothing(spans: Any, collect: Any) -> None:
     with mpcomm.Engine(off, transports=["tcp"]) as target, mpcomm.Engine(off, transports=["tcp"]) as initiator:
         target.allocate(4096, name="kv")
         assert not initiator.telemetry.enabled
-        initiator.write(bytearray(4096), initiator.open(target.address, "kv")).result(5)
+        done(initiator.write(bytearray(4096), initiator.open(target.address, "kv")))
     assert not spans.get_finished_spans()
     assert _attr(collect(), "mpcomm.transfer.bytes", tw) == _attr(before, "mpcomm.transfer.bytes", tw)
 
@@ -121,7 +137,7 @@ def test_tracing_only_has_spans_and_no_metric_cost(spans: Any) -> None:
     with mpcomm.Engine(cfg, transports=["tcp"]) as target, mpcomm.Engine(cfg, transports=["tcp"]) as initiator:
         target.allocate(4096, name="kv")
         assert initiator.telemetry.tracing and not initiator.telemetry.metrics
-        initiator.write(bytearray(16), initiator.open(target.address, "kv")).result(5)
+        done(initiator.write(bytearray(16), initiator.open(target.address, "kv")))
     assert [s.name for s in spans.get_finished_spans()] == ["mpcomm.write"]
 
 
@@ -140,7 +156,7 @@ def test_retry_hook_adds_event_and_count(pair: Any, spans: Any, collect: Any) ->
     tel.on_post = spy  # type: ignore[method-assign]
     key = {"mpcomm.transport": "tcp", "mpcomm.direction": "write", "error.type": "connection"}
     before = collect()
-    initiator.write(bytearray(64), remote).result(5)
+    done(initiator.write(bytearray(64), remote))
     (span,) = [s for s in spans.get_finished_spans() if s.name == "mpcomm.write"]
     assert span.attributes["mpcomm.retries"] == 1
     assert [e.attributes["error.type"] for e in span.events if e.name == "mpcomm.retry"] == ["connection"]

@@ -1,0 +1,471 @@
+"""The initiator side of the tcp data port: pipelined connections that never block a poster.
+
+A :class:`Pool` holds up to ``connections`` :class:`Conn` to one target
+instance (host, port, epoch). Each connection has
+
+* a **writer** thread: it dials and authenticates (bounded by
+  ``transport.handshake_timeout_ms``), then sends whatever the posting side
+  could not send at once, in order;
+* a **reader** thread: it reads replies, matches them to requests by id,
+  scatters read payloads straight into the local buffer, and reports.
+
+``Conn.submit`` never waits on the peer: when the connection is up and
+nothing is queued, a request small enough is sent on the poster's thread with
+``MSG_DONTWAIT`` (whatever the socket buffer takes); the rest goes to the
+writer. Many requests are in flight per connection.
+
+Abort (timeout, cancel, peer lost) of one piece, on the connection that
+carried it (the fence is per connection):
+
+* not a byte sent yet: taken out of the queue; nothing can land: confirmed;
+* a read whose reply has not started: reported at once, its payload will be
+  discarded (only our reader writes our buffer): confirmed;
+* anything else (a frame on its way, a write awaiting its reply, a read being
+  received) finishes on the wire, because the target answers every request
+  (refusing, and draining, what is past its deadline): that answer confirms.
+  The connection stays up, so the other requests it carries are not hurt.
+  If no answer comes within the fence time (``abort_grace_ms / 2``, on the
+  transport's one :class:`~mpcomm.transport_kit.FenceTimer` thread), the
+  connection is cut: for a read our reader has then stopped (confirmed); for
+  a write whose bytes went out, the target never answered (stopped,
+  partitioned): unconfirmed.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+from mpcomm.auth import client_authenticate
+from mpcomm.errors import MpcommError, PeerConnectionError, ProtocolError, error_from_code, map_errors
+from mpcomm.peer import format_endpoint
+from mpcomm.transport_kit import send_nowait, views_of
+
+from . import wire
+from .tls_stream import handshake
+
+#: Request ids: unique per process, so a reply can never match another connection's request.
+next_id = itertools.count(1).__next__
+_DISCARD = bytearray(256 << 10)  # payloads of aborted reads land here and are thrown away
+
+QUEUED, SENDING, SENT, RECEIVING, DONE = range(5)
+
+
+class Piece:
+    """One request frame on one connection (a stripe of an op, or a batch frame)."""
+
+    __slots__ = ("conn", "req_id", "read", "views", "dests", "state", "aborted", "report", "count", "unconfirmed",
+                 "size")
+
+    def __init__(self, req_id: int, read: bool, views: list[memoryview], dests: list[memoryview], report: Any,
+                 count: int, size: int) -> None:
+        self.conn: Conn | None = None
+        self.req_id = req_id
+        self.read = read
+        self.views = views  # what to send: header [+ descriptors] [+ payload]
+        self.dests = dests  # where a read's payload goes, in order
+        self.state = QUEUED
+        self.aborted = False
+        self.unconfirmed = False
+        #: report(error | None, status bytes | None, confirmed) -- called exactly once.
+        self.report = report
+        self.count = count  # descriptors in a batch frame, 0 for a single request
+        self.size = size  # payload bytes (for load balancing)
+
+
+class Conn:
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.queue: collections.deque[Piece] = collections.deque()
+        self.pending: dict[int, Piece] = {}
+        self.ready = False
+        self.broken = False
+        self.writer_busy = False
+        self.load = 0  # payload bytes queued or in flight
+        self.hard_closed = False
+        self.current: Piece | None = None  # the piece whose reply the reader is receiving
+        self.last_used = time.monotonic()
+        threading.Thread(target=self._writer, name=f"mpcomm-tcp-w-{pool.where}", daemon=True).start()
+
+    # -- the posting side ----------------------------------------------------------------
+
+    def submit(self, piece: Piece, inline: bool) -> bool:
+        """Queue ``piece`` (never waits on the peer); False if this connection is closing."""
+        with self.lock:
+            if self.broken:
+                return False
+            piece.conn = self
+            self.pending[piece.req_id] = piece
+            self.load += piece.size
+            self.last_used = time.monotonic()
+            if inline and self.ready and not self.queue and not self.writer_busy:
+                try:
+                    rest = send_nowait(self.sock, piece.views)  # type: ignore[arg-type]
+                except OSError:
+                    rest = piece.views  # the writer meets the error and reports it
+                if not rest:
+                    piece.state = SENT
+                    piece.views = []
+                    return True
+                if rest is not piece.views:
+                    piece.state = SENDING  # part of the frame is out: the writer sends the rest first
+                piece.views = rest
+            self.queue.append(piece)
+            self.cv.notify()
+        return True
+
+    def abort(self, piece: Piece) -> None:
+        """Stop ``piece`` where it stands (see the module docstring); never blocks."""
+        report = False
+        with self.lock:
+            if piece.state == DONE or piece.aborted:
+                return
+            piece.aborted = True
+            if piece.state == QUEUED:
+                self.queue.remove(piece)
+                self.pending.pop(piece.req_id, None)
+                self.load -= piece.size
+                piece.state = DONE
+                report = True
+            elif piece.read and piece.state == SENT:
+                piece.state = DONE  # the reader will discard its payload
+                report = True
+            # Anything else (a frame on its way, a write awaiting its reply, a
+            # read being received) finishes on the wire: the target answers every
+            # request, refusing what is past its deadline, and that answer is the
+            # fence. Cutting the connection instead would fail every other
+            # request it carries.
+        if report:
+            piece.report(PeerConnectionError("aborted"), None, True)
+            return
+        self.pool.fences.schedule(time.monotonic() + self.pool.fence_time, lambda: self._fence_overdue(piece))
+
+    def _fence_overdue(self, piece: Piece) -> None:
+        with self.lock:
+            if piece.state == DONE:
+                return
+            if not piece.read:
+                piece.unconfirmed = True
+            self.hard_closed = True
+            self._shut(socket.SHUT_RDWR)  # the reader wakes and reports
+
+    def _shut(self, how: int) -> None:
+        self.broken = True
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(how)
+            except OSError:
+                pass
+
+    # -- the writer ------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        pool = self.pool
+        deadline = time.monotonic() + pool.handshake_time
+        with map_errors(pool.where, "tcp connect"):
+            sock = socket.create_connection((pool.host, pool.port), timeout=pool.handshake_time)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for opt in ("SO_SNDBUF", "SO_RCVBUF"):
+                    if pool.socket_buffer:
+                        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, opt), pool.socket_buffer)
+                if pool.tls is not None:
+                    sock = handshake(sock, pool.tls, server_side=False, deadline=deadline, what=pool.where,
+                                     server_hostname=pool.host)  # type: ignore[assignment]
+                sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, pool.node_id, pool.epoch))
+                client_authenticate(sock, pool.secret, deadline, wire.context(pool.node_id, pool.epoch))
+                sock.settimeout(None)
+            except BaseException:
+                sock.close()
+                raise
+        with self.lock:
+            self.sock = sock
+            if self.broken:  # closed while we dialled
+                self._shut(socket.SHUT_RDWR)
+                return
+            self.ready = True
+
+    def _writer(self) -> None:
+        try:
+            self._connect()
+        except BaseException as exc:  # noqa: BLE001 - reported through every waiting piece
+            err = exc if isinstance(exc, MpcommError) else PeerConnectionError(f"{self.pool.where}: {exc!r}")
+            self._fail_all(err, reader_started=False)
+            return
+        threading.Thread(target=self._reader, name=f"mpcomm-tcp-r-{self.pool.where}", daemon=True).start()
+        sock = self.sock
+        assert sock is not None
+        idle = self.pool.idle_close
+        while True:
+            with self.lock:
+                while not self.queue and not self.broken:
+                    if not self.cv.wait(idle) and not self.pending and not self.queue \
+                            and time.monotonic() - self.last_used >= idle:
+                        self.pool.retire(self)  # before the target's idle timeout closes it under us
+                        self._shut(socket.SHUT_RDWR)
+                        return
+                if self.broken:
+                    return
+                piece = self.queue[0]
+                piece.state = SENDING
+                self.writer_busy = True
+                views = piece.views
+            try:
+                self._send(sock, views)
+            except OSError:
+                with self.lock:
+                    self.writer_busy = False
+                    self._shut(socket.SHUT_WR)  # the reader sees the end and reports what is pending
+                return
+            with self.lock:
+                self.writer_busy = False
+                if self.queue and self.queue[0] is piece:
+                    self.queue.popleft()
+                if piece.state == SENDING:
+                    piece.state = SENT
+                piece.views = []
+
+    def _send(self, sock: socket.socket, views: list[memoryview]) -> None:
+        if self.pool.copy_mode:  # stage every payload byte through one bounce buffer
+            bounce = memoryview(bytearray(self.pool.bounce_size))
+            for v in views:
+                for pos in range(0, v.nbytes, bounce.nbytes):
+                    k = min(bounce.nbytes, v.nbytes - pos)
+                    bounce[:k] = v[pos : pos + k]
+                    sock.sendall(bounce[:k])
+            return
+        while views:
+            sent = sock.sendmsg(views[:512])
+            while sent:
+                n = views[0].nbytes
+                if sent >= n:
+                    sent -= n
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+
+    # -- the reader --------------------------------------------------------------------------
+
+    def _reader(self) -> None:
+        sock = self.sock
+        assert sock is not None
+        head = bytearray(wire.RESP.size)
+        hv = memoryview(head)
+        err: MpcommError | None = None
+        try:
+            while True:
+                if not self._recv_exact(sock, hv, at_boundary=True):
+                    err = PeerConnectionError(f"{self.pool.where} closed the data connection")
+                    break
+                magic, status, _flags, count, rid, length = wire.RESP.unpack(head)
+                if magic != wire.RESP_MAGIC:
+                    raise ProtocolError(f"bad reply magic from {self.pool.where}")
+                with self.lock:
+                    piece = self.pending.pop(rid, None)
+                    # SENDING too: the reply can overtake the writer's bookkeeping.
+                    if piece is None or piece.state not in (SENDING, SENT, DONE):
+                        raise ProtocolError(f"reply for a request {rid} that is not awaiting one")
+                    discard = piece.state == DONE
+                    if not discard:
+                        piece.state = RECEIVING
+                        self.current = piece  # _fail_all reports it if the reply breaks off
+                    self.load -= piece.size
+                self._reply(sock, piece, status, count, length, discard)
+                self.current = None
+                self.last_used = time.monotonic()
+        except ProtocolError as exc:
+            err = exc
+            self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
+        except (OSError, MpcommError) as exc:
+            err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
+                f"data connection to {self.pool.where} failed: {exc}")
+        self._fail_all(err or PeerConnectionError("connection closed"), reader_started=True)
+
+    def _recv_exact(self, sock: socket.socket, view: memoryview, at_boundary: bool = False) -> bool:
+        got, n = 0, view.nbytes
+        while got < n:
+            r = sock.recv_into(view[got:], n - got)
+            if r == 0:
+                if at_boundary and got == 0:
+                    return False
+                raise PeerConnectionError(f"{self.pool.where} closed the connection mid-reply ({got} of {n} bytes)")
+            got += r
+        return True
+
+    def _payload(self, sock: socket.socket, dests: list[memoryview], discard: bool) -> None:
+        if discard:
+            d = memoryview(_DISCARD)
+            for v in dests:
+                for pos in range(0, v.nbytes, d.nbytes):
+                    self._recv_exact(sock, d[: min(d.nbytes, v.nbytes - pos)])
+            return
+        if self.pool.copy_mode:
+            for v in dests:
+                bounce = bytearray(min(self.pool.bounce_size, v.nbytes))
+                for pos in range(0, v.nbytes, len(bounce)):
+                    k = min(len(bounce), v.nbytes - pos)
+                    self._recv_exact(sock, memoryview(bounce)[:k])
+                    v[pos : pos + k] = memoryview(bounce)[:k]
+            return
+        for v in dests:
+            self._recv_exact(sock, v)
+
+    def _reply(self, sock: socket.socket, piece: Piece, status: int, count: int, length: int,
+               discard: bool) -> None:
+        where = self.pool.where
+        if status == wire.ST_OK:
+            expect = sum(v.nbytes for v in piece.dests) if piece.read else 0
+            if length != expect or count != piece.count:
+                raise ProtocolError(f"reply from {where} announces {length} bytes, expected {expect}")
+            if piece.read:
+                self._payload(sock, piece.dests, discard)
+            self._finish(piece, None, None, discard)
+            return
+        if status == wire.ST_ERR:
+            if length > wire.MAX_ERROR_PAYLOAD:
+                raise ProtocolError(f"oversized error reply from {where}")
+            buf = bytearray(length)
+            self._recv_exact(sock, memoryview(buf))
+            self._finish(piece, self._error(buf), None, discard)
+            return
+        if status == wire.ST_PARTIAL and piece.count and count == piece.count:
+            status_bytes = bytearray(count)
+            self._recv_exact(sock, memoryview(status_bytes))
+            jl = bytearray(wire.JSON_LEN.size)
+            self._recv_exact(sock, memoryview(jl))
+            (n,) = wire.JSON_LEN.unpack(jl)
+            if n > wire.MAX_ERROR_PAYLOAD:
+                raise ProtocolError(f"oversized error reply from {where}")
+            buf = bytearray(n)
+            self._recv_exact(sock, memoryview(buf))
+            if piece.read:
+                served = [v for v, s in zip(piece.dests, status_bytes) if not s]
+                if length != count + wire.JSON_LEN.size + n + sum(v.nbytes for v in served):
+                    raise ProtocolError(f"partial reply from {where} has the wrong length")
+                self._payload(sock, served, discard)
+            self._finish(piece, self._error(buf), bytes(status_bytes), discard)
+            return
+        raise ProtocolError(f"reply status {status} from {where}")
+
+    def _error(self, body: bytearray) -> MpcommError:
+        try:
+            obj = json.loads(body)
+            code, message = str(obj["code"]), str(obj["message"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"malformed error reply from {self.pool.where}") from exc
+        return error_from_code(code, f"{self.pool.where}: {message}", peer=self.pool.where)
+
+    def _finish(self, piece: Piece, err: MpcommError | None, status: bytes | None, discard: bool) -> None:
+        if discard:
+            return  # aborted and reported already; its payload went to the discard buffer
+        with self.lock:
+            piece.state = DONE
+            if piece.aborted and err is None:
+                # It landed in full after all, but the request was aborted: report
+                # the abort (op.fail substitutes its reason); nothing more can land.
+                err = PeerConnectionError("aborted; the target answered")
+        piece.report(err, status if err is None or status is not None else None, True)
+
+    def _fail_all(self, err: MpcommError, reader_started: bool) -> None:
+        """The connection is gone: every piece still on it ends, from this (the last) thread touching it."""
+        self.pool.retire(self)
+        with self.lock:
+            self.broken = True
+            self.ready = False
+            pieces = [(p, p.state) for p in self.pending.values() if p.state != DONE]
+            if self.current is not None and self.current.state != DONE:
+                pieces.append((self.current, self.current.state))
+                self.current = None
+            for p, _ in pieces:
+                p.state = DONE
+            self.pending.clear()
+            self.queue.clear()
+            self.load = 0
+            sock, hard = self.sock, self.hard_closed
+        for p, state in pieces:
+            # A write whose bytes went out on a connection we cut because the target
+            # stayed silent: nobody can say it stopped (they may sit in its buffer).
+            sent = state in (SENDING, SENT, RECEIVING)
+            p.report(err, None, not (p.unconfirmed or (hard and sent and not p.read)))
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self.lock:
+            self._shut(socket.SHUT_RDWR)
+            self.cv.notify_all()
+
+
+class Pool:
+    """Connections to one target instance; picks the least-loaded, dials more up to ``size``."""
+
+    BUSY = 64 << 10  # a connection carrying this many bytes is busy: prefer dialling another
+
+    def __init__(self, transport: Any, host: str, port: int, epoch: str, idle_ms: int) -> None:
+        ctx = transport.ctx
+        o = ctx.options
+        self.log = ctx.log
+        self.host, self.port = host, port
+        self.where = format_endpoint(host, port)
+        self.size = int(o["connections"])
+        self.node_id = wire.ident(ctx.node_id)
+        self.epoch = wire.ident(epoch)
+        self.secret = ctx.config.transport.secret
+        self.handshake_time = ctx.config.transport.handshake_timeout_ms / 1000
+        self.fence_time = ctx.config.runtime.abort_grace_ms / 2000
+        self.fences = transport.fences
+        self.tls = transport.tls_client  # an ssl.SSLContext when data connections run TLS
+        self.copy_mode = ctx.mode == "copy"
+        self.bounce_size = int(o["bounce_size"])
+        self.socket_buffer = int(o["socket_buffer"])
+        # Close our idle connections well before the target's idle timeout would.
+        self.idle_close = max(0.05, min(idle_ms, int(o["idle_timeout_ms"])) / 2000)
+        self._conns: list[Conn] = []
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def pick(self, n: int = 1) -> list[Conn]:
+        """``n`` distinct connections (fewer if ``size`` is smaller), least loaded first."""
+        with self._lock:
+            if self.closed:
+                raise PeerConnectionError(f"connections to {self.where} were closed")
+            conns = sorted(self._conns, key=lambda c: c.load)
+            if n == 1:
+                if conns and (conns[0].load < self.BUSY or len(conns) >= self.size):
+                    return conns[:1]
+                c = Conn(self)
+                self._conns.append(c)
+                return [c]
+            want = min(n, self.size)
+            while len(conns) < want:
+                c = Conn(self)
+                self._conns.append(c)
+                conns.insert(0, c)
+            return conns[:want]
+
+    def retire(self, conn: Conn) -> None:
+        """Take ``conn`` out of rotation (the caller marks it broken)."""
+        with self._lock:
+            try:
+                self._conns.remove(conn)
+            except ValueError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            conns, self._conns = self._conns, []
+        for c in conns:
+            c.close()
