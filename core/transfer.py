@@ -213,9 +213,10 @@ class Transfer(Future):  # type: ignore[type-arg]
         so chains of callbacks never recurse)."""
         self._sync()
         with self._lock:
-            if not self._cbs_ran:
+            if not self._settled:
                 self._callbacks.append(fn)
                 return
+        # Done already: at once (even if earlier callbacks still wait for the completion thread).
         d = self._dispatch
         depth = getattr(_depth, "n", 0)
         if d is not None and (d.on_dispatch_thread() or depth >= _MAX_INLINE_DEPTH):

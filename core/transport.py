@@ -80,8 +80,14 @@ class TransportBusy(Exception):
 
     Not an error the user sees: the engine holds the request (within
     ``runtime.queue_depth``) and posts it again once one of this transport's
-    operations finished.
+    operations finished. ``pending``: the member operations of a group that
+    were not posted yet (the default ``post_many`` sets it), posted later one
+    by one.
     """
+
+    def __init__(self, message: str = "", *, pending: list[Operation] | None = None) -> None:
+        super().__init__(message)
+        self.pending = pending
 
 
 @dataclass(frozen=True)
@@ -596,13 +602,9 @@ class Transport:
                 continue
             try:
                 self.post(op)
-            except TransportBusy:
-                # The engine cannot retry part of a group: fail the rest clearly.
-                err = MpcommError(f"transport {self.name} is full; {group.count - i} requests of the batch "
-                                  "were not posted", retryable=True)
-                for rest in members[i:]:
-                    rest.fail(err)
-                return
+            except TransportBusy as busy:
+                # The engine holds the members not posted yet and posts them as room frees.
+                raise TransportBusy(str(busy) or f"transport {self.name} is full", pending=members[i:]) from None
             except MpcommError as exc:
                 op.fail(exc)
             except Exception as exc:  # noqa: BLE001 - a plugin bug fails the request, not the caller

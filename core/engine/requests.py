@@ -578,8 +578,9 @@ class Pipeline:
                 transport.post(unit)
             else:
                 transport.post_many(unit)
-        except TransportBusy:
-            self._to_backlog(transport, unit)
+        except TransportBusy as busy:
+            for waiting in busy.pending or (unit,):
+                self._to_backlog(transport, waiting)
         except MpcommError as exc:
             unit.fail(exc)
         except Exception as exc:  # noqa: BLE001 - a plugin bug fails the request, not the caller
@@ -696,7 +697,9 @@ class Pipeline:
         cands = getattr(unit, "_cands", ())
         health = self.e.health
         peer = unit.remote.address
-        if t is not None:
+        if t is not None and unit.abort_exc is None:
+            # Only the transport's own failures count against the path: a
+            # deadline, a cancel or a closing engine say nothing about it.
             health.failure(peer, t.name, error)
         if (t is None or unit.abort_exc is not None or not is_retryable(error) or self.e._closed
                 or unit.time_left() <= 0 or getattr(unit, "_tries", 1) >= health.policy.max_attempts):
@@ -750,12 +753,24 @@ class Pipeline:
         for key in [k for k in list(self._routes) if k[0] == address]:
             self._routes.pop(key, None)
 
-    def _to_backlog(self, transport: Transport, unit: Any) -> None:
+    def _to_backlog(self, transport: Transport, unit: Any, delay: float = 0.001) -> None:
         unit._stage = WAITING  # claimable again: by the drain, a cancel or the deadline
         with self._backlog_lock:
             self._backlog.setdefault(transport.name, deque()).append(unit)
+        # Finishing requests drain the backlog; the timer makes sure it is
+        # drained even when none of them is the engine's (a group's members).
+        self._schedule_drain(transport.name, delay)
 
-    def _drain_backlog(self, name: str) -> None:
+    def _schedule_drain(self, name: str, delay: float) -> None:
+        def kick() -> None:
+            try:
+                self.e._executor.submit(self._drain_backlog, name, delay)
+            except RuntimeError:
+                pass  # closing
+
+        self.e._timer.schedule(time.monotonic() + delay, kick)
+
+    def _drain_backlog(self, name: str, delay: float = 0.001) -> None:
         t = self.e._transports.get(name)
         while t is not None:
             with self._backlog_lock:
@@ -765,15 +780,20 @@ class Pipeline:
                 unit = q.popleft()
             if not self._claim(unit, WAITING):
                 continue
+            if unit.abort_exc is not None:  # timed out, cancelled or closed while it waited
+                unit.fail(unit.abort_exc)
+                continue
             try:
                 if isinstance(unit, Operation):
                     t.post(unit)
                 else:
                     t.post_many(unit)
-            except TransportBusy:
-                unit._stage = WAITING
+            except TransportBusy as busy:
                 with self._backlog_lock:
-                    self._backlog.setdefault(name, deque()).appendleft(unit)
+                    for waiting in reversed(busy.pending or (unit,)):
+                        waiting._stage = WAITING
+                        self._backlog.setdefault(name, deque()).appendleft(waiting)
+                self._schedule_drain(name, min(delay * 2, 0.05))
                 return
             except MpcommError as exc:
                 unit.fail(exc)

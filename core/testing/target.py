@@ -91,7 +91,8 @@ def main(argv: list[str]) -> int:
             elif cmd[0] == "notes":
                 out.write(json.dumps(notes) + "\n")
             elif cmd[0] == "unregister":
-                engine.unregister(regions.pop(cmd[1]))
+                engine.unregister(regions[cmd[1]])  # refused (RegionBusyError): it stays reachable
+                regions.pop(cmd[1])
                 out.write("ok\n")
             elif cmd[0] == "quit":
                 break
