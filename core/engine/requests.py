@@ -219,6 +219,7 @@ class Pipeline:
         op._notify = None
         op._slot = False
         op._posting = False
+        op._handed = False
         op._batch = None
         op._dl = None
         return op
@@ -255,7 +256,7 @@ class Pipeline:
         batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
         if group.count == 0:
             batch._record(None, 0)
-            batch._finish_inline()
+            self._deliver_inline(batch, batch._finish_inline)
             return batch
         self._adopt(group, batch, 0, ephemeral)
         batch._left = 1
@@ -332,7 +333,7 @@ class Pipeline:
         batch._left = len(units)
         if not units:
             batch._record(None, 0)
-            batch._finish_inline()
+            self._deliver_inline(batch, batch._finish_inline)
             return batch
         held: list[Any] = []
         try:
@@ -431,8 +432,12 @@ class Pipeline:
         finally:
             with batch._lock:
                 batch._posting = False
-            if batch._outcome is not None:
-                self._settle_batch_inline(batch)
+                # Exactly one of this thread and _batch_done hands the batch on.
+                mine = batch._outcome is not None and not batch.__dict__.get("_handed", False)
+                if mine:
+                    batch._handed = True
+            if mine:
+                self._deliver_inline(batch, lambda: self._settle_batch_inline(batch))
 
     def _launch(self, unit: Any, inline: bool) -> None:
         """Route and post ``unit`` now if its peer is connected, else queue it on that peer."""
@@ -513,8 +518,13 @@ class Pipeline:
         if inline:
             with unit._lock:
                 unit._posting = False
-            if transfer._outcome is not None and isinstance(unit, Operation) and unit._batch is None:
-                transfer._finish_inline()
+                # Exactly one of this thread and _push hands the handle on.
+                mine = (transfer._outcome is not None and isinstance(unit, Operation) and unit._batch is None
+                        and not unit._handed)
+                if mine:
+                    unit._handed = True
+            if mine:
+                self._deliver_inline(transfer, transfer._finish_inline)
                 return
         if not unit.done:
             self._arm(unit)
@@ -823,8 +833,9 @@ class Pipeline:
 
     def _push(self, op: Operation) -> None:
         with op._lock:
-            if op._posting:
+            if op._posting or op._handed:
                 return  # the posting thread settles it when post() returns
+            op._handed = True
         op.transfer._dispatch.push(op.transfer)
 
     def _batch_done(self, batch: Batch) -> None:
@@ -834,9 +845,18 @@ class Pipeline:
         if not batch._record(error, sum(lengths)):
             return
         with batch._lock:
-            if batch._posting:
+            if batch._posting or batch.__dict__.get("_handed", False):
                 return
+            batch._handed = True
         batch._dispatch.push(batch)
+
+    def _deliver_inline(self, handle: Transfer, settle: Any) -> None:
+        """A handle that finished on the posting thread: settle it here (no hop), or, when it was
+        posted with a completion queue, hand it to that queue: its poller settles and reaps it."""
+        if handle._dispatch is self.dispatch:
+            settle()
+        else:
+            handle._dispatch.push(handle)
 
     def _settle_batch_inline(self, batch: Batch) -> None:
         batch._settle()
