@@ -137,16 +137,17 @@ class Pipeline:
         self._backlog: dict[str, deque[Any]] = {}
         self._backlog_lock = threading.Lock()
         self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
-        self._queue_dispatch: dict[int, _Dispatch] = {}
 
     # -- prepare ----------------------------------------------------------------------
 
     def _dispatch_for(self, cq: Any) -> _Dispatch:
         if cq is None:
             return self.dispatch
-        d = self._queue_dispatch.get(id(cq))
+        # Kept on the queue, not in the engine: a queue its caller dropped must not stay alive here.
+        per_engine = cq.__dict__.setdefault("_dispatch_by_engine", {})
+        d = per_engine.get(id(self))
         if d is None:
-            d = self._queue_dispatch[id(cq)] = _Dispatch(cq.push, cq.on_thread, self.cancel)
+            d = per_engine[id(self)] = _Dispatch(cq.push, cq.on_thread, self.cancel)
         return d
 
     def _local(self, buf: Any, name: str) -> tuple[Region, bool]:
