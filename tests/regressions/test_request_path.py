@@ -341,9 +341,9 @@ def test_08_posting_never_waits_on_a_stopped_peer(transport, engine, target):
         took = {}
         handles = []
         for what, call in (
-            ("write", lambda: ini.write(src, remote, 0, 4096, timeout=1)),
-            ("read", lambda: ini.read(src, remote, 0, 4096, timeout=1)),
-            ("write_many", lambda: ini.write_many(src, remote, [0, 8192], [0, 8192], [4096, 4096], timeout=1)),
+            ("write", lambda: ini.write(src, remote, 0, 4096, timeout=0.5)),
+            ("read", lambda: ini.read(src, remote, 0, 4096, timeout=0.5)),
+            ("write_many", lambda: ini.write_many(src, remote, [0, 8192], [0, 8192], [4096, 4096], timeout=0.5)),
         ):
             t0 = time.monotonic()
             handles.append(call())
@@ -754,3 +754,48 @@ def test_also_cancelled_error_is_the_futures_one(engine, target):
     assert b.cancel()
     with pytest.raises(CancelledError):
         b.result(0)
+
+
+def test_02_no_byte_lands_after_close_returns(engine, target):
+    """Defect 2: close() with large reads in flight returns only when no byte can land in local memory."""
+    tgt = target(["shm"])
+    _serve(tgt, 64 << 20)
+    tgt.run("buf_reg[:] = b'\\xa5' * len(buf_reg)")
+    ini = mpcomm.Engine(transports=["shm"])
+    try:
+        remote = ini.open(tgt.address, "kv")
+        dst = bytearray(64 << 20)
+        handles = [ini.read(dst, remote, 0, 64 << 20, timeout=30) for _ in range(2)]
+        ini.close(timeout=0.0)
+        assert all(h.done() for h in handles)
+        first = _sha(dst)
+        time.sleep(0.3)
+        assert _sha(dst) == first, "bytes landed in a read's local buffer after close() returned"
+        for h in handles:
+            assert h.status in (TransferStatus.COMPLETED, TransferStatus.FAILED), h.status
+            if h.status is TransferStatus.FAILED:
+                assert isinstance(h.exception(0), EngineClosedError), repr(h.exception(0))
+    finally:
+        ini.close()
+
+
+def test_13_completion_queues_are_not_kept(engine, target):
+    """Defect 13 (bounded memory): a completion queue the caller dropped is not kept alive by the engine."""
+    import gc
+    import weakref
+
+    tgt = target(["shm"])
+    _serve(tgt, 1 << 20)
+    ini = engine(["shm"])
+    remote = ini.open(tgt.address, "kv")
+    src = ini.allocate(4096)
+    refs = []
+    for _ in range(50):
+        q = ini.completion_queue()
+        ini.write(src, remote, 0, 64, completion_queue=q).result(5)
+        assert len(q.poll(8, timeout=1)) == 1
+        refs.append(weakref.ref(q))
+        del q
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} of 50 dropped completion queues are still referenced by the engine"
