@@ -28,6 +28,7 @@ can neither double-post nor lose a request.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import operator
@@ -136,6 +137,11 @@ class Pipeline:
         self._routes: dict[tuple[Any, ...], tuple[tuple[Transport, ...], str, tuple[str, ...]]] = {}
         self._backlog: dict[str, deque[Any]] = {}
         self._backlog_lock = threading.Lock()
+        #: Per transport, a stamp of the last unit that ended (unique, from _tick): a refused
+        #: post that sees it change knows one ended while it was refused, so it drains
+        #: itself (that release found the backlog empty).
+        self._ended: dict[str, int] = {}
+        self._tick = itertools.count(1)
         self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
 
     # -- prepare ----------------------------------------------------------------------
@@ -504,13 +510,14 @@ class Pipeline:
             # A transport written for the first contract may wait on the peer
             # inside post(): its deadline must be able to interrupt it.
             self._arm(unit)
+        seen = self._ended.get(transport.name, 0)
         try:
             if isinstance(unit, Operation):
                 transport.post(unit)
             else:
                 transport.post_many(unit)
         except TransportBusy:
-            self._to_backlog(transport, unit)
+            self._to_backlog(transport, unit, seen)
         except MpcommError as exc:
             unit.fail(exc)
         except Exception as exc:  # noqa: BLE001 - a plugin bug fails the request, not the caller
@@ -657,12 +664,13 @@ class Pipeline:
         try:
             if self._lazy or unit._ephemeral:
                 self.e._regions.ensure_registered(unit.local, t)
+            seen = self._ended.get(t.name, 0)
             if isinstance(unit, Operation):
                 t.post(unit)
             else:
                 t.post_many(unit)
         except TransportBusy:
-            self._to_backlog(t, unit)
+            self._to_backlog(t, unit, seen)
         except MpcommError as exc:
             unit.fail(exc)
         except Exception as exc:  # noqa: BLE001
@@ -673,10 +681,18 @@ class Pipeline:
         for key in [k for k in list(self._routes) if k[0] == address]:
             self._routes.pop(key, None)
 
-    def _to_backlog(self, transport: Transport, unit: Any) -> None:
+    def _to_backlog(self, transport: Transport, unit: Any, seen: int) -> None:
+        """Hold ``unit`` for ``transport``, which refused it; ``seen``: its ended count before that post."""
         unit._stage = WAITING  # claimable again: by the drain, a cancel or the deadline
         with self._backlog_lock:
             self._backlog.setdefault(transport.name, deque()).append(unit)
+        if self._ended.get(transport.name, 0) != seen:
+            # Its last request ended while this one was refused, before the backlog held it:
+            # that release found nothing to drain, so drain now.
+            try:
+                self.e._executor.submit(self._drain_backlog, transport.name)
+            except RuntimeError:
+                pass
 
     def _drain_backlog(self, name: str) -> None:
         t = self.e._transports.get(name)
@@ -688,6 +704,7 @@ class Pipeline:
                 unit = q.popleft()
             if not self._claim(unit, WAITING):
                 continue
+            seen = self._ended.get(name, 0)
             try:
                 if isinstance(unit, Operation):
                     t.post(unit)
@@ -697,7 +714,9 @@ class Pipeline:
                 unit._stage = WAITING
                 with self._backlog_lock:
                     self._backlog.setdefault(name, deque()).appendleft(unit)
-                return
+                if self._ended.get(name, 0) == seen:
+                    return  # the next request of ``name`` to end drains again
+                # one ended meanwhile (its release found the backlog empty): try again
             except MpcommError as exc:
                 unit.fail(exc)
             except Exception as exc:  # noqa: BLE001
@@ -798,7 +817,11 @@ class Pipeline:
                     self.e._regions.unregister_from(local, self.e._transports)
                     release_view(local)
         t = unit.transport
-        if t is not None and self._backlog.get(t.name):
+        if t is None:
+            return
+        # Stamp before looking at the backlog (see _to_backlog); next() is atomic.
+        self._ended[t.name] = next(self._tick)
+        if self._backlog.get(t.name):
             try:
                 self.e._executor.submit(self._drain_backlog, t.name)
             except RuntimeError:
