@@ -151,3 +151,123 @@ class LoopLag:
 
     def stop(self) -> None:
         self._stop = True
+
+
+# -- a transport that is full ------------------------------------------------------------------
+
+
+def busy_plugin() -> Any:
+    """A plugin module with :class:`BusyTransport` (name ``busy``)."""
+    import types
+
+    import mpcomm
+
+    mod = types.ModuleType("busy_fake_plugin")
+
+    @mpcomm.hookimpl
+    def mpcomm_register_transports(register: Any) -> None:
+        register(BusyTransport)
+
+    mod.mpcomm_register_transports = mpcomm_register_transports  # type: ignore[attr-defined]
+    return mod
+
+
+def _busy_base() -> Any:
+    from mpcomm import Transport
+
+    return Transport
+
+
+class BusyTransport(_busy_base()):  # type: ignore[misc]
+    """Moves bytes between engines of this process with at most ``capacity`` requests in flight;
+    beyond that ``post`` raises TransportBusy, as the contract says a full transport does.
+
+    A worker thread takes the requests in order, checks the access on the target
+    engine exactly as a real target does (``regions.serve``) and ``memmove``s the
+    bytes. With ``finish_on_busy`` the in-flight requests are finished inside the
+    refused ``post`` just before it raises: the moment a real transport's worker
+    finishes its last request while a new one is being refused, made deterministic.
+    """
+
+    from mpcomm import Capabilities as _Caps
+
+    name = "busy"
+    capabilities = _Caps(inflight_cancel=False)
+    default_options = {"capacity": 1, "finish_on_busy": False}
+    tables: dict[str, Any] = {}
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.capacity = int(ctx.options["capacity"])
+        self.finish_on_busy = bool(ctx.options["finish_on_busy"])
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._queue: list[Any] = []
+        self._inflight = 0
+        self.refused = 0
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="busy-worker", daemon=True)
+
+    def start(self) -> dict[str, Any]:
+        BusyTransport.tables[self.ctx.node_id] = self.ctx.regions
+        self._worker.start()
+        return {"node": self.ctx.node_id}
+
+    def close(self) -> None:
+        BusyTransport.tables.pop(self.ctx.node_id, None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def post(self, op: Any) -> None:
+        from mpcomm import TransportBusy
+
+        with self._cond:
+            if self._inflight >= self.capacity:
+                self.refused += 1
+                early = []
+                if self.finish_on_busy:
+                    early, self._queue[:] = self._queue[:], []
+            else:
+                self._inflight += 1
+                self._queue.append(op)
+                self._cond.notify()
+                return
+        for old in early:
+            self._move(old)
+        raise TransportBusy(f"{self.capacity} requests in flight")
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                op = self._queue.pop(0)
+            time.sleep(0.002)
+            self._move(op)
+
+    def _move(self, op: Any) -> None:
+        import mpcomm
+
+        try:
+            table = BusyTransport.tables[op.remote.node_id]
+            region = table.serve(op.remote.region_id, op.remote.token, op.remote.epoch, op.remote_offset,
+                                 op.length, "w" if op.kind == "write" else "r")
+        except mpcomm.MpcommError as exc:
+            self._done()
+            op.fail(exc)
+            return
+        try:
+            remote = region.slice(op.remote_offset, op.length)
+            src, dst = (op.local_view, remote) if op.kind == "write" else (remote, op.local_view)
+            dst[:] = src
+        finally:
+            region.release()
+        self._done()
+        op.complete(op.length)
+
+    def _done(self) -> None:
+        with self._cond:
+            self._inflight -= 1

@@ -254,3 +254,34 @@ def test_submit_groups_into_one_slot(env):
     assert b.result(10) == 256 * PIECE
     assert tgt.ev(f"sha(buf_reg[:{256 * PIECE}])") == _sha(src.view)
     assert ini.stats()["requests_held"] == 0
+
+
+# -- a full transport: the engine holds the request -------------------------------------------------
+
+
+@pytest.mark.parametrize("finish_on_busy", [False, True], ids=["busy", "last-finishes-while-refused"])
+def test_full_transport_requests_are_held_not_lost(finish_on_busy):
+    """A transport that says it is full (TransportBusy) gets the request again once one of its
+    requests finished, also when that last one finishes exactly while the new one is refused.
+
+    In one process: the fake transport's "network" is the process's own region tables.
+    """
+    from rsupport import busy_plugin
+
+    cfg = {"plugins": {"busy": {"capacity": 1, "finish_on_busy": finish_on_busy}}}
+    tgt = mpcomm.Engine(cfg, transports=["busy"], plugins=[busy_plugin()], autoload=False)
+    ini = mpcomm.Engine(cfg, transports=["busy"], plugins=[busy_plugin()], autoload=False)
+    try:
+        buf = bytearray(64 * PIECE)
+        tgt.register(buf, name="kv")
+        remote = ini.open(tgt.address, "kv")
+        src = ini.register(bytearray(b"\x3c" * (64 * PIECE)))
+        handles = [ini.write(src, remote, i * PIECE, PIECE, local_offset=i * PIECE, timeout=3) for i in range(16)]
+        for i, h in enumerate(handles):
+            assert h.result(5) == PIECE, f"request {i}: {h!r}"
+        assert bytes(buf[: 16 * PIECE]) == b"\x3c" * (16 * PIECE)
+        assert ini.transports["busy"].refused > 0, "the transport was never full: nothing was tested"
+        assert ini.stats()["requests_held"] == 0
+    finally:
+        ini.close(timeout=2)
+        tgt.close(timeout=2)
