@@ -762,7 +762,17 @@ class Pipeline:
             unit.transfer._record(err, 0)
             self._push(unit)
         else:
-            unit.fail(err)
+            # As for an Operation: the handle fails now with the unconfirmed error, while
+            # the group keeps its lease and slot until the transport reports (failing the
+            # group here released them with bytes still able to land, and replaced the
+            # error with the abort's confirmed-looking timeout).
+            batch = unit._batch
+            if batch._record(err, 0):
+                with batch._lock:
+                    if batch._posting or batch.__dict__.get("_handed", False):
+                        return
+                    batch._handed = True
+                batch._dispatch.push(batch)
 
     # -- reports (any thread) -------------------------------------------------------------
 
