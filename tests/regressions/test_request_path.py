@@ -799,3 +799,40 @@ def test_13_completion_queues_are_not_kept(engine, target):
     gc.collect()
     alive = sum(r() is not None for r in refs)
     assert alive == 0, f"{alive} of 50 dropped completion queues are still referenced by the engine"
+
+
+@pytest.mark.parametrize("kind", ["single", "batch"])
+def test_14_unconfirmed_timeout_keeps_the_lease(kind):
+    """Defect 14 (engine side) and "leases end only when no byte can land": a transport that cannot
+    confirm an abort gets an unconfirmed timeout, for single requests and vectorised batches alike,
+    and the local buffer stays leased until the transport reports or the engine closes.
+
+    In one process: core_support's stuck transport (never finishes, ignores abort) has a process-local
+    "network"; no real transport can be made to hang like that on demand.
+    """
+    sys.path.insert(0, str(ROOT / "tests" / "core"))
+    from core_support import slow_plugin  # type: ignore[import-not-found]
+
+    cfg = {"runtime": {"abort_grace_ms": 100}}
+    tgt = mpcomm.Engine(cfg, transports=["stuck"], plugins=[slow_plugin()], autoload=False)
+    ini = mpcomm.Engine(cfg, transports=["stuck"], plugins=[slow_plugin()], autoload=False)
+    try:
+        tgt.register(bytearray(1 << 16), name="kv")
+        remote = ini.open(tgt.address, "kv")
+        dst = ini.register(bytearray(8192))
+        if kind == "single":
+            h = ini.read(dst, remote, 0, 4096, timeout=0.2)
+        else:
+            h = ini.read_many(dst, remote, [0, 4096], [0, 4096], [4096, 4096], timeout=0.2)
+        with pytest.raises(TransferTimeout) as info:
+            h.result(5)
+        assert info.value.confirmed is False, "a timeout the transport never confirmed was reported confirmed"
+        assert dst.leases == 1, "the lease ended while the transport may still write into the buffer"
+        with pytest.raises(mpcomm.RegionBusyError):
+            ini.unregister(dst)
+        ini.close(timeout=0.5)
+        assert dst.leases == 0, "close() left the lease held"
+        assert h.exception(0) is info.value, "the handle's outcome changed after it resolved"
+    finally:
+        ini.close(timeout=1)
+        tgt.close(timeout=1)
