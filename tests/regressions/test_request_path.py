@@ -836,3 +836,58 @@ def test_14_unconfirmed_timeout_keeps_the_lease(kind):
     finally:
         ini.close(timeout=1)
         tgt.close(timeout=1)
+
+
+@pytest.mark.parametrize("transport", [
+    "shm",
+    pytest.param("tcp", marks=pytest.mark.xfail(
+        strict=True, reason="tcp plugin not yet on the new contract: its pieces block the engine's shared "
+        "worker pool on a stopped peer's socket, so a healthy peer's large write waits behind them")),
+])
+def test_06_stopped_peer_slows_no_other_on_the_data_path(transport, engine, target):
+    """One slow peer slows no other: writes stuck on a SIGSTOPped peer do not delay a healthy peer's."""
+    stopped, healthy = target([transport]), target([transport])
+    for t in (stopped, healthy):
+        _serve(t, 16 << 20)
+    ini = engine([transport], {"runtime": {"worker_threads": 2}})
+    ra, rb = ini.open(stopped.address, "kv"), ini.open(healthy.address, "kv")
+    src = ini.allocate(8 << 20)
+    ini.write(src, ra, 0, 4096).result(5)
+    ini.write(src, rb, 0, 4096).result(5)
+    stopped.stop()
+    try:
+        stuck = [ini.write(src, ra, 0, 8 << 20, timeout=2) for _ in range(4)]
+        t0 = time.monotonic()
+        assert ini.write(src, rb, 0, 8 << 20, timeout=10).result(10) == 8 << 20
+        took = time.monotonic() - t0
+        assert took < 1.0, f"an 8 MiB write to a healthy peer took {took:.2f}s behind writes to a stopped one"
+    finally:
+        stopped.cont()
+    wait(stuck, timeout=10)
+
+
+def test_also_completion_chain_through_a_completion_queue(engine, target):
+    """Also: a chain of 5000 links reaped by a poller (each callback posts the next with the same queue)."""
+    tgt = target(["shm"])
+    _serve(tgt, 1 << 20)
+    ini = engine(["shm"])
+    remote = ini.open(tgt.address, "kv")
+    src = ini.allocate(4096)
+    q = ini.completion_queue()
+    n = [0]
+    links = 5000
+
+    def next_one(t: Any = None) -> None:
+        if n[0] < links:
+            n[0] += 1
+            ini.write(src, remote, 0, 64, completion_queue=q).add_done_callback(next_one)
+
+    next_one()
+    reaped = 0
+    end = time.monotonic() + 40
+    while n[0] < links or reaped < links:
+        got = q.poll(256, timeout=0.5)
+        reaped += len(got)
+        assert time.monotonic() < end, f"the chain stopped after {n[0]} links ({reaped} reaped)"
+    assert reaped == links and n[0] == links
+    assert q.poll(64, timeout=0) == []
