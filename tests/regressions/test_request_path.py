@@ -272,6 +272,8 @@ def test_06_silent_peer_delays_no_healthy_peer(engine, target, silent_peer):
     healthy = time.monotonic() - t0
     assert healthy < 1.0, f"a healthy write took {healthy:.2f}s while another peer was being dialled"
     assert posting < 0.5, f"8 writes to a connecting peer took {posting:.2f}s to post"
+    _wait_until(lambda: silent_peer.accepted, 2, "the silent peer's first accept")
+    time.sleep(0.05)
     assert len(silent_peer.accepted) == 1, f"{len(silent_peer.accepted)} connection attempts to one peer"
     for t in stuck:
         with pytest.raises((PeerConnectionError, TransferTimeout)):
