@@ -62,7 +62,12 @@ def _wait_until(pred: Any, timeout: float, what: str) -> None:
 # -- 1: revocation ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", [
+    "shm", "tcp",
+    pytest.param("ucx", marks=pytest.mark.xfail(
+        strict=True, reason="ucx plugin not yet on the new contract: after the target's unregister returned, "
+        "a write through the old descriptor (cached rkey) still completes")),
+])
 @pytest.mark.parametrize("reuse", ["freed", "re-registered"])
 def test_01_write_through_old_descriptor_after_unregister_fails(transport, reuse, engine, target):
     """Defect 1: once the target's unregister returned, the old descriptor reaches nothing."""
