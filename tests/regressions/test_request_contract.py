@@ -309,3 +309,15 @@ def test_full_transport_batch_is_held_not_failed():
     finally:
         ini.close(timeout=2)
         tgt.close(timeout=2)
+
+
+@pytest.mark.xfail(strict=True, reason="core/transport.py _int64: numpy float arrays are cast to int64 "
+                   "(truncated) instead of refused, while a list of floats is refused")
+def test_batch_float_offsets_are_refused(env):
+    """Offsets and lengths must be integers: a numpy float array is bad input, refused with a clear error."""
+    ini, tgt, remote, _ = env
+    src = ini.register(bytearray(8 * PIECE))
+    with pytest.raises(MpcommError):
+        ini.write_many(src, remote, [0, PIECE], [0.0, 1.0], [PIECE, PIECE])  # a list of floats: refused
+    with pytest.raises(MpcommError):
+        ini.write_many(src, remote, np.array([0.0, 4096.5]), np.array([0, PIECE]), np.array([PIECE, PIECE]))
