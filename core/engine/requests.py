@@ -784,7 +784,7 @@ class Pipeline:
             self._succeeded(op)
         if error is None and op._notify is not None:
             try:
-                self.e._executor.submit(self._notify_then_finish, op, nbytes)
+                self.e._notifier.submit(self._notify_then_finish, op, nbytes)
                 return
             except RuntimeError:
                 error = EngineClosedError("the engine was closed before the notification was sent")
@@ -796,6 +796,10 @@ class Pipeline:
             self.e._send_notify(op.remote, op._notify, max(op.time_left(), 0.001))
         except BaseException as exc:  # noqa: BLE001
             error = exc if isinstance(exc, MpcommError) else MpcommError(f"after the data landed: {exc}")
+            if self.e._closed and not isinstance(error, EngineClosedError):
+                cause, error = error, EngineClosedError("the engine was closed before the target took the "
+                                                        "notification (the data had landed)")
+                error.__cause__ = cause
         self._finish(op, error, nbytes)
 
     def _group_reported(self, group: OperationGroup) -> None:
