@@ -898,3 +898,50 @@ def test_also_completion_chain_through_a_completion_queue(engine, target):
         assert time.monotonic() < end, f"the chain stopped after {n[0]} links ({reaped} reaped)"
     assert reaped == links and n[0] == links
     assert q.poll(64, timeout=0) == []
+
+
+def test_02_close_resolves_notified_requests(target):
+    """Defect 2: close() resolves requests whose data landed and whose notification is still pending."""
+    tgt = target(["shm"])
+    _serve(tgt, 1 << 20)
+    ini = mpcomm.Engine({"runtime": {"worker_threads": 1}}, transports=["shm"])
+    try:
+        remote = ini.open(tgt.address, "kv")
+        src = ini.allocate(4096)
+        ini.write(src, remote, 0, 4096).result(5)
+        tgt.stop()  # the notifications wait for an answer that cannot come
+        handles = [ini.write(src, remote, 0, 4096, notify=b"n", timeout=10) for _ in range(4)]
+        time.sleep(0.1)
+        ini.close(timeout=0.5)
+        assert all(h.done() for h in handles), \
+            f"close() returned with {sum(not h.done() for h in handles)} notified requests unresolved"
+        for h in handles:
+            assert isinstance(h.exception(0), EngineClosedError), repr(h.exception(0))
+        assert src.leases == 0
+    finally:
+        ini.close()
+        tgt.cont()
+
+
+def test_06_stopped_peers_notifications_hold_no_worker(engine, target):
+    """One slow peer slows no other: notifications waiting on a stopped peer do not hold the workers
+    a healthy peer's large shm copy needs."""
+    stopped, healthy = target(["shm"]), target(["shm"])
+    for t in (stopped, healthy):
+        _serve(t, 16 << 20)
+    ini = engine(["shm"], {"runtime": {"worker_threads": 2}})
+    ra, rb = ini.open(stopped.address, "kv"), ini.open(healthy.address, "kv")
+    src = ini.allocate(8 << 20)
+    ini.write(src, ra, 0, 4096).result(5)
+    ini.write(src, rb, 0, 8 << 20).result(5)
+    stopped.stop()
+    try:
+        stuck = [ini.write(src, ra, 0, 4096, notify=b"n", timeout=2) for _ in range(4)]
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        assert ini.write(src, rb, 0, 8 << 20, timeout=10).result(10) == 8 << 20
+        took = time.monotonic() - t0
+        assert took < 1.0, f"an 8 MiB shm write to a healthy peer took {took:.2f}s behind a stopped peer's notifications"
+    finally:
+        stopped.cont()
+    wait(stuck, timeout=10)
