@@ -244,12 +244,15 @@ def test_completion_queue_bulk_polling(env):
 
 
 def test_submit_groups_into_one_slot(env):
-    """A batch of many same-shaped requests takes one queue_depth slot and moves every index."""
+    """A batch of many same-shaped requests takes one queue_depth slot, one lease and one deadline,
+    and moves every index."""
     ini, tgt, remote, _ = env
     src = ini.allocate(256 * PIECE)
     reqs = [Request("write", src, remote, i * PIECE, PIECE, local_offset=i * PIECE) for i in range(256)]
     b = ini.submit(reqs, post=False)
-    assert ini.stats()["requests_held"] == 1
+    assert ini.stats()["requests_held"] == 1  # one slot
+    assert src.leases == 1  # one lease
+    assert len([e for e in ini._timer._heap if e[2] is not None]) == 1  # one deadline
     ini.post(b)
     assert b.result(10) == 256 * PIECE
     assert tgt.ev(f"sha(buf_reg[:{256 * PIECE}])") == _sha(src.view)
