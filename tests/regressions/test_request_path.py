@@ -945,3 +945,29 @@ def test_06_stopped_peers_notifications_hold_no_worker(engine, target):
     finally:
         stopped.cont()
     wait(stuck, timeout=10)
+
+
+def test_03_callback_raising_systemexit_does_not_stop_completions(engine, target):
+    """Callbacks run on the engine's completion thread: one raising SystemExit must not end that
+    thread (silently stopping every later callback of the engine)."""
+    tgt = target(["tcp"])
+    _serve(tgt, 8 << 20)
+    ini = engine(["tcp"])
+    remote = ini.open(tgt.address, "kv")
+    src = ini.allocate(4 << 20)
+
+    def bad(t: Any) -> None:
+        raise SystemExit("a callback that exits")
+
+    for _ in range(2):
+        t = ini.write(src, remote, 0, 4 << 20)  # finished on a transport thread: callbacks on the completion thread
+        try:
+            t.add_done_callback(bad)
+        except SystemExit:  # it was done already: the callback ran here, on the main thread, and that raises
+            pass
+        t.result(10)
+    ev = threading.Event()
+    t = ini.write(src, remote, 0, 4 << 20)
+    t.add_done_callback(lambda f: ev.set())
+    t.result(10)
+    assert ev.wait(5), "callbacks stopped running after one raised SystemExit"
