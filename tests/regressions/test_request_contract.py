@@ -324,3 +324,53 @@ def test_batch_float_offsets_are_refused(env):
         ini.write_many(src, remote, [0, PIECE], [0.0, 1.0], [PIECE, PIECE])  # a list of floats: refused
     with pytest.raises(MpcommError):
         ini.write_many(src, remote, np.array([0.0, 4096.5]), np.array([0, PIECE]), np.array([PIECE, PIECE]))
+
+
+def test_every_handle_is_delivered_exactly_once_under_concurrency(env):
+    """Many threads posting small and large requests, single and vectorised, with and without a
+    completion queue: every callback runs exactly once and every queue handle is reaped exactly once."""
+    ini, tgt, remote, _ = env
+    src = ini.allocate(1 << 20)
+    q = ini.completion_queue()
+    lock = threading.Lock()
+    calls: dict[int, int] = {}
+    queued: list[Any] = []
+    direct: list[Any] = []
+
+    def count(f: Any) -> None:
+        with lock:
+            calls[id(f)] = calls.get(id(f), 0) + 1
+
+    def worker(k: int) -> None:
+        for i in range(150):
+            size = PIECE if i % 3 else 300 << 10  # inline and off-thread completions
+            cq = q if i % 2 else None
+            if i % 5 == 0:
+                h = ini.write_many(src, remote, [0, PIECE], [k * PIECE, (k + 8) * PIECE], [PIECE, PIECE],
+                                   completion_queue=cq)
+            else:
+                h = ini.write(src, remote, 0, size, completion_queue=cq)
+            h.add_done_callback(count)
+            with lock:
+                (queued if cq is not None else direct).append(h)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    [t.start() for t in threads]
+    reaped: list[Any] = []
+    while any(t.is_alive() for t in threads):
+        reaped += q.poll(64, timeout=0.01)
+    [t.join() for t in threads]
+    end = time.monotonic() + 20
+    while len(reaped) < len(queued) and time.monotonic() < end:
+        reaped += q.poll(64, timeout=0.2)
+    assert len(reaped) == len(queued), f"reaped {len(reaped)} of {len(queued)}"
+    assert len({id(h) for h in reaped}) == len(reaped), "a handle was reaped twice"
+    for h in direct:
+        h.result(10)
+    end = time.monotonic() + 10
+    while sum(calls.values()) < len(queued) + len(direct) and time.monotonic() < end:
+        time.sleep(0.01)
+    handles = queued + direct
+    assert all(calls.get(id(h)) == 1 for h in handles), \
+        f"{sum(calls.get(id(h), 0) != 1 for h in handles)} handles' callbacks did not run exactly once"
+    assert all(h.status is TransferStatus.COMPLETED for h in handles)
