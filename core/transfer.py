@@ -337,6 +337,12 @@ def _call(fn: Callable[[Any], Any], arg: Any) -> None:
         fn(arg)
     except Exception:  # a callback must never stop completion
         log.exception("transfer callback %r failed", fn)
+    except BaseException:
+        if threading.current_thread() is threading.main_thread():
+            raise  # Ctrl-C or sys.exit() in a callback run on the caller's main thread
+        # SystemExit (or the like) would end the completion thread silently, and with it
+        # every later callback of the engine.
+        log.exception("transfer callback %r raised; ignored", fn)
 
 
 class Batch(Transfer):

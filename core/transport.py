@@ -358,7 +358,10 @@ def _int64(values: Any, count: int | None, what: str) -> array:  # type: ignore[
     elif hasattr(values, "__array_interface__") or hasattr(values, "dtype"):
         import numpy as np  # only reached when the caller already uses numpy
 
-        a = np.ascontiguousarray(values, dtype=np.int64)
+        a = np.asarray(values)
+        if a.dtype.kind not in "iu":
+            raise MpcommError(f"{what} must be integers, not a {a.dtype} array")
+        a = np.ascontiguousarray(a, dtype=np.int64)
         if a.ndim != 1:
             raise MpcommError(f"{what} must be one-dimensional, not shape {a.shape}")
         out = array("q")

@@ -151,6 +151,9 @@ class Engine:
         self._timer = DeadlineTimer()
         self._completions = CompletionThread()
         self._executor = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-worker")
+        # Notifications after the data wait for the target's answer: on their own threads, so
+        # a stopped peer's notifications never hold the workers transports copy with.
+        self._notifier = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-notify")
         self._notifications = Notifications(cfg.limits.max_queued_notifications, cfg.limits.max_queued_notify_bytes)
         self.telemetry = Telemetry(cfg)
         self._pipeline = Pipeline(self)
@@ -718,6 +721,9 @@ class Engine:
         self._timer.close()
         self._completions.stop(timeout)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        # Not cancelled: with the links closed each pending notification fails at once with
+        # EngineClosedError, so every notified request's handle is resolved before close returns.
+        self._notifier.shutdown(wait=True, cancel_futures=False)
 
 
     def _unregister_all(self) -> None:

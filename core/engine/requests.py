@@ -223,6 +223,7 @@ class Pipeline:
         op._notify = None
         op._slot = False
         op._posting = False
+        op._handed = False
         op._batch = None
         op._dl = None
         op._tracked = False
@@ -261,7 +262,7 @@ class Pipeline:
         batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
         if group.count == 0:
             batch._record(None, 0)
-            batch._finish_inline()
+            self._deliver_inline(batch, batch._finish_inline)
             return batch
         self._adopt(group, batch, 0, ephemeral)
         batch._left = 1
@@ -405,7 +406,7 @@ class Pipeline:
         batch._left = len(units)
         if not units:
             batch._record(None, 0)
-            batch._finish_inline()
+            self._deliver_inline(batch, batch._finish_inline)
             return batch
         held: list[Any] = []
         try:
@@ -508,8 +509,12 @@ class Pipeline:
         finally:
             with batch._lock:
                 batch._posting = False
-            if batch._outcome is not None:
-                self._settle_batch_inline(batch)
+                # Exactly one of this thread and _batch_done hands the batch on.
+                mine = batch._outcome is not None and not batch.__dict__.get("_handed", False)
+                if mine:
+                    batch._handed = True
+            if mine:
+                self._deliver_inline(batch, lambda: self._settle_batch_inline(batch))
 
     def _launch(self, unit: Any, inline: bool) -> None:
         """Route and post ``unit`` now if its peer is connected, else queue it on that peer."""
@@ -589,8 +594,13 @@ class Pipeline:
         if inline:
             with unit._lock:
                 unit._posting = False
-            if transfer._outcome is not None and isinstance(unit, Operation) and unit._batch is None:
-                transfer._finish_inline()
+                # Exactly one of this thread and _push hands the handle on.
+                mine = (transfer._outcome is not None and isinstance(unit, Operation) and unit._batch is None
+                        and not unit._handed)
+                if mine:
+                    unit._handed = True
+            if mine:
+                self._deliver_inline(transfer, transfer._finish_inline)
                 return
         if not unit.done:
             # Tracked (for close() and peer loss) only when it outlives post():
@@ -741,8 +751,9 @@ class Pipeline:
                 t.post(unit)
             else:
                 t.post_many(unit)
-        except TransportBusy:
-            self._to_backlog(t, unit)
+        except TransportBusy as busy:
+            for waiting in busy.pending or (unit,):
+                self._to_backlog(t, waiting)
         except MpcommError as exc:
             unit.fail(exc)
         except Exception as exc:  # noqa: BLE001
@@ -840,7 +851,17 @@ class Pipeline:
             unit.transfer._record(err, 0)
             self._push(unit)
         else:
-            unit.fail(err)
+            # As for an Operation: the handle fails now with the unconfirmed error, while
+            # the group keeps its lease and slot until the transport reports (failing the
+            # group here released them with bytes still able to land, and replaced the
+            # error with the abort's confirmed-looking timeout).
+            batch = unit._batch
+            if batch._record(err, 0):
+                with batch._lock:
+                    if batch._posting or batch.__dict__.get("_handed", False):
+                        return
+                    batch._handed = True
+                batch._dispatch.push(batch)
 
     # -- reports (any thread) -------------------------------------------------------------
 
@@ -852,7 +873,7 @@ class Pipeline:
             self._succeeded(op)
         if error is None and op._notify is not None:
             try:
-                self.e._executor.submit(self._notify_then_finish, op, nbytes)
+                self.e._notifier.submit(self._notify_then_finish, op, nbytes)
                 return
             except RuntimeError:
                 error = EngineClosedError("the engine was closed before the notification was sent")
@@ -864,6 +885,10 @@ class Pipeline:
             self.e._send_notify(op.remote, op._notify, max(op.time_left(), 0.001))
         except BaseException as exc:  # noqa: BLE001
             error = exc if isinstance(exc, MpcommError) else MpcommError(f"after the data landed: {exc}")
+            if self.e._closed and not isinstance(error, EngineClosedError):
+                cause, error = error, EngineClosedError("the engine was closed before the target took the "
+                                                        "notification (the data had landed)")
+                error.__cause__ = cause
         self._finish(op, error, nbytes)
 
     def _group_reported(self, group: OperationGroup) -> None:
@@ -896,7 +921,9 @@ class Pipeline:
                     self.e._regions.unregister_from(local, self.e._transports)
                     release_view(local)
         t = unit.transport
-        if t is not None and self._backlog.get(t.name):
+        if t is None:
+            return
+        if self._backlog.get(t.name):
             try:
                 self.e._executor.submit(self._drain_backlog, t.name)
             except RuntimeError:
@@ -932,8 +959,9 @@ class Pipeline:
 
     def _push(self, op: Operation) -> None:
         with op._lock:
-            if op._posting:
+            if op._posting or op._handed:
                 return  # the posting thread settles it when post() returns
+            op._handed = True
         op.transfer._dispatch.push(op.transfer)
 
     def _batch_done(self, batch: Batch) -> None:
@@ -958,9 +986,18 @@ class Pipeline:
         if not batch._record(error, total):
             return
         with batch._lock:
-            if batch._posting:
+            if batch._posting or batch.__dict__.get("_handed", False):
                 return
+            batch._handed = True
         batch._dispatch.push(batch)
+
+    def _deliver_inline(self, handle: Transfer, settle: Any) -> None:
+        """A handle that finished on the posting thread: settle it here (no hop), or, when it was
+        posted with a completion queue, hand it to that queue: its poller settles and reaps it."""
+        if handle._dispatch is self.dispatch:
+            settle()
+        else:
+            handle._dispatch.push(handle)
 
     def _settle_batch_inline(self, batch: Batch) -> None:
         batch._settle()

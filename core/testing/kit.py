@@ -600,6 +600,51 @@ def check_peer_restart(env: ConformanceEnv) -> None:
         second.kill()
 
 
+def _refused_after_unregister(env: ConformanceEnv, t: mpcomm.Transfer, what: str) -> None:
+    try:
+        t.result(timeout=5 + env.grace() + SLACK)
+    except TransferTimeout as exc:
+        raise AssertionError(f"{what}: only a timeout stopped it ({exc}); a revoked region must be refused") from exc
+    except (AccessError, mpcomm.TransferError):
+        return
+    raise AssertionError(f"{what}: completed although the target had unregistered the region")
+
+
+def check_revocation(env: ConformanceEnv) -> None:
+    """Once the target's unregister returned, the old descriptor reaches nothing: writes and reads
+    through it fail (AccessError, or a clear TransferError) and the old memory is unchanged, also
+    after the same memory was registered again as a new region."""
+    size = 1 << 20
+    target = env.spawn(regions={"rv": [size, "buffer"]})
+    try:
+        remote = env.remote("rv", target)
+        src = env.engine.register(bytearray(pattern(61, 65536)))
+        dst = env.engine.register(bytearray(65536))
+        try:
+            # Use the descriptor first, so whatever the transport caches (mappings, keys) is in place.
+            assert env.engine.write(src, remote, 0, 4096).result(timeout=30) == 4096
+            target.cmd("unregister rv")
+            for stage in ("after unregister", "after the memory was registered again"):
+                before = target.sha("rv", 0, size)
+                _refused_after_unregister(env, env.engine.write(src, remote, 8192, 65536, timeout=5),
+                                          f"write through the old descriptor {stage}")
+                _refused_after_unregister(env, env.engine.read(dst, remote, 0, 4096, timeout=5),
+                                          f"read through the old descriptor {stage}")
+                time.sleep(0.2)
+                assert target.sha("rv", 0, size) == before, f"bytes landed in the old region's memory {stage}"
+                if stage == "after unregister":
+                    target.cmd("register rv")  # a new region (new id and token) over the same memory
+            # The new region works through its own descriptor.
+            fresh = env.remote("rv", target)
+            assert env.engine.write(src, fresh, 0, 4096).result(timeout=30) == 4096
+            assert target.sha("rv", 0, 4096) == _sha(src.view[:4096])
+        finally:
+            env.engine.unregister(src, timeout=10)
+            env.engine.unregister(dst, timeout=10)
+    finally:
+        target.kill()
+
+
 CHECKS: list[Callable[[ConformanceEnv], None]] = [
     check_write_integrity,
     check_read_integrity,
@@ -615,6 +660,7 @@ CHECKS: list[Callable[[ConformanceEnv], None]] = [
     check_notifications,
     check_peer_killed,
     check_peer_restart,
+    check_revocation,
 ]
 
 

@@ -13,7 +13,10 @@ answers one command per stdin line with one stdout line:
 * ``zero NAME`` → zero-fills; ``ok``;
 * ``notes`` → JSON list of notifications received so far (with a check of
   the data they follow);
-* ``unregister NAME`` → ``ok`` or the error;
+* ``unregister NAME`` → ``ok`` or the error; a ``"buffer"`` region's memory is
+  kept, so ``sha NAME ...`` still hashes it (revocation checks: nothing may land there);
+* ``register NAME`` → registers a new region named NAME over the memory kept by
+  ``unregister NAME``; ``ok``;
 * ``quit``.
 
 Notifications whose payload is JSON ``{"off":, "len":, "sha":}`` are checked
@@ -50,13 +53,16 @@ def main(argv: list[str]) -> int:
         autoload=spec.get("autoload"),
     )
     regions: dict[str, Any] = {}
+    # The memory behind "buffer" regions: kept after unregister to hash it (nothing may land there).
+    memory: dict[str, bytearray] = {}
     for name, (size, how) in spec.get("regions", {}).items():
         if how == "allocate":
             regions[name] = engine.allocate(size, name=name)
         elif how == "readonly":
             regions[name] = engine.register(bytes(size), name=name)
         else:
-            regions[name] = engine.register(bytearray(size), name=name)
+            memory[name] = bytearray(size)
+            regions[name] = engine.register(memory[name], name=name)
     notes: list[dict[str, Any]] = []
 
     def on_note(note: Any) -> None:
@@ -77,9 +83,9 @@ def main(argv: list[str]) -> int:
             continue
         try:
             if cmd[0] == "sha":
-                r = regions[cmd[1]]
+                view = regions[cmd[1]].view if cmd[1] in regions else memoryview(memory[cmd[1]])
                 off, ln = int(cmd[2]), int(cmd[3])
-                out.write(hashlib.sha256(r.view[off : off + ln]).hexdigest() + "\n")
+                out.write(hashlib.sha256(view[off : off + ln]).hexdigest() + "\n")
             elif cmd[0] == "fill":
                 r = regions[cmd[1]]
                 r.view[:] = pattern(int(cmd[2]), r.size)
@@ -93,6 +99,11 @@ def main(argv: list[str]) -> int:
             elif cmd[0] == "unregister":
                 engine.unregister(regions[cmd[1]])  # refused (RegionBusyError): it stays reachable
                 regions.pop(cmd[1])
+                out.write("ok\n")
+            elif cmd[0] == "register":
+                if cmd[1] in regions:
+                    raise ValueError(f"region {cmd[1]!r} is still registered")
+                regions[cmd[1]] = engine.register(memory[cmd[1]], name=cmd[1])
                 out.write("ok\n")
             elif cmd[0] == "quit":
                 break

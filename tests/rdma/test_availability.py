@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import expected_category
+from rdma_support import expected_category
 
 from mpcomm.plugins.rdma_zerocopy import verbs
 from mpcomm.plugins.rdma_zerocopy.transport import RdmaZeroCopyTransport, device_memory_availability, memlock_reason
