@@ -86,6 +86,8 @@ class Request:
     ``length`` defaults to the local buffer's length from ``local_offset``.
     ``notify`` is a small message (≤ 64 KiB) delivered to the target after the data.
     ``timeout`` in seconds overrides ``runtime.request_timeout_ms``.
+    ``route`` is an ordered transport list (e.g. ``("shm", "tcp")``) that
+    overrides the ``[[route]]`` rules for this request (``route_rule == "hint"``).
     """
 
     op: str
@@ -96,6 +98,7 @@ class Request:
     local_offset: int = 0
     notify: bytes | None = None
     timeout: float | None = None
+    route: tuple[str, ...] | None = None
 
 
 class _Dispatch:

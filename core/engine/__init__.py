@@ -534,47 +534,56 @@ class Engine:
 
     def write(self, src: Any, remote: RemoteRegion, remote_offset: int = 0, length: int | None = None, *,
               local_offset: int = 0, notify: bytes | None = None, timeout: float | None = None,
-              completion_queue: CompletionQueue | None = None) -> Transfer:
+              completion_queue: CompletionQueue | None = None, route: Sequence[str] | str | None = None) -> Transfer:
         """Write ``length`` bytes of ``src`` (a Region or any buffer) into ``remote``.
 
         ``length`` defaults to the rest of ``src`` from ``local_offset``; a range
         that does not fit the remote region is OutOfBoundsError. Returns at once
         with a :class:`Transfer` (small requests may already be done): it never
         waits on the peer. Bad arguments raise before anything moves.
+
+        ``route`` (e.g. ``("shm", "tcp")``) is an ordered transport list that
+        overrides the ``[[route]]`` rules for this request; failover walks it
+        in that order and the handle's ``route_rule`` is ``"hint"``. Naming a
+        transport that is not installed raises MpcommError.
         """
         return self._pipeline.single("write", src, remote, remote_offset, length, local_offset, notify, timeout,
-                                     completion_queue)
+                                     completion_queue, route)
 
     def read(self, dst: Any, remote: RemoteRegion, remote_offset: int = 0, length: int | None = None, *,
              local_offset: int = 0, notify: bytes | None = None, timeout: float | None = None,
-             completion_queue: CompletionQueue | None = None) -> Transfer:
-        """Read ``length`` bytes of ``remote`` into ``dst`` (a Region or a writable buffer)."""
+             completion_queue: CompletionQueue | None = None, route: Sequence[str] | str | None = None) -> Transfer:
+        """Read ``length`` bytes of ``remote`` into ``dst`` (a Region or a writable buffer); ``route`` as for :meth:`write`."""
         return self._pipeline.single("read", dst, remote, remote_offset, length, local_offset, notify, timeout,
-                                     completion_queue)
+                                     completion_queue, route)
 
     def write_many(self, src: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any = None,
                    lengths: Any = None, *, remote_addresses: Any = None, timeout: float | None = None,
-                   completion_queue: CompletionQueue | None = None, post: bool = True) -> Batch:
+                   completion_queue: CompletionQueue | None = None, post: bool = True,
+                   route: Sequence[str] | str | None = None) -> Batch:
         """Write N pieces of ``src`` into ``remote`` in one call: one handle, one posting.
 
         ``local_offsets``, ``remote_offsets`` (or ``remote_addresses``, raw
         addresses in the target process) and ``lengths`` are sequences or numpy
         integer arrays of equal length. Bounds are checked for all before any
         byte moves. The :class:`Batch` reports per-index status and byte
-        counts; the whole group takes one ``queue_depth`` slot.
+        counts; the whole group takes one ``queue_depth`` slot. ``route`` as
+        for :meth:`write`.
         """
         return self._many("write", src, remote, local_offsets, remote_offsets, lengths, remote_addresses, timeout,
-                          completion_queue, post)
+                          completion_queue, post, route)
 
     def read_many(self, dst: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any = None,
                   lengths: Any = None, *, remote_addresses: Any = None, timeout: float | None = None,
-                  completion_queue: CompletionQueue | None = None, post: bool = True) -> Batch:
+                  completion_queue: CompletionQueue | None = None, post: bool = True,
+                  route: Sequence[str] | str | None = None) -> Batch:
         """Read N pieces of ``remote`` into ``dst`` in one call (see :meth:`write_many`)."""
         return self._many("read", dst, remote, local_offsets, remote_offsets, lengths, remote_addresses, timeout,
-                          completion_queue, post)
+                          completion_queue, post, route)
 
     def _many(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
-              lengths: Any, remote_addresses: Any, timeout: float | None, cq: Any, post: bool) -> Batch:
+              lengths: Any, remote_addresses: Any, timeout: float | None, cq: Any, post: bool,
+              route: Sequence[str] | str | None = None) -> Batch:
         if lengths is None:
             raise MpcommError(f"{kind}_many needs lengths")
         if (remote_offsets is None) == (remote_addresses is None):
@@ -587,10 +596,11 @@ class Engine:
             addrs = _int64(remote_addresses, None, "remote_addresses")
             base = remote.base_address
             remote_offsets = [a - base for a in addrs]
-        return self._pipeline.vector(kind, buf, remote, local_offsets, remote_offsets, lengths, timeout, cq, post)
+        return self._pipeline.vector(kind, buf, remote, local_offsets, remote_offsets, lengths, timeout, cq, post,
+                                     route)
 
     def submit(self, requests: Sequence[Request], timeout: float | None = None, *, post: bool = True,
-               completion_queue: CompletionQueue | None = None) -> Batch:
+               completion_queue: CompletionQueue | None = None, route: Sequence[str] | str | None = None) -> Batch:
         """Submit many requests in one call; every request is validated before any is posted.
 
         Requests of the same kind between the same local buffer and remote
@@ -599,8 +609,11 @@ class Engine:
         ``post=False`` the batch stays PENDING (cancel() always succeeds on
         it; it holds its slots) until :meth:`post` is called: the staging
         step of a prepare-then-submit caller.
+
+        ``route`` is the hint (see :meth:`write`) for requests whose own
+        ``Request.route`` is None.
         """
-        return self._pipeline.submit(requests, timeout, completion_queue, post)
+        return self._pipeline.submit(requests, timeout, completion_queue, post, route)
 
     def post(self, batch: Batch) -> Batch:
         """Post a ``submit(..., post=False)`` batch (the parts not cancelled meanwhile)."""

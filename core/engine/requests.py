@@ -163,6 +163,21 @@ class Pipeline:
             raise MpcommError(f"timeout must be a positive number of seconds, not {timeout!r}")
         return t
 
+    def _hint(self, route: Any, request: Any = None) -> tuple[str, ...] | None:
+        """A per-request ``route=`` hint as a tuple of installed transport names (None: the rules decide)."""
+        if route is None:
+            return None
+        names = (route,) if isinstance(route, str) else route
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+            raise MpcommError(f"route must be a transport name or a non-empty list of them, not {route!r}",
+                              request=request)
+        installed = self.e.route_policy.installed
+        for n in names:
+            if n not in installed:
+                raise MpcommError(f"route names transport {n!r}, which is not installed "
+                                  f"(installed: {', '.join(installed) or 'none'})", request=request)
+        return tuple(names)
+
     @staticmethod
     def _check_access(kind: str, local: Region, remote: RemoteRegion, request: Any = None) -> None:
         if not isinstance(remote, RemoteRegion):
@@ -217,6 +232,7 @@ class Pipeline:
         op._stage = WAITING
         op._ephemeral = False
         op._notify = None
+        op._hint = None
         op._slot = False
         op._posting = False
         op._batch = None
@@ -226,9 +242,10 @@ class Pipeline:
     # -- public entry points -----------------------------------------------------------
 
     def single(self, kind: str, buf: Any, remote: RemoteRegion, ro: int, length: int | None, lo: int,
-               notify: bytes | None, timeout: float | None, cq: Any) -> Transfer:
+               notify: bytes | None, timeout: float | None, cq: Any, route: Any = None) -> Transfer:
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
+        hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral")
         self._check_access(kind, local, remote)
         length = self._check_bounds(local, remote, lo, ro, length)
@@ -237,14 +254,16 @@ class Pipeline:
         op = self._op(kind, local, lo, remote, ro, length, self._timeout(timeout), self._dispatch_for(cq))
         op._ephemeral = ephemeral
         op._notify = notify
+        op._hint = hint
         self._hold(op)
         self._launch(op, inline=True)
         return op.transfer
 
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
-               lengths: Any, timeout: float | None, cq: Any, post: bool = True) -> Batch:
+               lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
+        hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral-batch")
         self._check_access(kind, local, remote)
         t = self._timeout(timeout)
@@ -258,6 +277,7 @@ class Pipeline:
             batch._finish_inline()
             return batch
         self._adopt(group, batch, 0, ephemeral)
+        group._hint = hint
         batch._left = 1
         batch._posting = False
         batch._staged = not post
@@ -268,7 +288,8 @@ class Pipeline:
             self._stage(group)
         return batch
 
-    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool) -> Batch:
+    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
+               route: Any = None) -> Batch:
         """Group the requests (same kind, local buffer, remote region and timeout) into vectorised parts."""
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
@@ -285,13 +306,14 @@ class Pipeline:
             local = got[0]
             self._check_access(req.op, local, req.remote, req)
             length = self._check_bounds(local, req.remote, req.local_offset, req.remote_offset, req.length, req)
+            hint = self._hint(req.route if req.route is not None else route, req)
             if req.notify is not None:
                 if len(req.notify) > MAX_NOTIFY:
                     raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
                 parts.append((i, ("single", req, local, length)))
                 continue
             r = req.remote
-            key = (req.op, id(local), r.address, r.region_id, r.epoch, req.timeout)
+            key = (req.op, id(local), r.address, r.region_id, r.epoch, req.timeout, hint)
             g = groups.get(key)
             if g is None:
                 g = groups[key] = ([], [], [], [])
@@ -318,6 +340,7 @@ class Pipeline:
                 g = OperationGroup(key[0], local, req.remote, lo[s0:s1], ro[s0:s1], ln[s0:s1], now + t, wall + t,
                                    sink=self._group_reported)
                 self._adopt(g, batch, base, ephemeral)
+                g._hint = key[-1]
                 units.append(g)
         for i, (kind_, req, local, length) in ((i, p) for i, p in parts):
             ephemeral = locals_[id(req.local)][1]
@@ -325,6 +348,7 @@ class Pipeline:
                           self._timeout(req.timeout if req.timeout is not None else timeout), dispatch, req)
             op._notify = req.notify
             op._ephemeral = ephemeral
+            op._hint = self._hint(req.route if req.route is not None else route, req)
             op._batch = batch
             batch._parts.append((i, op))
             units.append(op)
@@ -371,6 +395,7 @@ class Pipeline:
         group._posting = False
         group._dl = None
         group._notify = None
+        group._hint = None
         batch._parts.append((start, group))
         batch._op = group if not batch._op else batch._op
 
@@ -543,7 +568,8 @@ class Pipeline:
         remote = unit.remote
         local_kind = unit.local.kind
         policy = self.e.route_policy
-        key: tuple[Any, ...] = (remote.address, remote.epoch, remote.region_id, local_kind)
+        key: tuple[Any, ...] = (remote.address, remote.epoch, remote.region_id, local_kind,
+                                getattr(unit, "_hint", None))
         route = None
         if policy.size_rules:
             route = policy.choose(self._query(link, unit))
