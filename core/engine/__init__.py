@@ -154,6 +154,7 @@ class Engine:
         self._notifications = Notifications(cfg.limits.max_queued_notifications, cfg.limits.max_queued_notify_bytes)
         self.telemetry = Telemetry(cfg)
         self._pipeline = Pipeline(self)
+        self.telemetry.watch_health(self.node_id, self._health_snapshot)
         self._peers = PeerTable(
             config=cfg,
             local_info=self.info,
@@ -624,14 +625,35 @@ class Engine:
         return CompletionQueue()
 
     def stats(self) -> dict[str, Any]:
-        """Counts worth watching: requests held, queue depth, notifications queued and dropped, peers."""
+        """Counts worth watching: requests held, queue depth, notifications queued and dropped, peers.
+
+        ``health``: retries, failovers and quarantines per peer (counters),
+        ``queue_backlog`` (requests waiting for a queue slot or a busy
+        transport, now), ``connections`` (live control connections per peer,
+        now) and ``failover_paths`` — also exported as OpenTelemetry metrics
+        (``mpcomm.peer.*``, ``mpcomm.queue.backlog``) with ``observability.metrics``.
+        """
         return {
             "requests_held": self._pipeline.slots.in_use,
             "queue_depth": self._pipeline.slots.capacity,
             "notifications_queued": len(self._notifications),
             "peers": len(self._peers.links()),
-            "health": self.health.metrics.snapshot(),
+            "health": self._health_snapshot(),
         }
+
+    def _health_snapshot(self) -> dict[str, Any]:
+        """The health metrics with the gauges (backlog, connections per peer) read now."""
+        m = self.health.metrics
+        m.set_backlog(self._pipeline.backlog())
+        per: dict[str, int] = {}
+        for link in self._peers.links():
+            if link.alive:
+                per[link.address] = per.get(link.address, 0) + 1
+        for peer in set(m.snapshot()["connections"]) - set(per):
+            m.set_connections(peer, 0)
+        for peer, n in per.items():
+            m.set_connections(peer, n)
+        return m.snapshot()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -655,6 +677,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.telemetry.unwatch_health(self.node_id)
         pipeline = getattr(self, "_pipeline", None)
         if pipeline is not None:
             pipeline.close(timeout)

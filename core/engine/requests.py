@@ -684,6 +684,12 @@ class Pipeline:
             log.exception("transport %s failed to post", t.name)
             unit.fail(MpcommError(f"transport {t.name} failed: {exc}"))
 
+    def backlog(self) -> int:
+        """Requests waiting now for a queue slot or for a busy transport."""
+        with self._backlog_lock:
+            busy = sum(len(q) for q in self._backlog.values())
+        return self.slots._waiting + busy
+
     def forget_routes(self, address: str) -> None:
         for key in [k for k in list(self._routes) if k[0] == address]:
             self._routes.pop(key, None)
