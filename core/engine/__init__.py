@@ -161,7 +161,7 @@ class Engine:
             secret=cfg.transport.secret,
             handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
             on_lost=self._on_link_lost,
-            on_epoch_change=self._pipeline.forget_routes,
+            on_epoch_change=self._on_epoch_change,
         )
 
         bind_host, port = parse_endpoint(cfg.transport.endpoint)
@@ -171,17 +171,20 @@ class Engine:
         )
         self.plugin_set: PluginSet = load_plugins(plugins, autoload=autoload)
         cfg.check_plugin_sections(self.plugin_set.transports)
-        self._server = ControlServer(
-            bind_host,
-            port,
-            local_info=self.info,
-            secret=cfg.transport.secret,
-            handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
-            handler=self._handle_control,
-            config=cfg,
-        )
         try:
             self._start_transports()
+            # Listen only once the transports run: a peer that connects while we
+            # start (a restarted node) must not learn a transport list that is
+            # still empty — its link would keep that list for good.
+            self._server = ControlServer(
+                bind_host,
+                port,
+                local_info=self.info,
+                secret=cfg.transport.secret,
+                handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
+                handler=self._handle_control,
+                config=cfg,
+            )
             installed = {n: e.cls.capabilities for n, e in self.plugin_set.transports.items()}
             self.route_policy = RoutePolicy.for_config(cfg, installed, self._transports,
                                                        exact_order=self._exact_order)
@@ -348,14 +351,20 @@ class Engine:
         if not region.name:
             region.name = f"region-{region.id}"
         region.check_alignment(self.config.memory.alignment)
-        self._regions.add(region)
         if self.config.memory.registration == "eager":
+            # Registered with every transport *before* a peer can look it up by
+            # name: a look-up racing the registration would hand out a
+            # descriptor missing some transports (seen with a restarted target).
+            if region.name in {r.name for r in self._regions.all()}:
+                raise RegionError(f"a region named {region.name!r} is already registered", region=region.name)
             try:
                 self._regions.register_with(region, self._transports)
+                self._regions.add(region)
             except BaseException:
-                self._regions.remove(region)
                 RegionTable.unregister_from(region, self._transports)
                 raise
+        else:
+            self._regions.add(region)
         self.telemetry.on_register(1)
         self._metadata.publish_region(self._region_record(region))
         return region
@@ -421,6 +430,12 @@ class Engine:
         """The control link to ``address``, connecting if needed (blocking, up to ``timeout``)."""
         self._check_open()
         return self._peers.connect(address, self.config.request_timeout if timeout is None else timeout)
+
+    def _on_epoch_change(self, address: str) -> None:
+        """The peer at ``address`` restarted: its routes and its failure history
+        (cool-downs, quarantine) say nothing about the new process."""
+        self._pipeline.forget_routes(address)
+        self.health.forget(address)
 
     def _on_link_lost(self, link: PeerLink) -> None:
         err = PeerConnectionError(f"peer {link.address} is gone", peer=link.address)
