@@ -58,7 +58,6 @@ from ..remote import RemoteRegion
 from ..routing import RoutePolicy
 from ..telemetry import Telemetry
 from ..topology import discover as discover_topology
-from ..topology import numa_node_of
 from ..transfer import Batch, Request, Transfer
 from ..transport import Availability, Transport, TransportContext
 from .completions import CompletionQueue, CompletionThread
@@ -371,7 +370,7 @@ class Engine:
 
     def _region_record(self, region: Region) -> RegionRecord:
         # No token, id or base address: finding a region must not grant access to it.
-        node = numa_node_of(region.address) if region.kind == "host" else None
+        node = region.numa_node
         return RegionRecord(name=region.name, node_id=self.node_id, address=self.address, epoch=self.epoch,
                             size=region.size, access=region.access, kind=region.kind, published_at=time.time(),
                             numa_node=-1 if node is None else node)
