@@ -125,6 +125,7 @@ class Transfer(Future):  # type: ignore[type-arg]
         transport: name of the transport that carried it (None until posted).
         route: the ordered transports the route policy chose (empty until posted).
         route_rule: the routing rule that chose them (None until posted).
+        stripes: ``(offset, length, transport)`` per stripe of a split request.
         bytes_moved: bytes in the destination once COMPLETED.
         submitted_at, finished_at: ``time.monotonic()`` stamps.
     """
@@ -138,6 +139,11 @@ class Transfer(Future):  # type: ignore[type-arg]
         #: rule that chose it ("default", "hint" or a [[route]] name).
         self.route: tuple[str, ...] = ()
         self.route_rule: str | None = None
+        #: For a request the route policy split (a rule's ``split_min``): one
+        #: ``(offset, length, transport)`` per stripe, offsets relative to the
+        #: request, transport the one that finally carried it; ``transport`` is
+        #: then those names joined with "+". Empty for a request sent whole.
+        self.stripes: tuple[tuple[int, int, str], ...] = ()
         self.bytes_moved = 0
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None

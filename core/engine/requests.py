@@ -55,7 +55,7 @@ from ..memory import Region, as_byte_view
 from ..peer import same_host
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _resolve_members
-from ..routing import RouteQuery
+from ..routing import Route, RouteQuery, SplitPlan
 from ..transport import DONE, FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, timeout_error
 from .notify import MAX_NOTIFY
 from .regions import release_view
@@ -505,6 +505,11 @@ class Pipeline:
         except BaseException as exc:  # noqa: BLE001 - the unit fails with it, nothing moved
             self._fail_unposted(unit, exc, inline)
             return
+        if isinstance(unit, Operation) and self._splits():
+            plan = self._split_plan(link, unit, cands, rule)
+            if plan is not None:
+                self._post_split(unit, link, plan, cands, rule, names, inline)
+                return
         unit.peer = link.info
         unit.transport = transport
         unit._cands = cands
@@ -543,6 +548,109 @@ class Pipeline:
                 return
         if not unit.done:
             self._arm(unit)
+
+    # -- split requests (a rule's split_min) ----------------------------------------------
+    #
+    # A split request stays one Operation for the engine (one lease, slot,
+    # deadline and handle); it is carried by parallel stripe Operations, one
+    # per stripe of the policy's SplitPlan, each posted to its own transport
+    # and failed over on its own (its own route: its transport first, then
+    # the rest). The parent's ``transport`` is a _Striped stand-in, so an
+    # abort (deadline, cancel, close) reaches every stripe; the parent reports
+    # once the last stripe has, with the first error if any stripe failed.
+
+    def _splits(self) -> bool:
+        s = getattr(self, "_split_rules", None)
+        if s is None:
+            s = self._split_rules = any(r.split_min is not None for r in self.e.route_policy.rules)
+        return s
+
+    def _split_plan(self, link: PeerLink, op: Operation, cands: tuple[Transport, ...], rule: str) -> SplitPlan | None:
+        q = self._query(link, op)
+        if q.hint:
+            return None
+        return self.e.route_policy.split(q, Route(tuple(t.name for t in cands), rule))
+
+    def _post_split(self, op: Operation, link: PeerLink, plan: SplitPlan, cands: tuple[Transport, ...], rule: str,
+                    names: tuple[str, ...], inline: bool) -> None:
+        subs: list[Operation] = []
+        try:
+            for s in plan.stripes:
+                first = next((t for t in cands if t.name == s.transport), cands[0])
+                own = (first, *(t for t in cands if t is not first))
+                sub = Operation(op.kind, op.local, op.local_offset + s.offset, op.remote, op.remote_offset + s.offset,
+                                s.length, op.deadline, op.deadline_wall, link.info, sink=self._stripe_reported)
+                sub._parent = op
+                sub._stage = POSTED
+                sub._ephemeral = op._ephemeral
+                sub._hint = None
+                sub._batch = None
+                sub._cands = own
+                sub.transfer = op.transfer
+                sub.transport = self._admit(sub, own, 0)
+                if self._lazy or op._ephemeral:
+                    self.e._regions.ensure_registered(op.local, sub.transport)
+                subs.append(sub)
+        except BaseException as exc:  # noqa: BLE001 - nothing posted yet
+            self._fail_unposted(op, exc, inline)
+            return
+        op.peer = link.info
+        op._cands = ()
+        op._stripes = subs
+        op._stripes_left = len(subs)
+        op._stripe_error = None
+        op._stripe_lock = threading.Lock()
+        op.transport = _Striped(self, subs)
+        transfer = op.transfer
+        transfer.transport = "+".join(dict.fromkeys(s.transport.name for s in subs))
+        transfer.route, transfer.route_rule = names, rule
+        transfer.status = TransferStatus.POSTED
+        if op._batch is not None:
+            op._batch.status = TransferStatus.POSTED
+        if self.e.telemetry.enabled:
+            self.e.telemetry.on_post(op, transfer.transport)
+        with self._inflight_lock:
+            self._inflight.add(op)
+        op._posting = inline
+        self._arm(op)  # before posting: a stripe transport may wait on the peer in post()
+        for sub in subs:
+            if op.abort_exc is not None:
+                sub.abort_exc = op.abort_exc  # not retried
+                sub.fail(op.abort_exc)
+                continue
+            self._repost(sub, sub.transport)
+        if inline:
+            with op._lock:
+                op._posting = False
+            if transfer._outcome is not None and op._batch is None:
+                transfer._finish_inline()
+
+    def _stripe_reported(self, sub: Operation, error: BaseException | None, nbytes: int) -> None:
+        if error is not None and self._retry(sub, error):
+            return
+        if error is None:
+            self._succeeded(sub)
+        name = sub.transport.name if sub.transport is not None else ""
+        if self._backlog.get(name):  # a stripe holds no slot: release() would not drain for it
+            try:
+                self.e._executor.submit(self._drain_backlog, name)
+            except RuntimeError:
+                pass
+        op = sub._parent
+        with op._stripe_lock:
+            if error is not None and op._stripe_error is None:
+                op._stripe_error = error
+            op._stripes_left -= 1
+            last = op._stripes_left == 0
+        if not last:
+            return
+        op.transfer.stripes = tuple((s.local_offset - op.local_offset, s.length, s.transport.name)
+                                    for s in op._stripes)
+        op.transfer.transport = "+".join(dict.fromkeys(s.transport.name for s in op._stripes))
+        if op._stripe_error is None:
+            op.complete(op.length)
+        else:
+            op.fail(op._stripe_error)
 
     def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
         unit._stage = FINISHED
@@ -631,6 +739,8 @@ class Pipeline:
     def _retry(self, unit: Any, error: BaseException) -> bool:
         """After a failed attempt: post ``unit`` again on the next transport of its route if that may help."""
         t = unit.transport
+        if isinstance(t, _Striped):
+            return False  # each stripe was retried on its own
         cands = getattr(unit, "_cands", ())
         health = self.e.health
         peer = unit.remote.address
@@ -948,6 +1058,31 @@ class Pipeline:
             unit.fail(EngineClosedError("the engine was closed; the transport did not confirm the request "
                                         "stopped before it was shut down"))
         return left
+
+
+class _Striped:
+    """The ``transport`` of a split request: stands for its stripes' transports
+    (an abort reaches every stripe; in-flight cancel only if all of them can)."""
+
+    post_may_block = False
+
+    def __init__(self, pipeline: Pipeline, subs: list[Operation]) -> None:
+        from ..transport import Capabilities
+
+        self._p = pipeline
+        self._subs = subs
+        ts = {s.transport.name: s.transport for s in subs}
+        self.name = "+".join(ts)
+        self.capabilities = Capabilities(inflight_cancel=all(t.capabilities.inflight_cancel for t in ts.values()))
+
+    def abort(self, op: Operation) -> None:
+        exc = op.abort_exc
+        for sub in self._subs:
+            if self._p._claim(sub, WAITING, FINISHED):  # waiting in a busy transport's backlog
+                sub.abort_exc = exc  # not retried
+                sub.fail(exc)  # type: ignore[arg-type]
+            else:
+                sub.abort(exc)  # type: ignore[arg-type]
 
 
 def _runs(idx: list[int]) -> list[tuple[int, int]]:
