@@ -15,7 +15,10 @@ peer's 64 KiB write latency (one request at a time) in alternating rounds (``--r
 
 It prints one record per phase and the ratios ``p50_ratio`` / ``p99_ratio``
 (with / baseline; 1.0 = unaffected), plus what the failing peer's requests
-did (attempted vs refused fast) and the engine's health counters. Bounded:
+did (attempted vs refused fast) and the engine's health counters.
+``--no-quarantine`` is the control: the same run with pausing and quarantine
+off, so every request to the failing peer is really tried; ``--bad-threads 0``
+measures the noise floor (both phases alike). Bounded:
 ``--requests`` per phase (default 3000, 600 with --quick). Timing varies with
 machine load; compare ratios from the same run only.
 """
@@ -23,6 +26,7 @@ machine load; compare ratios from the same run only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import threading
@@ -58,6 +62,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--bad-threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two phases")
+    ap.add_argument("--no-quarantine", action="store_true",
+                    help="control: never pause or quarantine, so every request to the failing peer is tried")
     ap.add_argument("--backoff", type=float, default=0.002, help="seconds a failing-peer caller sleeps after a fast refusal")
     args = ap.parse_args()
     n = args.requests or (600 if args.quick else 3000)
@@ -71,6 +77,9 @@ def main() -> None:
             b = eng.open(bad.address, "dst")
             bad.transports["tcp"].close()  # the failing peer: its data port refuses from now on
             src = eng.allocate(SIZE)
+            if args.no_quarantine:
+                eng.health.policy = dataclasses.replace(eng.health.policy, pause_after=1 << 30,
+                                                        quarantine_after=1 << 30)
 
             def healthy() -> None:
                 eng.write(src, g, timeout=10).result(10)
@@ -116,7 +125,8 @@ def main() -> None:
             base, with_bad = _summary(base_l), _summary(bad_l)
             health = eng.stats()["health"]
             records.append({"case": "baseline", **base})
-            records.append({"case": "with_failing_peer", **with_bad, "bad_threads": args.bad_threads, **tally})
+            records.append({"case": "with_failing_peer", **with_bad, "bad_threads": args.bad_threads,
+                            "quarantine": not args.no_quarantine, **tally})
             records.append({
                 "case": "ratio",
                 "p50_ratio": round(with_bad["p50_us"] / base["p50_us"], 3),
