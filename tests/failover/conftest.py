@@ -1,17 +1,16 @@
 """The faulty transport plugin (tests/failover/faulty_plugin), installed for real.
 
 ``pip install --target`` (offline, no build isolation) into a temporary site
-directory, as tests/plugin_author installs the example plugin. That directory
-goes on ``sys.path`` for this directory's tests only (so the registry finds
-``faulty`` through its ``mpcomm.transports`` entry point, like any installed
-plugin) and on ``PYTHONPATH`` for the target processes they start; it is
-removed again afterwards, so other tests never see the plugin.
+directory, as tests/plugin_author installs the example plugin (once per
+session). That directory goes on ``sys.path`` for the test modules that use
+the ``faulty`` fixture, one module at a time (so the registry finds ``faulty``
+through its ``mpcomm.transports`` entry point, like any installed plugin); it
+is removed again after each such module, so no other test sees the plugin.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import shutil
 import subprocess
 import sys
@@ -40,7 +39,7 @@ def _offline_build_problem() -> str:
 
 
 @pytest.fixture(scope="session")
-def faulty_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def faulty_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     problem = _offline_build_problem()
     if problem:
         pytest.skip(f"cannot build the faulty plugin offline: {problem}")
@@ -54,19 +53,25 @@ def faulty_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, f"pip install failed:\n{proc.stdout}\n{proc.stderr}"
-    sys.path.insert(0, str(site))
+    return site
+
+
+@pytest.fixture(scope="module")
+def faulty_on_path(faulty_site: Path) -> Iterator[Path]:
+    """The install on sys.path for one test module only (other modules never see the plugin)."""
+    sys.path.insert(0, str(faulty_site))
     importlib.invalidate_caches()
     try:
-        yield site
+        yield faulty_site
     finally:
-        sys.path.remove(str(site))
+        sys.path.remove(str(faulty_site))
         for mod in [m for m in sys.modules if m == "mpcomm_test_faulty" or m.startswith("mpcomm_test_faulty.")]:
             del sys.modules[mod]
         importlib.invalidate_caches()
 
 
 @pytest.fixture
-def faulty(faulty_site: Path) -> object:
+def faulty(faulty_on_path: Path) -> object:
     """The installed plugin's transport module (its ``counters`` are this process's)."""
     from mpcomm.registry import load_plugins
 
@@ -74,15 +79,7 @@ def faulty(faulty_site: Path) -> object:
     assert entry is not None, "the registry did not find the faulty plugin through its entry point"
     assert entry.distribution == "mpcomm-test-faulty"
     mod = sys.modules[entry.cls.__module__]
-    assert Path(mod.__file__).is_relative_to(faulty_site), "faulty was not imported from the install"
+    assert Path(mod.__file__).is_relative_to(faulty_on_path), "faulty was not imported from the install"
     for k in mod.counters:
         mod.counters[k] = 0
     return mod
-
-
-@pytest.fixture
-def faulty_env(faulty_site: Path) -> dict[str, str]:
-    """Environment for a subprocess that sees the installed plugin."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MPCOMM_PLUGINS", "MPCOMM_DISABLE_PLUGIN_AUTOLOAD")}
-    env["PYTHONPATH"] = os.pathsep.join([str(faulty_site), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return env

@@ -50,6 +50,12 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
+def test_the_faulty_plugin_did_not_leak_out_of_its_modules() -> None:
+    from mpcomm.registry import load_plugins
+
+    assert "faulty" not in load_plugins().transports
+
+
 def test_restarted_peer_is_reconnected_once_per_engine(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{_free_port()}"
     counts1, counts2 = tmp_path / "c1.json", tmp_path / "c2.json"
