@@ -412,10 +412,7 @@ class Telemetry:
             self._latency.record(elapsed, attrs)
 
     def on_retry(self, op: Operation, error: BaseException | None = None) -> None:
-        """The engine retries (part of) ``op`` after ``error``: an event and a count.
-
-        The core does not retry yet; this is the hook for when it does.
-        """
+        """The engine retries ``op`` on the next transport of its route after ``error``: an event and a count."""
         retries = getattr(op, "_retries", 0) + 1
         op._retries = retries  # type: ignore[attr-defined]
         kind = outcome_of(error) if error is not None else "unknown"
