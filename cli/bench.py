@@ -84,7 +84,7 @@ from ._common import (
     parse_size,
     print_json,
 )
-from .records import proc_cpu, self_cpu
+from .records import numa_binding, proc_cpu, self_cpu
 
 app = typer.Typer()
 
@@ -358,6 +358,7 @@ def measure(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, op: str, size: i
                        f"({format_size(remote.size)})")
     local_slots = max(1, min(load.threads * concurrency * load.batch, cap, LOCAL_CAP // size))
     local = engine.allocate(size * local_slots)
+    mem_node = local.numa_node  # allocate() pre-faults: known where the kernel says
     timeout = max(engine.config.request_timeout, 5.0)
     ids = itertools.count()
     max_units = -(-(load.iterations or plan.max_requests) // load.batch)
@@ -424,6 +425,8 @@ def measure(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, op: str, size: i
     lat = sorted(x for r in results for x in r)
     units = len(lat)
     extra: dict[str, Any] = {"cpu_initiator": cpu / wall if wall > 0 else 0.0}
+    if mem_node is not None:
+        extra["numa_memory"] = f"node{mem_node}"
     if tgt is not None:
         extra["cpu_target"] = tcpu / wall if wall > 0 else 0.0
     return {
@@ -465,7 +468,8 @@ class Runner:
         self.state = get_state(ctx)
         self.ctx, self.config, self.plan = ctx, config, plan
         self.cpus = _cpulist(numa) if numa is not None else None
-        self.numa = f"node{numa}" if numa is not None else "none"
+        self.numa_node = numa
+        self.numa = numa_binding(numa, None) if numa is not None else "none"
         self.progress, self.task, self.emit = progress, task, emit
         self.endpoint, self.secret = endpoint, secret
         self.mismatches = 0
@@ -477,7 +481,11 @@ class Runner:
         return client_engine(cfg, endpoint=self.endpoint, secret=self.secret, transports=transports)
 
     def record(self, transport: str, mode: str, size: int, conc: int, case: str, op: str = "", **kw: Any) -> Record:
-        rec = Record(transport, mode, "host", size, conc, self.numa, case=case, op=op, **kw)
+        binding = self.numa
+        mem = (kw.get("extra") or {}).get("numa_memory")
+        if self.numa_node is not None and mem is not None:
+            binding = numa_binding(self.numa_node, int(mem[4:]))  # what was used, not only what was asked
+        rec = Record(transport, mode, "host", size, conc, binding, case=case, op=op, **kw)
         self.emit(rec)
         return rec
 

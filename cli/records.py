@@ -41,6 +41,20 @@ def format_seconds(s: float) -> str:
     return f"{s:.2f}s"
 
 
+def numa_binding(cpu_node: int | None, mem_node: int | None) -> str:
+    """A bench record's ``numa_binding``: what was used.
+
+    ``none`` without ``--numa-node``; ``nodeN`` when bound to node N and the
+    initiator's buffer is on N; ``nodeN(mem=nodeM)`` when the kernel put the
+    buffer elsewhere (``mem=?``: the node of the buffer is unknown).
+    """
+    if cpu_node is None:
+        return "none"
+    if mem_node == cpu_node:
+        return f"node{cpu_node}"
+    return f"node{cpu_node}(mem={'?' if mem_node is None else f'node{mem_node}'})"
+
+
 def format_record(fields: dict[str, Any]) -> str:
     """``key=value`` pairs, in the order given, separated by spaces."""
     return " ".join(f"{k}={v}" for k, v in fields.items())

@@ -247,7 +247,9 @@ class HealthTracker:
             qb.probing = False
             n = qb.failures - self.policy.quarantine_after + 1
             if n >= 1:
-                qb.until = now + self.policy.cooldown(n)
+                # The n-th step of a quarantine pauses base * 2**(n-1) from its
+                # first failure on (cooldown() counts from pause_after, for paths).
+                qb.until = now + self.policy.cooldown(n + self.policy.pause_after - 1)
                 newly_quarantined = n == 1
         if newly_quarantined:
             self.metrics.count("quarantines", peer)

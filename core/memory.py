@@ -233,6 +233,9 @@ class Region:
         self.engine_allocated = engine_allocated
         #: Transport-specific backing (a shm segment, say); the allocator's business.
         self.backing = backing
+        #: True for regions peers may name (Engine.register/allocate); False for a
+        #: buffer registered for one request only, which no peer addresses.
+        self.published = False
         #: Per-transport registration info, sent to peers inside RemoteRegion.
         self.transport_info: dict[str, dict[str, Any]] = {}
         self._owner = owner
@@ -243,6 +246,7 @@ class Region:
         self._cond = threading.Condition(self._lock)
         self._closers = 0
         self._finalizers: list[Callable[[], None]] = []
+        self._numa: int | None = None
 
     def __repr__(self) -> str:
         return f"<Region {self.name!r} id={self.id} size={self.size} access={self.access}>"
@@ -250,6 +254,22 @@ class Region:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def numa_node(self) -> int | None:
+        """The NUMA node holding the region's first page, or None (unknown).
+
+        Looked up on first use (:func:`mpcomm.topology.numa_node_of`) and kept
+        once known; None for device memory, on kernels without NUMA, or while
+        the page is not faulted in (asked again next time). Transports that
+        have a choice (a NIC, copy threads) use it to pick the nearest.
+        """
+        n = self._numa
+        if n is None and self.kind == "host" and not self._closed:
+            from .topology import numa_node_of
+
+            n = self._numa = numa_node_of(self.address)
+        return n
 
     @property
     def leases(self) -> int:

@@ -55,6 +55,22 @@ Metrics (``observability.metrics``), attributes ``mpcomm.transport`` and
 ``mpcomm.region.registrations``     counter    register/unregister calls (``mpcomm.event``)
 ==================================  =========  ===================================
 
+Peer health (``observability.metrics``), fed from each engine's
+:class:`~mpcomm.health.HealthMetrics` when the SDK collects; attributes
+``mpcomm.node_id`` (the engine) and ``mpcomm.peer`` (the peer's address):
+
+==================================  =========  ===================================
+``mpcomm.peer.retries``             counter    requests retried on the next transport
+``mpcomm.peer.failovers``           counter    retries that moved to another transport
+``mpcomm.peer.quarantines``         counter    times the peer was quarantined
+``mpcomm.peer.connections``         gauge      live control connections to the peer
+``mpcomm.queue.backlog``            gauge      requests waiting for a slot or a busy transport
+                                               (``mpcomm.node_id`` only)
+==================================  =========  ===================================
+
+An engine's series end when it closes (its counters start again from 0 in a
+new engine).
+
 Cost: OpenTelemetry SDK calls cost microseconds each, a lot next to a ~30 us
 shared-memory write. So the counters and up-down counters are *observable*
 instruments fed from plain per-process tallies (a dict update under a lock),
@@ -110,6 +126,8 @@ class _Tallies:
         self.registrations = {"register": 0, "unregister": 0}
         self.instruments: dict[str, Any] = {}
         self.meter: Any = None
+        #: node_id -> the engine's health snapshot function (HealthMetrics.snapshot's shape).
+        self.health: dict[str, Any] = {}
 
     def bump(self, table: dict[Any, int], key: Any, n: int = 1) -> None:
         with self.lock:
@@ -122,6 +140,24 @@ class _Tallies:
             items = list(table.items())
         for key, value in items:
             yield Observation(value, dict(zip(keys, key)))
+
+    def _health_obs(self, what: str) -> Iterator[Any]:
+        """Observations of one health series across the engines watched (never raises)."""
+        from opentelemetry.metrics import Observation
+
+        with self.lock:
+            sources = list(self.health.items())
+        for node_id, snapshot in sources:
+            try:
+                snap = snapshot()
+            except Exception:  # noqa: BLE001 - a closing engine must not break collection
+                continue
+            if what == "queue_backlog":
+                yield Observation(snap["queue_backlog"], {"mpcomm.node_id": node_id})
+                continue
+            per = snap["connections"] if what == "connections" else snap[what]["by_peer"]
+            for peer, n in per.items():
+                yield Observation(n, {"mpcomm.node_id": node_id, "mpcomm.peer": peer})
 
     def setup(self) -> Any:
         """Create the instruments once; returns the latency histogram."""
@@ -153,6 +189,16 @@ class _Tallies:
             "mpcomm.region.registrations",
             [lambda _o: self._obs({(k,): v for k, v in self.registrations.items()}, ("mpcomm.event",))],
             unit="{event}", description="register and unregister calls")
+        for what, unit, desc in (("retries", "{retry}", "requests retried on the next transport of their route"),
+                                 ("failovers", "{failover}", "retries that moved to another transport"),
+                                 ("quarantines", "{quarantine}", "times a peer was quarantined")):
+            meter.create_observable_counter(f"mpcomm.peer.{what}", [lambda _o, w=what: self._health_obs(w)],
+                                            unit=unit, description=desc)
+        meter.create_observable_gauge("mpcomm.peer.connections", [lambda _o: self._health_obs("connections")],
+                                      unit="{connection}", description="live control connections per peer")
+        meter.create_observable_gauge("mpcomm.queue.backlog", [lambda _o: self._health_obs("queue_backlog")],
+                                      unit="{request}",
+                                      description="requests waiting for a queue slot or a busy transport")
         try:
             hist = meter.create_histogram(
                 "mpcomm.transfer.duration", unit="s", description="request latency, post to resolution",
@@ -366,10 +412,7 @@ class Telemetry:
             self._latency.record(elapsed, attrs)
 
     def on_retry(self, op: Operation, error: BaseException | None = None) -> None:
-        """The engine retries (part of) ``op`` after ``error``: an event and a count.
-
-        The core does not retry yet; this is the hook for when it does.
-        """
+        """The engine retries ``op`` on the next transport of its route after ``error``: an event and a count."""
         retries = getattr(op, "_retries", 0) + 1
         op._retries = retries  # type: ignore[attr-defined]
         kind = outcome_of(error) if error is not None else "unknown"
@@ -379,6 +422,17 @@ class Telemetry:
         if self.metrics:
             transport = op.transport.name if op.transport is not None else "?"
             _tallies.bump(_tallies.retries, (transport, op.kind, kind))
+
+    def watch_health(self, node_id: str, snapshot: Any) -> None:
+        """Feed the ``mpcomm.peer.*`` / ``mpcomm.queue.backlog`` instruments from ``snapshot()``
+        (an engine's health snapshot) until :meth:`unwatch_health`; nothing when metrics are off."""
+        if self.metrics:
+            with _tallies.lock:
+                _tallies.health[node_id] = snapshot
+
+    def unwatch_health(self, node_id: str) -> None:
+        with _tallies.lock:
+            _tallies.health.pop(node_id, None)
 
     def on_register(self, delta: int) -> None:
         """A region was registered (+1) or unregistered (-1)."""

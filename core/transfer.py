@@ -86,6 +86,8 @@ class Request:
     ``length`` defaults to the local buffer's length from ``local_offset``.
     ``notify`` is a small message (≤ 64 KiB) delivered to the target after the data.
     ``timeout`` in seconds overrides ``runtime.request_timeout_ms``.
+    ``route`` is an ordered transport list (e.g. ``("shm", "tcp")``) that
+    overrides the ``[[route]]`` rules for this request (``route_rule == "hint"``).
     """
 
     op: str
@@ -96,6 +98,7 @@ class Request:
     local_offset: int = 0
     notify: bytes | None = None
     timeout: float | None = None
+    route: tuple[str, ...] | None = None
 
 
 class _Dispatch:
@@ -122,6 +125,7 @@ class Transfer(Future):  # type: ignore[type-arg]
         transport: name of the transport that carried it (None until posted).
         route: the ordered transports the route policy chose (empty until posted).
         route_rule: the routing rule that chose them (None until posted).
+        stripes: ``(offset, length, transport)`` per stripe of a split request.
         bytes_moved: bytes in the destination once COMPLETED.
         submitted_at, finished_at: ``time.monotonic()`` stamps.
     """
@@ -135,6 +139,11 @@ class Transfer(Future):  # type: ignore[type-arg]
         #: rule that chose it ("default", "hint" or a [[route]] name).
         self.route: tuple[str, ...] = ()
         self.route_rule: str | None = None
+        #: For a request the route policy split (a rule's ``split_min``): one
+        #: ``(offset, length, transport)`` per stripe, offsets relative to the
+        #: request, transport the one that finally carried it; ``transport`` is
+        #: then those names joined with "+". Empty for a request sent whole.
+        self.stripes: tuple[tuple[int, int, str], ...] = ()
         self.bytes_moved = 0
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None
@@ -213,10 +222,12 @@ class Transfer(Future):  # type: ignore[type-arg]
         so chains of callbacks never recurse)."""
         self._sync()
         with self._lock:
-            if not self._settled:
+            if not self._settled or self._callbacks:
+                # Not done, or done with earlier callbacks still waiting for the
+                # completion thread: run after them, in registration order.
                 self._callbacks.append(fn)
                 return
-        # Done already: at once (even if earlier callbacks still wait for the completion thread).
+        # Done and nothing waiting: at once.
         d = self._dispatch
         depth = getattr(_depth, "n", 0)
         if d is not None and (d.on_dispatch_thread() or depth >= _MAX_INLINE_DEPTH):

@@ -58,7 +58,6 @@ from ..remote import RemoteRegion
 from ..routing import RoutePolicy
 from ..telemetry import Telemetry
 from ..topology import discover as discover_topology
-from ..topology import numa_node_of
 from ..transfer import Batch, Request, Transfer
 from ..transport import Availability, Transport, TransportContext
 from .completions import CompletionQueue, CompletionThread
@@ -157,13 +156,14 @@ class Engine:
         self._notifications = Notifications(cfg.limits.max_queued_notifications, cfg.limits.max_queued_notify_bytes)
         self.telemetry = Telemetry(cfg)
         self._pipeline = Pipeline(self)
+        self.telemetry.watch_health(self.node_id, self._health_snapshot)
         self._peers = PeerTable(
             config=cfg,
             local_info=self.info,
             secret=cfg.transport.secret,
             handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
             on_lost=self._on_link_lost,
-            on_epoch_change=self._pipeline.forget_routes,
+            on_epoch_change=self._on_epoch_change,
         )
 
         bind_host, port = parse_endpoint(cfg.transport.endpoint)
@@ -173,17 +173,20 @@ class Engine:
         )
         self.plugin_set: PluginSet = load_plugins(plugins, autoload=autoload)
         cfg.check_plugin_sections(self.plugin_set.transports)
-        self._server = ControlServer(
-            bind_host,
-            port,
-            local_info=self.info,
-            secret=cfg.transport.secret,
-            handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
-            handler=self._handle_control,
-            config=cfg,
-        )
         try:
             self._start_transports()
+            # Listen only once the transports run: a peer that connects while we
+            # start (a restarted node) must not learn a transport list that is
+            # still empty — its link would keep that list for good.
+            self._server = ControlServer(
+                bind_host,
+                port,
+                local_info=self.info,
+                secret=cfg.transport.secret,
+                handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
+                handler=self._handle_control,
+                config=cfg,
+            )
             installed = {n: e.cls.capabilities for n, e in self.plugin_set.transports.items()}
             self.route_policy = RoutePolicy.for_config(cfg, installed, self._transports,
                                                        exact_order=self._exact_order)
@@ -350,21 +353,28 @@ class Engine:
         if not region.name:
             region.name = f"region-{region.id}"
         region.check_alignment(self.config.memory.alignment)
-        self._regions.add(region)
+        region.published = True
         if self.config.memory.registration == "eager":
+            # Registered with every transport *before* a peer can look it up by
+            # name: a look-up racing the registration would hand out a
+            # descriptor missing some transports (seen with a restarted target).
+            if region.name in {r.name for r in self._regions.all()}:
+                raise RegionError(f"a region named {region.name!r} is already registered", region=region.name)
             try:
                 self._regions.register_with(region, self._transports)
+                self._regions.add(region)
             except BaseException:
-                self._regions.remove(region)
                 RegionTable.unregister_from(region, self._transports)
                 raise
+        else:
+            self._regions.add(region)
         self.telemetry.on_register(1)
         self._metadata.publish_region(self._region_record(region))
         return region
 
     def _region_record(self, region: Region) -> RegionRecord:
         # No token, id or base address: finding a region must not grant access to it.
-        node = numa_node_of(region.address) if region.kind == "host" else None
+        node = region.numa_node
         return RegionRecord(name=region.name, node_id=self.node_id, address=self.address, epoch=self.epoch,
                             size=region.size, access=region.access, kind=region.kind, published_at=time.time(),
                             numa_node=-1 if node is None else node)
@@ -429,6 +439,12 @@ class Engine:
         """The control link to ``address``, connecting if needed (blocking, up to ``timeout``)."""
         self._check_open()
         return self._peers.connect(address, self.config.request_timeout if timeout is None else timeout)
+
+    def _on_epoch_change(self, address: str) -> None:
+        """The peer at ``address`` restarted: its routes and its failure history
+        (cool-downs, quarantine) say nothing about the new process."""
+        self._pipeline.forget_routes(address)
+        self.health.forget(address)
 
     def _on_link_lost(self, link: PeerLink) -> None:
         err = PeerConnectionError(f"peer {link.address} is gone", peer=link.address)
@@ -543,47 +559,56 @@ class Engine:
 
     def write(self, src: Any, remote: RemoteRegion, remote_offset: int = 0, length: int | None = None, *,
               local_offset: int = 0, notify: bytes | None = None, timeout: float | None = None,
-              completion_queue: CompletionQueue | None = None) -> Transfer:
+              completion_queue: CompletionQueue | None = None, route: Sequence[str] | str | None = None) -> Transfer:
         """Write ``length`` bytes of ``src`` (a Region or any buffer) into ``remote``.
 
         ``length`` defaults to the rest of ``src`` from ``local_offset``; a range
         that does not fit the remote region is OutOfBoundsError. Returns at once
         with a :class:`Transfer` (small requests may already be done): it never
         waits on the peer. Bad arguments raise before anything moves.
+
+        ``route`` (e.g. ``("shm", "tcp")``) is an ordered transport list that
+        overrides the ``[[route]]`` rules for this request; failover walks it
+        in that order and the handle's ``route_rule`` is ``"hint"``. Naming a
+        transport that is not installed raises MpcommError.
         """
         return self._pipeline.single("write", src, remote, remote_offset, length, local_offset, notify, timeout,
-                                     completion_queue)
+                                     completion_queue, route)
 
     def read(self, dst: Any, remote: RemoteRegion, remote_offset: int = 0, length: int | None = None, *,
              local_offset: int = 0, notify: bytes | None = None, timeout: float | None = None,
-             completion_queue: CompletionQueue | None = None) -> Transfer:
-        """Read ``length`` bytes of ``remote`` into ``dst`` (a Region or a writable buffer)."""
+             completion_queue: CompletionQueue | None = None, route: Sequence[str] | str | None = None) -> Transfer:
+        """Read ``length`` bytes of ``remote`` into ``dst`` (a Region or a writable buffer); ``route`` as for :meth:`write`."""
         return self._pipeline.single("read", dst, remote, remote_offset, length, local_offset, notify, timeout,
-                                     completion_queue)
+                                     completion_queue, route)
 
     def write_many(self, src: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any = None,
                    lengths: Any = None, *, remote_addresses: Any = None, timeout: float | None = None,
-                   completion_queue: CompletionQueue | None = None, post: bool = True) -> Batch:
+                   completion_queue: CompletionQueue | None = None, post: bool = True,
+                   route: Sequence[str] | str | None = None) -> Batch:
         """Write N pieces of ``src`` into ``remote`` in one call: one handle, one posting.
 
         ``local_offsets``, ``remote_offsets`` (or ``remote_addresses``, raw
         addresses in the target process) and ``lengths`` are sequences or numpy
         integer arrays of equal length. Bounds are checked for all before any
         byte moves. The :class:`Batch` reports per-index status and byte
-        counts; the whole group takes one ``queue_depth`` slot.
+        counts; the whole group takes one ``queue_depth`` slot. ``route`` as
+        for :meth:`write`.
         """
         return self._many("write", src, remote, local_offsets, remote_offsets, lengths, remote_addresses, timeout,
-                          completion_queue, post)
+                          completion_queue, post, route)
 
     def read_many(self, dst: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any = None,
                   lengths: Any = None, *, remote_addresses: Any = None, timeout: float | None = None,
-                  completion_queue: CompletionQueue | None = None, post: bool = True) -> Batch:
+                  completion_queue: CompletionQueue | None = None, post: bool = True,
+                  route: Sequence[str] | str | None = None) -> Batch:
         """Read N pieces of ``remote`` into ``dst`` in one call (see :meth:`write_many`)."""
         return self._many("read", dst, remote, local_offsets, remote_offsets, lengths, remote_addresses, timeout,
-                          completion_queue, post)
+                          completion_queue, post, route)
 
     def _many(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
-              lengths: Any, remote_addresses: Any, timeout: float | None, cq: Any, post: bool) -> Batch:
+              lengths: Any, remote_addresses: Any, timeout: float | None, cq: Any, post: bool,
+              route: Sequence[str] | str | None = None) -> Batch:
         if lengths is None:
             raise MpcommError(f"{kind}_many needs lengths")
         if (remote_offsets is None) == (remote_addresses is None):
@@ -596,10 +621,11 @@ class Engine:
             addrs = _int64(remote_addresses, None, "remote_addresses")
             base = remote.base_address
             remote_offsets = [a - base for a in addrs]
-        return self._pipeline.vector(kind, buf, remote, local_offsets, remote_offsets, lengths, timeout, cq, post)
+        return self._pipeline.vector(kind, buf, remote, local_offsets, remote_offsets, lengths, timeout, cq, post,
+                                     route)
 
     def submit(self, requests: Sequence[Request], timeout: float | None = None, *, post: bool = True,
-               completion_queue: CompletionQueue | None = None) -> Batch:
+               completion_queue: CompletionQueue | None = None, route: Sequence[str] | str | None = None) -> Batch:
         """Submit many requests in one call; every request is validated before any is posted.
 
         Requests of the same kind between the same local buffer and remote
@@ -608,8 +634,11 @@ class Engine:
         ``post=False`` the batch stays PENDING (cancel() always succeeds on
         it; it holds its slots) until :meth:`post` is called: the staging
         step of a prepare-then-submit caller.
+
+        ``route`` is the hint (see :meth:`write`) for requests whose own
+        ``Request.route`` is None.
         """
-        return self._pipeline.submit(requests, timeout, completion_queue, post)
+        return self._pipeline.submit(requests, timeout, completion_queue, post, route)
 
     def prepare(self, requests: Sequence[Request], timeout: float | None = None) -> PreparedBatch:
         """Check and group ``requests`` once; ``prepared.post()`` then posts them again and again.
@@ -666,14 +695,35 @@ class Engine:
         return CompletionQueue()
 
     def stats(self) -> dict[str, Any]:
-        """Counts worth watching: requests held, queue depth, notifications queued and dropped, peers."""
+        """Counts worth watching: requests held, queue depth, notifications queued and dropped, peers.
+
+        ``health``: retries, failovers and quarantines per peer (counters),
+        ``queue_backlog`` (requests waiting for a queue slot or a busy
+        transport, now), ``connections`` (live control connections per peer,
+        now) and ``failover_paths`` — also exported as OpenTelemetry metrics
+        (``mpcomm.peer.*``, ``mpcomm.queue.backlog``) with ``observability.metrics``.
+        """
         return {
             "requests_held": self._pipeline.slots.in_use,
             "queue_depth": self._pipeline.slots.capacity,
             "notifications_queued": len(self._notifications),
             "peers": len(self._peers.links()),
-            "health": self.health.metrics.snapshot(),
+            "health": self._health_snapshot(),
         }
+
+    def _health_snapshot(self) -> dict[str, Any]:
+        """The health metrics with the gauges (backlog, connections per peer) read now."""
+        m = self.health.metrics
+        m.set_backlog(self._pipeline.backlog())
+        per: dict[str, int] = {}
+        for link in self._peers.links():
+            if link.alive:
+                per[link.address] = per.get(link.address, 0) + 1
+        for peer in set(m.snapshot()["connections"]) - set(per):
+            m.set_connections(peer, 0)
+        for peer, n in per.items():
+            m.set_connections(peer, n)
+        return m.snapshot()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -697,6 +747,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.telemetry.unwatch_health(self.node_id)
         pipeline = getattr(self, "_pipeline", None)
         if pipeline is not None:
             pipeline.close(timeout)

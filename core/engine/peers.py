@@ -51,6 +51,9 @@ class PeerTable:
         self._links: dict[str, PeerLink] = {}
         self._attempts: dict[str, _Attempt] = {}
         self._epochs: dict[str, str] = {}
+        #: The epoch last seen at each address: a restarted process has a new
+        #: node_id too, so only the address says it is the same peer again.
+        self._addr_epochs: dict[str, str] = {}
         self._lock = threading.Lock()  # guards the three dicts; never held while connecting
         self._closed = False
 
@@ -139,6 +142,9 @@ class PeerTable:
                     old = self._epochs.get(link.info.node_id)
                     changed = old is not None and old != link.info.epoch
                     self._epochs[link.info.node_id] = link.info.epoch
+                    prev = self._addr_epochs.get(address)
+                    changed = changed or (prev is not None and prev != link.info.epoch)
+                    self._addr_epochs[address] = link.info.epoch
                     self._links[address] = link
             else:
                 closing = None

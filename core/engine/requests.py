@@ -55,7 +55,7 @@ from ..memory import Region, as_byte_view
 from ..peer import same_host
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _resolve_members
-from ..routing import RouteQuery
+from ..routing import Route, RouteQuery, SplitPlan
 from ..transport import FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, _int64, timeout_error
 from .completions import CompletionQueue
 from .notify import MAX_NOTIFY
@@ -167,6 +167,21 @@ class Pipeline:
             raise MpcommError(f"timeout must be a positive number of seconds, not {timeout!r}")
         return t
 
+    def _hint(self, route: Any, request: Any = None) -> tuple[str, ...] | None:
+        """A per-request ``route=`` hint as a tuple of installed transport names (None: the rules decide)."""
+        if route is None:
+            return None
+        names = (route,) if isinstance(route, str) else route
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+            raise MpcommError(f"route must be a transport name or a non-empty list of them, not {route!r}",
+                              request=request)
+        installed = self.e.route_policy.installed
+        for n in names:
+            if n not in installed:
+                raise MpcommError(f"route names transport {n!r}, which is not installed "
+                                  f"(installed: {', '.join(installed) or 'none'})", request=request)
+        return tuple(names)
+
     @staticmethod
     def _check_access(kind: str, local: Region, remote: RemoteRegion, request: Any = None) -> None:
         if not isinstance(remote, RemoteRegion):
@@ -221,6 +236,7 @@ class Pipeline:
         op._stage = WAITING
         op._ephemeral = False
         op._notify = None
+        op._hint = None
         op._slot = False
         op._posting = False
         op._handed = False
@@ -233,9 +249,10 @@ class Pipeline:
     # -- public entry points -----------------------------------------------------------
 
     def single(self, kind: str, buf: Any, remote: RemoteRegion, ro: int, length: int | None, lo: int,
-               notify: bytes | None, timeout: float | None, cq: Any) -> Transfer:
+               notify: bytes | None, timeout: float | None, cq: Any, route: Any = None) -> Transfer:
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
+        hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral")
         self._check_access(kind, local, remote)
         length = self._check_bounds(local, remote, lo, ro, length)
@@ -244,14 +261,16 @@ class Pipeline:
         op = self._op(kind, local, lo, remote, ro, length, self._timeout(timeout), self._dispatch_for(cq))
         op._ephemeral = ephemeral
         op._notify = notify
+        op._hint = hint
         self._hold(op)
         self._launch(op, inline=True)
         return op.transfer
 
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
-               lengths: Any, timeout: float | None, cq: Any, post: bool = True) -> Batch:
+               lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
+        hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral-batch")
         self._check_access(kind, local, remote)
         t = self._timeout(timeout)
@@ -265,6 +284,7 @@ class Pipeline:
             self._deliver_inline(batch, batch._finish_inline)
             return batch
         self._adopt(group, batch, 0, ephemeral)
+        group._hint = hint
         batch._left = 1
         batch._posting = False
         batch._staged = not post
@@ -275,7 +295,7 @@ class Pipeline:
             self._stage(group)
         return batch
 
-    def _plan(self, requests: Sequence[Request], timeout: float | None) -> _Plan:
+    def _plan(self, requests: Sequence[Request], timeout: float | None, route: Any = None) -> _Plan:
         """Check and group requests (same kind, local buffer, remote descriptor and timeout).
 
         Every request is checked before anything is held: access once per group,
@@ -301,6 +321,7 @@ class Pipeline:
             length = req.length
             if length is None:
                 length = local.size - req.local_offset
+            hint = self._hint(req.route if req.route is not None else route, req)
             if req.notify is not None:
                 self._check_access(req.op, local, req.remote, req)
                 length = self._check_bounds(local, req.remote, req.local_offset, req.remote_offset, length, req)
@@ -308,10 +329,10 @@ class Pipeline:
                     raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
                 plan.singles.append((i, req, local, length,
                                      self._timeout(req.timeout if req.timeout is not None else timeout),
-                                     locals_[id(obj)][1]))
+                                     locals_[id(obj)][1], hint))
                 last_key = _NONE
                 continue
-            key = (req.op, id(local), id(req.remote), req.timeout)
+            key = (req.op, id(local), id(req.remote), req.timeout, hint)
             if key != last_key:
                 g = groups.get(key)
                 if g is None:
@@ -332,15 +353,17 @@ class Pipeline:
                 spec = _GroupSpec(key[0], local, req.remote, _int64(lo[s0:s1], None, "local_offsets"),
                                   _int64(ro[s0:s1], None, "remote_offsets"), _int64(ln[s0:s1], None, "lengths"),
                                   t, ephemeral, idx[s0])
+                spec.hint = key[-1]
                 self._check_spec(spec, idx[s0:s1], requests)
                 plan.groups.append(spec)
         return plan
 
-    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool) -> Batch:
+    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
+               route: Any = None) -> Batch:
         """Group the requests into vectorised parts and post (or stage) them."""
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
-        return self._start_plan(self._plan(requests, timeout), cq, post)
+        return self._start_plan(self._plan(requests, timeout, route), cq, post)
 
     def prepare(self, requests: Sequence[Request], timeout: float | None) -> PreparedBatch:
         if self.e._closed:
@@ -392,12 +415,14 @@ class Pipeline:
             g = OperationGroup(spec.kind, local, spec.remote, spec.local_offsets, spec.remote_offsets,
                                spec.lengths, now + spec.timeout, wall + spec.timeout, sink=self._group_reported)
             self._adopt(g, batch, spec.start, spec.ephemeral)
+            g._hint = spec.hint
             units.append(g)
         dispatch = batch._dispatch
-        for i, req, local, length, t, ephemeral in plan.singles:
+        for i, req, local, length, t, ephemeral, hint in plan.singles:
             op = self._op(req.op, local, req.local_offset, req.remote, req.remote_offset, length, t, dispatch, req)
             op._notify = req.notify
             op._ephemeral = ephemeral
+            op._hint = hint
             op._batch = batch
             batch._parts.append((i, op))
             units.append(op)
@@ -447,6 +472,7 @@ class Pipeline:
         group._notify = None
         group._tracked = False
         group._released = False
+        group._hint = None
         batch._parts.append((start, group))
         batch._op = group if not batch._op else batch._op
 
@@ -561,6 +587,11 @@ class Pipeline:
         except BaseException as exc:  # noqa: BLE001 - the unit fails with it, nothing moved
             self._fail_unposted(unit, exc, inline)
             return
+        if isinstance(unit, Operation) and self._splits():
+            plan = self._split_plan(link, unit, cands, rule)
+            if plan is not None:
+                self._post_split(unit, link, plan, cands, rule, names, inline)
+                return
         unit.peer = link.info
         unit.transport = transport
         unit._cands = cands
@@ -618,6 +649,109 @@ class Pipeline:
             with self._inflight_lock:
                 self._inflight.discard(unit)
 
+    # -- split requests (a rule's split_min) ----------------------------------------------
+    #
+    # A split request stays one Operation for the engine (one lease, slot,
+    # deadline and handle); it is carried by parallel stripe Operations, one
+    # per stripe of the policy's SplitPlan, each posted to its own transport
+    # and failed over on its own (its own route: its transport first, then
+    # the rest). The parent's ``transport`` is a _Striped stand-in, so an
+    # abort (deadline, cancel, close) reaches every stripe; the parent reports
+    # once the last stripe has, with the first error if any stripe failed.
+
+    def _splits(self) -> bool:
+        s = getattr(self, "_split_rules", None)
+        if s is None:
+            s = self._split_rules = any(r.split_min is not None for r in self.e.route_policy.rules)
+        return s
+
+    def _split_plan(self, link: PeerLink, op: Operation, cands: tuple[Transport, ...], rule: str) -> SplitPlan | None:
+        q = self._query(link, op)
+        if q.hint:
+            return None
+        return self.e.route_policy.split(q, Route(tuple(t.name for t in cands), rule))
+
+    def _post_split(self, op: Operation, link: PeerLink, plan: SplitPlan, cands: tuple[Transport, ...], rule: str,
+                    names: tuple[str, ...], inline: bool) -> None:
+        subs: list[Operation] = []
+        try:
+            for s in plan.stripes:
+                first = next((t for t in cands if t.name == s.transport), cands[0])
+                own = (first, *(t for t in cands if t is not first))
+                sub = Operation(op.kind, op.local, op.local_offset + s.offset, op.remote, op.remote_offset + s.offset,
+                                s.length, op.deadline, op.deadline_wall, link.info, sink=self._stripe_reported)
+                sub._parent = op
+                sub._stage = POSTED
+                sub._ephemeral = op._ephemeral
+                sub._hint = None
+                sub._batch = None
+                sub._cands = own
+                sub.transfer = op.transfer
+                sub.transport = self._admit(sub, own, 0)
+                if self._lazy or op._ephemeral:
+                    self.e._regions.ensure_registered(op.local, sub.transport)
+                subs.append(sub)
+        except BaseException as exc:  # noqa: BLE001 - nothing posted yet
+            self._fail_unposted(op, exc, inline)
+            return
+        op.peer = link.info
+        op._cands = ()
+        op._stripes = subs
+        op._stripes_left = len(subs)
+        op._stripe_error = None
+        op._stripe_lock = threading.Lock()
+        op.transport = _Striped(self, subs)
+        transfer = op.transfer
+        transfer.transport = "+".join(dict.fromkeys(s.transport.name for s in subs))
+        transfer.route, transfer.route_rule = names, rule
+        transfer.status = TransferStatus.POSTED
+        if op._batch is not None:
+            op._batch.status = TransferStatus.POSTED
+        if self.e.telemetry.enabled:
+            self.e.telemetry.on_post(op, transfer.transport)
+        with self._inflight_lock:
+            self._inflight.add(op)
+        op._posting = inline
+        self._arm(op)  # before posting: a stripe transport may wait on the peer in post()
+        for sub in subs:
+            if op.abort_exc is not None:
+                sub.abort_exc = op.abort_exc  # not retried
+                sub.fail(op.abort_exc)
+                continue
+            self._repost(sub, sub.transport)
+        if inline:
+            with op._lock:
+                op._posting = False
+            if transfer._outcome is not None and op._batch is None:
+                transfer._finish_inline()
+
+    def _stripe_reported(self, sub: Operation, error: BaseException | None, nbytes: int) -> None:
+        if error is not None and self._retry(sub, error):
+            return
+        if error is None:
+            self._succeeded(sub)
+        name = sub.transport.name if sub.transport is not None else ""
+        if self._backlog.get(name):  # a stripe holds no slot: release() would not drain for it
+            try:
+                self.e._executor.submit(self._drain_backlog, name)
+            except RuntimeError:
+                pass
+        op = sub._parent
+        with op._stripe_lock:
+            if error is not None and op._stripe_error is None:
+                op._stripe_error = error
+            op._stripes_left -= 1
+            last = op._stripes_left == 0
+        if not last:
+            return
+        op.transfer.stripes = tuple((s.local_offset - op.local_offset, s.length, s.transport.name)
+                                    for s in op._stripes)
+        op.transfer.transport = "+".join(dict.fromkeys(s.transport.name for s in op._stripes))
+        if op._stripe_error is None:
+            op.complete(op.length)
+        else:
+            op.fail(op._stripe_error)
+
     def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
         unit._stage = FINISHED
         err = exc if isinstance(exc, MpcommError) else MpcommError(str(exc))
@@ -642,7 +776,8 @@ class Pipeline:
         remote = unit.remote
         local_kind = unit.local.kind
         policy = self.e.route_policy
-        key: tuple[Any, ...] = (remote.address, remote.epoch, remote.region_id, local_kind)
+        key: tuple[Any, ...] = (remote.address, remote.epoch, remote.region_id, local_kind,
+                                getattr(unit, "_hint", None))
         route = None
         if policy.size_rules:
             route = policy.choose(self._query(link, unit))
@@ -704,6 +839,8 @@ class Pipeline:
     def _retry(self, unit: Any, error: BaseException) -> bool:
         """After a failed attempt: post ``unit`` again on the next transport of its route if that may help."""
         t = unit.transport
+        if isinstance(t, _Striped):
+            return False  # each stripe was retried on its own
         cands = getattr(unit, "_cands", ())
         health = self.e.health
         peer = unit.remote.address
@@ -759,6 +896,12 @@ class Pipeline:
         except Exception as exc:  # noqa: BLE001
             log.exception("transport %s failed to post", t.name)
             unit.fail(MpcommError(f"transport {t.name} failed: {exc}"))
+
+    def backlog(self) -> int:
+        """Requests waiting now for a queue slot or for a busy transport."""
+        with self._backlog_lock:
+            busy = sum(len(q) for q in self._backlog.values())
+        return self.slots._waiting + busy
 
     def forget_routes(self, address: str) -> None:
         for key in [k for k in list(self._routes) if k[0] == address]:
@@ -1086,7 +1229,7 @@ class _GroupSpec:
     """One vectorised part of a plan: checked once, made into an OperationGroup per posting."""
 
     __slots__ = ("kind", "local", "remote", "local_offsets", "remote_offsets", "lengths", "timeout", "ephemeral",
-                 "start")
+                 "start", "hint")
 
     def __init__(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                  lengths: Any, timeout: float, ephemeral: bool, start: int) -> None:
@@ -1099,6 +1242,7 @@ class _GroupSpec:
         self.timeout = timeout
         self.ephemeral = ephemeral
         self.start = start
+        self.hint: tuple[str, ...] | None = None
 
 
 class _Plan:
@@ -1108,7 +1252,7 @@ class _Plan:
         self.requests = requests
         self.count = len(requests) if requests is not None else 0
         self.groups: list[_GroupSpec] = []
-        self.singles: list[tuple[int, Request, Region, int, float, bool]] = []
+        self.singles: list[tuple[int, Request, Region, int, float, bool, Any]] = []
         self.locals: dict[int, tuple[Region, bool]] = {}
 
 
@@ -1137,6 +1281,31 @@ class PreparedBatch:
         if p.e._closed:
             raise EngineClosedError("the engine is closed")
         return p._start_plan(self._plan, completion_queue, True)
+
+
+class _Striped:
+    """The ``transport`` of a split request: stands for its stripes' transports
+    (an abort reaches every stripe; in-flight cancel only if all of them can)."""
+
+    post_may_block = False
+
+    def __init__(self, pipeline: Pipeline, subs: list[Operation]) -> None:
+        from ..transport import Capabilities
+
+        self._p = pipeline
+        self._subs = subs
+        ts = {s.transport.name: s.transport for s in subs}
+        self.name = "+".join(ts)
+        self.capabilities = Capabilities(inflight_cancel=all(t.capabilities.inflight_cancel for t in ts.values()))
+
+    def abort(self, op: Operation) -> None:
+        exc = op.abort_exc
+        for sub in self._subs:
+            if self._p._claim(sub, WAITING, FINISHED):  # waiting in a busy transport's backlog
+                sub.abort_exc = exc  # not retried
+                sub.fail(exc)  # type: ignore[arg-type]
+            else:
+                sub.abort(exc)  # type: ignore[arg-type]
 
 
 def _runs(idx: list[int]) -> list[tuple[int, int]]:

@@ -411,6 +411,9 @@ class RdmaZeroCopyTransport(Transport):
 
         A buffer passed for one request is not: it gets no remote access right.
         """
+        flag = getattr(region, "published", None)
+        if flag is not None:
+            return bool(flag)
         by_name = getattr(self.ctx.regions, "by_name", None)
         if by_name is None:
             return not str(region.name).startswith("ephemeral")

@@ -124,11 +124,15 @@ class TcpTransport(Transport):
 
     # -- target side -------------------------------------------------------------
 
+    #: The target side of one data connection; a subclass may serve differently
+    #: (tests inject faults this way).
+    server_class: ClassVar[type[Server]] = Server
+
     def start(self) -> dict[str, Any]:
         o = self.ctx.options
         server = listen(self.ctx.bind_host, int(o["port"]), backlog=512)
         port = server.getsockname()[1]
-        self._accept = AcceptLoop(server, Server(self).serve, name=f"mpcomm-tcp-{port}",
+        self._accept = AcceptLoop(server, self.server_class(self).serve, name=f"mpcomm-tcp-{port}",
                                   max_total=int(o["max_connections"]),
                                   max_per_peer=int(o["max_connections_per_peer"]), log=self.log).start()
         return {"port": port, "idle_timeout_ms": int(o["idle_timeout_ms"]), "max_batch": int(o["max_batch"]),

@@ -1,0 +1,1 @@
+"""A transport that fails on purpose (see :mod:`.transport`)."""
