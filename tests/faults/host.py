@@ -3,7 +3,7 @@
 SPEC is JSON ``{"transport": name, "endpoint": "127.0.0.1:0", "config": {...},
 "regions": {"name": [size, how, seed]}}``; ``how`` is ``buffer`` (a registered
 bytearray) or ``allocate`` (Engine.allocate); every region starts filled with
-``pattern(seed)``. It prints one JSON line (address, pid, node_id, epoch), then
+``pattern(seed)``. It prints one JSON line (address, pid, node_id, epoch, transports), then
 answers one command per stdin line with one line:
 
 * ``sha NAME OFF LEN`` — sha256 of that range; ``old:NAME`` is the memory of a
@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
     for name, (size, how, seed) in spec.get("regions", {}).items():
         register(name, int(size), how, int(seed))
     out.write(json.dumps({"address": engine.address, "pid": os.getpid(), "node_id": engine.node_id,
-                          "epoch": engine.epoch}) + "\n")
+                          "epoch": engine.epoch,
+                          "transports": engine.info().transports}) + "\n")
     limits = {"AS": resource.RLIMIT_AS, "MEMLOCK": resource.RLIMIT_MEMLOCK}
     for line in sys.stdin:
         cmd = line.split()

@@ -42,6 +42,8 @@ class HostProcess(TargetProcess):
         self.pid: int = hello["pid"]
         self.node_id: str = hello["node_id"]
         self.epoch: str = hello["epoch"]
+        #: What each transport published in the handshake (tcp: {"port": data port}).
+        self.transport_info: dict[str, Any] = hello.get("transports", {})
 
     def restart(self) -> HostProcess:
         """A new process on the same endpoint (a new epoch), after this one is gone."""
