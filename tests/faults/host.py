@@ -2,7 +2,7 @@
 
 SPEC is JSON ``{"transport": name, "endpoint": "127.0.0.1:0", "config": {...},
 "regions": {"name": [size, how, seed]}}``; ``how`` is ``buffer`` (a registered
-bytearray) or ``allocate`` (Engine.allocate); every region starts filled with
+bytearray), ``readonly`` (registered bytes) or ``allocate`` (Engine.allocate); every region starts filled with
 ``pattern(seed)``. It prints one JSON line (address, pid, node_id, epoch, transports), then
 answers one command per stdin line with one line:
 
@@ -47,6 +47,9 @@ def main(argv: list[str]) -> int:
             region = engine.allocate(size, name=name)
             region.view[:] = pattern(seed, size)
             mem: Any = region.view[:]  # a second view: the mapping outlives unregister while we hold it
+        elif how == "readonly":
+            mem = bytes(pattern(seed, size))
+            region = engine.register(mem, name=name)
         else:
             mem = bytearray(pattern(seed, size))
             region = engine.register(mem, name=name)
