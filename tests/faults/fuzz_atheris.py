@@ -14,7 +14,7 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports():
+with atheris.instrument_imports(include=["mpcomm.wire", "mpcomm.remote"]):
     from mpcomm import remote, wire
     from mpcomm.errors import MpcommError
 

@@ -1,0 +1,42 @@
+"""The soak (benchmarks/soak.py), short: mixed sizes and ops under random faults, every byte accounted for.
+
+Marked slow, but run by the default test command for ``MPCOMM_SOAK_SECONDS``
+(default 25 s of faults, after a 3 s warm-up). Longer runs: ``python benchmarks/soak.py --seconds 600``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from support import transports
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from soak import run_soak  # noqa: E402
+
+SECONDS = float(os.environ.get("MPCOMM_SOAK_SECONDS", "25"))
+
+
+def _runnable() -> list[str]:
+    return [p.values[0] for p in transports() if not any(m.args and m.args[0] for m in p.marks)]
+
+
+@pytest.mark.slow
+@pytest.mark.watchdog(SECONDS + 150)
+def test_soak_loses_no_byte_and_does_not_drift() -> None:
+    report = run_soak(SECONDS, _runnable(), threads=2)
+    print(report)
+    summary = {k: report[k] for k in ("requests", "failures", "faults", "bytes_verified", "bytes_lost", "p99_ms",
+                                      "drift")}
+    assert report["bytes_lost"] == 0, (report["lost_detail"], summary)
+    assert report["stray_bytes"] == 0, (report["lost_detail"], summary)
+    assert report["hangs"] == 0, summary
+    assert report["late"] == 0, f"requests past deadline + grace + 3 s: {summary}"
+    assert report["requests"] > 100 and report["bytes_verified"] > 0, summary
+    assert sum(report["faults"].values()) >= 3, f"too few faults were injected: {summary}"
+    for who, d in report["drift"].items():
+        assert d["threads"] <= 4 and d["fds"] <= 8, f"{who} drifted: {d}"
+        assert d["rss"] <= 128 << 20, f"{who}'s VmRSS grew by {d['rss'] >> 20} MiB"
