@@ -287,7 +287,7 @@ def drift(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in before}
 
 
-def settle(pid: int, base: dict[str, int], within: float = 10.0) -> dict[str, int]:
+def settle(pid: int, base: dict[str, int], within: float = 5.0) -> dict[str, int]:
     """Resources once transient threads and connections have gone (or ``within`` passed)."""
     end = time.monotonic() + within
     while True:
@@ -314,7 +314,7 @@ def run_soak(seconds: float, transports: list[str], threads: int = 2, seed: int 
         for *_, workers, _f in setups:
             for w in workers:
                 w.start()
-        time.sleep(min(3.0, seconds / 5))
+        time.sleep(min(2.0, seconds / 5))
         base_self = resources(os.getpid())
         own_threads = sum(w.is_alive() for *_, workers, _f in setups for w in workers)
         base_a = {name: resources(a.proc.pid) for name, _e, a, *_ in setups}

@@ -48,7 +48,7 @@ def test_target_killed_mid_transfer_and_restarted_with_a_new_epoch(transport: st
     reborn = None
     try:
         kv = initiator.open(t.address, "kv")
-        deadline = 3.0
+        deadline = 2.0
         results: list[tuple[float, float, BaseException | None]] = []  # (submitted at, took, error)
         stop = threading.Event()
 
@@ -71,7 +71,7 @@ def test_target_killed_mid_transfer_and_restarted_with_a_new_epoch(transport: st
         threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(3)]
         for th in threads:
             th.start()
-        time.sleep(0.8)
+        time.sleep(0.6)
         t.proc.kill()
         t.proc.wait(10)
         killed_at = time.monotonic()

@@ -31,7 +31,7 @@ SIZE = 32 * MiB
 SLOT = 256 << 10
 GAP = 4096
 FILL = 606
-DEADLINE = 4.0
+DEADLINE = 2.5
 GRACE = 1.0
 CONFIG = {"runtime": {"abort_grace_ms": int(GRACE * 1000), "request_timeout_ms": int(DEADLINE * 1000)}}
 # What a request hitting a region being unregistered may end in (besides success).
@@ -99,7 +99,7 @@ def test_unregister_while_requests_are_in_flight(transport: str, how: str, initi
         threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(3)]
         for th in threads:
             th.start()
-        time.sleep(1.0)  # traffic in full flow
+        time.sleep(0.6)  # traffic in full flow
         reply = t.cmd("unregister kv 10", timeout=30)
         assert reply.startswith("ok "), reply
         at_unregister = reply.split()[1]

@@ -1,7 +1,7 @@
 """The soak (benchmarks/soak.py), short: mixed sizes and ops under random faults, every byte accounted for.
 
 Marked slow, but run by the default test command for ``MPCOMM_SOAK_SECONDS``
-(default 25 s of faults, after a 3 s warm-up). Longer runs: ``python benchmarks/soak.py --seconds 600``.
+(default 15 s of faults, after a 2 s warm-up). Longer runs: ``python benchmarks/soak.py --seconds 600``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from soak import run_soak  # noqa: E402
 
-SECONDS = float(os.environ.get("MPCOMM_SOAK_SECONDS", "25"))
+SECONDS = float(os.environ.get("MPCOMM_SOAK_SECONDS", "15"))
 
 
 def _runnable() -> list[str]:
