@@ -34,7 +34,6 @@ import json
 import os
 import random
 import socket
-import struct
 import sys
 import threading
 import time
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "faults")
 
 import mpcomm  # noqa: E402
 from mpcomm.testing.patterns import pattern  # noqa: E402
-from support import HostProcess, resources, sha  # noqa: E402
+from support import OP_READ, HostProcess, data_request, resources, sha  # noqa: E402
 
 MiB = 1 << 20
 SLOT_SIZES = (64, 4096, 65537, MiB, 8 * MiB)
@@ -264,12 +263,10 @@ class Faults(threading.Thread):
     def fault_slow(self) -> None:
         """A raw client asks for 8 MiB over the tcp data port and reads nothing for 1.5 s."""
         from mpcomm.peer import parse_endpoint
-        from mpcomm.wire import PROTOCOL_VERSION
 
         r = self.engine.open(self.a.address, "kv", timeout=DEADLINE)
         host, _ = parse_endpoint(self.a.address)
-        head = struct.pack("!2sBBIQQQQQQd", b"MD", PROTOCOL_VERSION, 2, 0, 1, r.region_id, r.token,
-                           int(r.epoch, 16), 0, 8 * MiB, time.time() + DEADLINE)
+        head = data_request(r, OP_READ, 0, 8 * MiB, time.time() + DEADLINE)
         with socket.create_connection((host, int(self.a.proc.transport_info["tcp"]["port"])), timeout=5) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.sendall(head)

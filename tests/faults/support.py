@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -20,8 +21,36 @@ import pytest
 import mpcomm
 from mpcomm.testing import TargetProcess
 from mpcomm.testing.patterns import pattern
+from mpcomm.wire import PROTOCOL_VERSION
 
 HOST = Path(__file__).with_name("host.py")
+
+# The tcp data request header as plugins/tcp/transport.py reads it today: (field, struct code, a
+# valid value: a constant, or a name test_faults_generated.valid_values() fills from a real
+# descriptor). Network byte order. The tcp plugin's wire format is being changed: update this
+# table (and DATA_MAGIC/OP_*), and every raw data-port client here follows.
+DATA_FRAME: list[tuple[str, str, Any]] = [
+    ("magic", "2s", b"MD"),
+    ("version", "B", PROTOCOL_VERSION),
+    ("op", "B", "op"),  # OP_WRITE, OP_READ
+    ("flags", "I", 0),
+    ("req_id", "Q", 1),
+    ("region_id", "Q", "region_id"),
+    ("token", "Q", "token"),
+    ("epoch", "Q", "epoch"),  # the descriptor's epoch (hex) as an integer
+    ("offset", "Q", "offset"),
+    ("length", "Q", "length"),
+    ("deadline", "d", "deadline"),  # wall-clock seconds (time.time())
+]
+DATA_HEADER = struct.Struct("!" + "".join(code for _, code, _ in DATA_FRAME))
+DATA_MAGIC, OP_WRITE, OP_READ = b"MD", 1, 2
+
+
+def data_request(remote: mpcomm.RemoteRegion, op: int, offset: int, length: int, deadline: float) -> bytes:
+    """A well-formed tcp data request header for ``remote`` (what a holder of the descriptor can send)."""
+    values = {"op": op, "region_id": remote.region_id, "token": remote.token, "epoch": int(remote.epoch, 16),
+              "offset": offset, "length": length, "deadline": deadline}
+    return DATA_HEADER.pack(*(values[w] if isinstance(w, str) else w for _, _, w in DATA_FRAME))
 SLACK = 3.0  # seconds beyond deadline + abort grace, on a loaded 2-core machine
 
 

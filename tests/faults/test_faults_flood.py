@@ -14,14 +14,13 @@ and request deadlines on its socket calls (issue 11).
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support import HostProcess, back_to_baseline, resources, sha
+from support import OP_READ, OP_WRITE, HostProcess, back_to_baseline, data_request, resources, sha
 
 import mpcomm
 from mpcomm.peer import parse_endpoint
@@ -31,19 +30,6 @@ MiB = 1 << 20
 FILL = 808
 FLOOD = 300
 CONFIG = {"transport": {"handshake_timeout_ms": 1500}, "limits": {"frame_timeout_ms": 2000}}
-
-# The tcp data frame as plugins/tcp/transport.py reads it today (the tcp helper is changing it:
-# update this table, not the tests).
-DATA_HEADER = struct.Struct("!2sBBIQQQQQQd")  # magic ver op flags req_id region_id token epoch offset length deadline
-DATA_MAGIC, OP_WRITE, OP_READ = b"MD", 1, 2
-
-
-def data_request(remote: mpcomm.RemoteRegion, op: int, offset: int, length: int, deadline: float) -> bytes:
-    from mpcomm.wire import PROTOCOL_VERSION
-
-    return DATA_HEADER.pack(DATA_MAGIC, PROTOCOL_VERSION, op, 0, 1, remote.region_id, remote.token,
-                            int(remote.epoch, 16), offset, length, deadline)
-
 
 @pytest.fixture
 def target() -> Iterator[HostProcess]:

@@ -1,6 +1,6 @@
 """Generated hostile input for the tcp data port and for descriptors, plus bounded atheris runs.
 
-tcp data frames are built from :data:`DATA_FRAME`, a description of the
+tcp data frames are built from ``support.DATA_FRAME``, a description of the
 header as plugins/tcp/transport.py reads it today. The tcp plugin's wire
 format is being changed: update the table (field, struct code, what a valid
 value is), not the test. The property stays: the target survives, keeps
@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import HostProcess, outside_untouched, sha
+from support import DATA_FRAME, DATA_HEADER, DATA_MAGIC, OP_WRITE, HostProcess, outside_untouched, sha
 
 import mpcomm
 from mpcomm.peer import parse_endpoint
@@ -41,23 +41,9 @@ from mpcomm.wire import PROTOCOL_VERSION
 KV, RO = 64 << 10, 4096
 FILL, RO_FILL = 909, 910
 
-# The tcp data request header: (field, struct code, valid value: a key of valid_values() or a constant).
-# Byte order "!" (network). Update this with the tcp plugin's wire format.
-DATA_FRAME: list[tuple[str, str, Any]] = [
-    ("magic", "2s", b"MD"),
-    ("version", "B", PROTOCOL_VERSION),
-    ("op", "B", "op"),  # 1 write, 2 read
-    ("flags", "I", 0),
-    ("req_id", "Q", 1),
-    ("region_id", "Q", "region_id"),
-    ("token", "Q", "token"),
-    ("epoch", "Q", "epoch"),
-    ("offset", "Q", "offset"),
-    ("length", "Q", "length"),
-    ("deadline", "d", "deadline"),  # wall-clock seconds
-]
-OP_WRITE = 1
-HEADER = struct.Struct("!" + "".join(code for _, code, _ in DATA_FRAME))
+# The tcp data frame description (support.DATA_FRAME): field, struct code, valid value. Update it
+# there when the tcp wire format changes; the strategy below is built from it.
+HEADER = DATA_HEADER
 
 
 def _any_of(code: str) -> st.SearchStrategy[Any]:
@@ -117,7 +103,7 @@ def data_frames(draw: Any, kv: mpcomm.RemoteRegion, ro: mpcomm.RemoteRegion) -> 
 
 def may_write(fields: dict[str, Any], kv: mpcomm.RemoteRegion) -> tuple[int, int] | None:
     """The only range a frame may change: a write naming kv with its token and epoch, in bounds."""
-    if fields.get("magic") != b"MD" or fields.get("op") != OP_WRITE or fields.get("version") != PROTOCOL_VERSION:
+    if fields.get("magic") != DATA_MAGIC or fields.get("op") != OP_WRITE or fields.get("version") != PROTOCOL_VERSION:
         return None
     if (fields["region_id"], fields["token"], fields["epoch"]) != (kv.region_id, kv.token, int(kv.epoch, 16)):
         return None
