@@ -105,7 +105,7 @@ def test_data_port_flood_then_threads_and_fds_return(target: HostProcess, good: 
                    "at accept, and the freed memory stays with the process (glibc per-thread arenas)")
 def test_data_port_flood_then_memory_returns(target: HostProcess, good: Any) -> None:
     base = _data_port_flood(target, good)
-    back_to_baseline(target.pid, base, rss_slack=96 << 20, count_slack=4, within=4)
+    back_to_baseline(target.pid, base, rss_slack=96 << 20, count_slack=4, within=2)
 
 
 @pytest.mark.xfail(strict=True, reason="tcp data port: one thread and a 1 MiB scratch buffer per connection from "

@@ -203,7 +203,7 @@ def _atheris_missing() -> str:
 @pytest.mark.skipif(bool(_atheris_missing()), reason=_atheris_missing() or "ok")
 @pytest.mark.parametrize("what", ["frame", "descriptor"])
 def test_atheris_fuzz_run(what: str, tmp_path: Path) -> None:
-    seconds = int(os.environ.get("MPCOMM_FUZZ_SECONDS", "3"))
+    seconds = int(os.environ.get("MPCOMM_FUZZ_SECONDS", "2"))
     r = subprocess.run([sys.executable, str(FUZZ), what, f"-max_total_time={seconds}", "-rss_limit_mb=2048",
                         f"-artifact_prefix={tmp_path}/"], capture_output=True, text=True, timeout=seconds + 60)
     assert r.returncode == 0, f"atheris found a crash in {what}:\n{r.stderr[-4000:]}"

@@ -53,8 +53,17 @@ def initiator(transport: str) -> Iterator[mpcomm.Engine]:
         yield e
 
 
+UCX_UNREGISTER_XFAIL = (
+    "ucx: puts through an rkey the initiator unpacked before unregister still land after Engine.unregister "
+    "returned on the target (the old memory's sha256 changes): the plugin's unregister only calls ucp_mem_unmap, "
+    "which does not revoke access on UCX's same-host shared-memory/CMA paths, and no initiator is fenced")
+
+
 @pytest.mark.parametrize("how", ["buffer", "allocate"])
-def test_unregister_while_requests_are_in_flight(transport: str, how: str, initiator: mpcomm.Engine) -> None:
+def test_unregister_while_requests_are_in_flight(transport: str, how: str, initiator: mpcomm.Engine,
+                                                 request: pytest.FixtureRequest) -> None:
+    if transport == "ucx":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=UCX_UNREGISTER_XFAIL))
     t = HostProcess(transport, {"kv": [SIZE, how, FILL], "other": [MiB, "buffer", 1]})
     try:
         kv = initiator.open(t.address, "kv")
@@ -106,7 +115,7 @@ def test_unregister_while_requests_are_in_flight(transport: str, how: str, initi
         t_unreg = time.monotonic()
         # The region is gone: the other region still serves, at once.
         initiator.write(b"still here", other, 0, timeout=5).result(10)
-        time.sleep(DEADLINE + GRACE)  # anything still in flight has ended by now
+        time.sleep(0.5)  # more requests on the old descriptor, then let the threads finish theirs
         stop.set()
         for th in threads:
             th.join(DEADLINE + GRACE + SLACK + 40)
@@ -148,7 +157,7 @@ def test_unregister_while_requests_are_in_flight(transport: str, how: str, initi
 
 RLIMIT_AS_XFAIL = ("under a lowered RLIMIT_AS, mmap fails with ENOMEM and Engine.allocate lets the raw "
                    "OSError escape instead of AllocationError: check_allocatable does not consult RLIMIT_AS "
-                   "(tcp: core/memory.allocate_host; shm: plugins/shm _native.memfd_segment)")
+                   "(tcp, ucx: core/memory.allocate_host; shm: plugins/shm _native.memfd_segment)")
 
 
 def _refused_under_rlimit_as(transport: str, initiator: mpcomm.Engine) -> str:
