@@ -197,7 +197,13 @@ class Network:
         self._ns(ns, "nft", "add", "chain", "inet", "mpcf_loss", "out",
                  "{ type filter hook output priority 0; }")
         self._ns(ns, "nft", "add", "rule", "inet", "mpcf_loss", "out", "meta", "l4proto", "tcp",
-                 "numgen", "random", "mod", "100", "lt", str(percent), "drop")
+                 "numgen", "random", "mod", "100", "lt", str(percent), "counter", "drop")
+
+    def dropped(self, i: int) -> int:
+        """Packets host ``i``'s loss rule has dropped so far (0 without one): proof the fault was real."""
+        r = self._ns(self.hosts[i], "nft", "list", "table", "inet", "mpcf_loss", check=False)
+        m = re.search(r"counter packets (\d+)", r.stdout)
+        return int(m.group(1)) if m else 0
 
     def clear(self, i: int) -> None:
         """Remove every fault from host ``i``: qdisc, loss rules, link back up."""

@@ -111,8 +111,16 @@ def test_packet_loss(clean: dict[str, Any], percent: int) -> None:
     net.loss(0, percent)
     net.loss(1, percent)
     res = mixed_writes(clean["d"], clean["t1"], seed=10 + percent, timeout=12)
+    back = run(clean["d"], clean["t1"], "read", res[-1][1], res[-1][2], 0, 12)  # reads under loss too
+    check_outcome(back, 12, "read under loss")
     assert sum(o["ok"] for o, _, _ in res) >= len(res) - 1, [o for o, _, _ in res if not o["ok"]]
+    if back["ok"] and res[-1][0]["ok"]:
+        assert back["sha"] == res[-1][0]["sha"], "a read under loss returned wrong bytes"
+    assert net.dropped(0) + net.dropped(1) > 0, "the loss rules dropped nothing: the fault was not injected"
     outside_untouched(clean["t1"], [(off, ln) for _, off, ln in res])
+    # The other host is served too (through the same lossy h0 link; its own link is clean).
+    other = run(clean["d"], clean["t2"], "write", 0, 65536, 3, 10)
+    check_outcome(other, 10, "write to the other host during the loss")
 
 
 @pytest.mark.skipif(bool(netem_unavailable()), reason=netem_unavailable() or "ok")

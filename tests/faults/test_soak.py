@@ -1,0 +1,46 @@
+"""The soak (benchmarks/soak.py), short: mixed sizes and ops under random faults, every byte accounted for.
+
+Marked slow, but run by the default test command for ``MPCOMM_SOAK_SECONDS``
+(default 12 s of faults, after a 2 s warm-up). Longer runs: ``python benchmarks/soak.py --seconds 600``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from support import transports
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from soak import run_soak  # noqa: E402
+
+SECONDS = float(os.environ.get("MPCOMM_SOAK_SECONDS", "12"))
+# ucx: a write through a descriptor from before an unregister still lands in the old memory and is
+# reported complete (strict xfail test_faults_regions.test_unregister_while_requests_are_in_flight[ucx]);
+# the soak leaves that fault out for ucx so it checks everything else. Drop this when it is fixed.
+SKIP_FAULTS = {"ucx": {"unregister"}}
+
+
+def _runnable() -> list[str]:
+    return [p.values[0] for p in transports() if not any(m.args and m.args[0] for m in p.marks)]
+
+
+@pytest.mark.slow
+@pytest.mark.watchdog(SECONDS + 150)
+def test_soak_loses_no_byte_and_does_not_drift() -> None:
+    report = run_soak(SECONDS, _runnable(), threads=2, skip_faults=SKIP_FAULTS)
+    print(report)
+    summary = {k: report[k] for k in ("requests", "failures", "faults", "bytes_verified", "bytes_lost", "p99_ms",
+                                      "drift")}
+    assert report["bytes_lost"] == 0, (report["lost_detail"], summary)
+    assert report["stray_bytes"] == 0, (report["lost_detail"], summary)
+    assert report["hangs"] == 0, summary
+    assert report["late"] == 0, f"requests past deadline + grace + 3 s: {summary}"
+    assert report["requests"] > 100 and report["bytes_verified"] > 0, summary
+    assert sum(report["faults"].values()) >= 3, f"too few faults were injected: {summary}"
+    for who, d in report["drift"].items():
+        assert d["threads"] <= 4 and d["fds"] <= 8, f"{who} drifted: {d}"
+        assert d["rss"] <= 128 << 20, f"{who}'s VmRSS grew by {d['rss'] >> 20} MiB"
