@@ -163,12 +163,31 @@ def check_allocatable(size: int, *, shm: bool = False, locked: bool = False) -> 
                 raise AllocationError(
                     f"cannot allocate {_fmt(size)} ({size} bytes) of shared memory: /dev/shm has only "
                     f"{_fmt(free)} free (docker: --shm-size); nothing was allocated")
+    soft_as, _hard_as = resource.getrlimit(resource.RLIMIT_AS)
+    if soft_as != resource.RLIM_INFINITY:
+        used = _vm_size()
+        if size > soft_as - used:
+            raise AllocationError(
+                f"cannot allocate {_fmt(size)} ({size} bytes): the address-space limit RLIMIT_AS is "
+                f"{_fmt(soft_as)} and {_fmt(used)} are mapped already (ulimit -v); nothing was allocated")
     if locked:
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and size > soft:
             raise AllocationError(
                 f"cannot lock {_fmt(size)} ({size} bytes): RLIMIT_MEMLOCK is {_fmt(soft)} "
                 "(ulimit -l; systemd LimitMEMLOCK=, docker --ulimit memlock=-1); nothing was allocated")
+
+
+def _vm_size() -> int:
+    """Bytes of address space this process maps now (VmSize)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def allocate_host(size: int, alignment: int) -> tuple[memoryview, Any]:
@@ -180,7 +199,12 @@ def allocate_host(size: int, alignment: int) -> tuple[memoryview, Any]:
     """
     check_allocatable(size)
     extra = alignment if alignment > mmap.PAGESIZE else 0
-    mm = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+    try:
+        mm = mmap.mmap(-1, size + extra,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError as exc:  # ENOMEM under a limit the checks above cannot see (overcommit, cgroups)
+        raise AllocationError(f"cannot allocate {_fmt(size)} ({size} bytes): {exc.strerror or exc}; "
+                              "nothing was allocated") from exc
     view = memoryview(mm)
     if extra:
         addr = buffer_address(view)

@@ -126,8 +126,12 @@ class RemoteRegion:
 
     @classmethod
     def from_bytes(cls, data: bytes | str) -> RemoteRegion:
+        if len(data) > 1 << 20:
+            raise MpcommError(f"malformed RemoteRegion descriptor: {len(data)} bytes (at most 1 MiB)")
         try:
             d = json.loads(data)
+        except RecursionError:
+            raise MpcommError("malformed RemoteRegion descriptor: nested too deeply") from None
         except ValueError as exc:
             raise MpcommError(f"malformed RemoteRegion descriptor: not JSON ({exc})") from None
         return cls.from_dict(d)

@@ -890,6 +890,11 @@ class UcxTransport(Transport):
                 return exc
             if not w.group:
                 att.ok_remote = r  # this descriptor matches the target's word; bounds per request below
+        elif w.group:
+            offs, lens = op.remote_offsets, op.lengths
+            if op.count and (min(offs) < 0 or max(map(operator.add, offs, lens)) > att.size):
+                return _error(OutOfBoundsError, f"a request of the batch is outside the {att.size} bytes "
+                                                f"registered for region {r.name!r}", r)
         elif op.remote_offset < 0 or op.remote_offset + op.length > att.size:
             return _error(OutOfBoundsError, f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside "
                                             f"the {att.size} bytes registered for region {r.name!r}", r)

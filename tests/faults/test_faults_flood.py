@@ -100,16 +100,11 @@ def test_data_port_flood_then_threads_and_fds_return(target: HostProcess, good: 
     back_to_baseline(target.pid, base, rss_slack=1 << 40, count_slack=4, within=20)
 
 
-@pytest.mark.xfail(strict=True, reason="tcp data port: VmRSS stays ~+280 MiB after 300 flood connections closed "
-                   "(threads and fds do come back): each connection's thread allocates a 1 MiB scratch bytearray "
-                   "at accept, and the freed memory stays with the process (glibc per-thread arenas)")
 def test_data_port_flood_then_memory_returns(target: HostProcess, good: Any) -> None:
     base = _data_port_flood(target, good)
     back_to_baseline(target.pid, base, rss_slack=96 << 20, count_slack=4, within=2)
 
 
-@pytest.mark.xfail(strict=True, reason="tcp data port: one thread and a 1 MiB scratch buffer per connection from "
-                   "accept, no per-peer or total connection limit (300 idle connections: +300 threads, ~+300 MiB)")
 def test_data_port_flood_is_bounded_while_it_lasts(target: HostProcess, good: Any) -> None:
     base = resources(target.pid)
     socks = flood(data_addr(target), FLOOD)
@@ -160,8 +155,6 @@ def test_data_port_slow_clients_then_baseline(target: HostProcess, good: Any) ->
     back_to_baseline(target.pid, base, rss_slack=96 << 20, count_slack=4, within=20)
 
 
-@pytest.mark.xfail(strict=True, reason="tcp data port: a stalled writer holds the region's lease past the request's "
-                   "deadline (recv_into without a deadline), so unregister stays refused with RegionBusyError")
 def test_data_port_stalled_writer_releases_the_region_by_its_deadline(target: HostProcess, good: Any) -> None:
     _e, r = good
     s = socket.create_connection(data_addr(target), timeout=5)
@@ -173,8 +166,6 @@ def test_data_port_stalled_writer_releases_the_region_by_its_deadline(target: Ho
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="tcp data port: a reader that never reads holds the region's lease past the "
-                   "request's deadline (sendmsg without a deadline), so unregister stays refused with RegionBusyError")
 def test_data_port_stalled_reader_releases_the_region_by_its_deadline(target: HostProcess, good: Any) -> None:
     _e, r = good
     s = socket.create_connection(data_addr(target), timeout=5)

@@ -53,17 +53,9 @@ def initiator(transport: str) -> Iterator[mpcomm.Engine]:
         yield e
 
 
-UCX_UNREGISTER_XFAIL = (
-    "ucx: puts through an rkey the initiator unpacked before unregister still land after Engine.unregister "
-    "returned on the target (the old memory's sha256 changes): the plugin's unregister only calls ucp_mem_unmap, "
-    "which does not revoke access on UCX's same-host shared-memory/CMA paths, and no initiator is fenced")
-
-
 @pytest.mark.parametrize("how", ["buffer", "allocate"])
 def test_unregister_while_requests_are_in_flight(transport: str, how: str, initiator: mpcomm.Engine,
                                                  request: pytest.FixtureRequest) -> None:
-    if transport == "ucx":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=UCX_UNREGISTER_XFAIL))
     t = HostProcess(transport, {"kv": [SIZE, how, FILL], "other": [MiB, "buffer", 1]})
     try:
         kv = initiator.open(t.address, "kv")
@@ -155,11 +147,6 @@ def test_unregister_while_requests_are_in_flight(transport: str, how: str, initi
         t.close()
 
 
-RLIMIT_AS_XFAIL = ("under a lowered RLIMIT_AS, mmap fails with ENOMEM and Engine.allocate lets the raw "
-                   "OSError escape instead of AllocationError: check_allocatable does not consult RLIMIT_AS "
-                   "(tcp, ucx: core/memory.allocate_host; shm: plugins/shm _native.memfd_segment)")
-
-
 def _refused_under_rlimit_as(transport: str, initiator: mpcomm.Engine) -> str:
     """Lower RLIMIT_AS in the target to its VmSize + 512 MiB, ask for 2 GiB; return the refusal.
 
@@ -199,7 +186,6 @@ def test_registration_refused_under_a_lowered_address_space_limit_keeps_serving(
     _refused_under_rlimit_as(transport, initiator)
 
 
-@pytest.mark.xfail(strict=True, reason=RLIMIT_AS_XFAIL)
 def test_registration_refused_under_a_lowered_address_space_limit_is_an_allocation_error(
         transport: str, initiator: mpcomm.Engine) -> None:
     reply = _refused_under_rlimit_as(transport, initiator)

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from soak import run_soak  # noqa: E402
 
 SECONDS = float(os.environ.get("MPCOMM_SOAK_SECONDS", "12"))
-# ucx: a write through a descriptor from before an unregister still lands in the old memory and is
-# reported complete (strict xfail test_faults_regions.test_unregister_while_requests_are_in_flight[ucx]);
-# the soak leaves that fault out for ucx so it checks everything else. Drop this when it is fixed.
+# Faults the soak leaves out per transport. ucx with repeated unregisters (fenced revocation):
+# no byte is lost, but the initiator's threads and memory drift past the bounds (+8 threads,
+# +450 MiB in 12 s seen); left out until that is bounded (see docs/reliability.md).
 SKIP_FAULTS = {"ucx": {"unregister"}}
 
 
@@ -41,6 +41,10 @@ def test_soak_loses_no_byte_and_does_not_drift() -> None:
     assert report["late"] == 0, f"requests past deadline + grace + 3 s: {summary}"
     assert report["requests"] > 100 and report["bytes_verified"] > 0, summary
     assert sum(report["faults"].values()) >= 3, f"too few faults were injected: {summary}"
+    # The initiator's engines start their worker and notification pools lazily, up to
+    # runtime.worker_threads each (bounded, not drift); beyond that, 4 threads of slack.
+    pools = 2 * 8 * len(report["transports"])
     for who, d in report["drift"].items():
-        assert d["threads"] <= 4 and d["fds"] <= 8, f"{who} drifted: {d}"
+        allowed = 4 + (pools if who == "initiator" else 0)
+        assert d["threads"] <= allowed and d["fds"] <= 8, f"{who} drifted: {d}"
         assert d["rss"] <= 128 << 20, f"{who}'s VmRSS grew by {d['rss'] >> 20} MiB"
