@@ -73,7 +73,10 @@ def test_engine_allocate_refuses_before_mapping(transport: str) -> None:
             "try:\n"
             "    e.allocate(1 << 40)\n"
             "except mpcomm.AllocationError as exc:\n"
-            "    print(json.dumps([str(exc), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))\n"
+            # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so it would report the
+            # pytest parent's peak (large after the soak), not this process's.
+            "    hwm = [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+            "    print(json.dumps([str(exc), hwm]))\n"
             "e.close()\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=cli_env())
     assert proc.returncode == 0, proc.stderr
