@@ -131,6 +131,8 @@ class Worker(threading.Thread):
         self.remote: mpcomm.RemoteRegion | None = None
         self.region_ident: tuple[str, int] | None = None
         self.n = 0
+        # The last operations on each slot, for the report of a slot that differs.
+        self.history: list[list[str]] = [[] for _ in slots]
 
     def reopen(self) -> bool:
         try:
@@ -145,6 +147,8 @@ class Worker(threading.Thread):
             # A new region (re-registered or restarted target): it holds the fill everywhere,
             # since only this thread writes these slots and its old descriptor could not reach it.
             self.shadow = [("fill",)] * len(self.slots)
+            for h in self.history:
+                h.append(f"reopen {ident}")
         self.remote, self.region_ident = r, ident
         return True
 
@@ -191,6 +195,11 @@ class Worker(threading.Thread):
             except BaseException as exc:  # noqa: BLE001 - counted
                 err = exc
             self.stats.record(time.monotonic() - t0, err)
+            hist = self.history[i]
+            hist.append(f"{kind} seed={seed} {self.region_ident} t={t0:.3f}+{time.monotonic() - t0:.3f} -> "
+                        + ("ok" if err is None else f"{type(err).__name__}"
+                           f"{'' if getattr(err, 'confirmed', True) else ' (unconfirmed)'}: {err}"))
+            del hist[:-6]
             if kind != "read":
                 self.shadow[i] = ("seed", seed) if err is None else None
             elif err is None:
@@ -201,14 +210,36 @@ class Worker(threading.Thread):
                             self.stats.bytes_verified += ln
                     else:
                         bad = sum(a != b for a, b in zip(bufs[ln], want))
-                        self.stats.lost(bad, f"read of slot {off}+{ln} on {self.target.role}: {bad} bytes differ")
+                        self.stats.lost(bad, f"read of slot {off}+{ln} on {self.target.role}: {bad} bytes differ; "
+                                        f"{self.describe(i, bufs[ln])}")
             if isinstance(err, REFRESH):
                 self.remote = None
             if err is not None:
                 time.sleep(0.02)
 
+    def describe(self, i: int, got: bytes | bytearray) -> str:
+        """Which seed the bytes read hold (start and end), and the slot's recent history."""
+        off, ln = self.slots[i]
+        head = bytes(got[:16])
+        seeds = [s for s in range(1, 251) if pattern(s, min(ln, 16)) == head]
+        fill = pattern(FILL, min(ln, 16), start=off) == head
+        return f"head matches seed {seeds or '-'}{' / fill' if fill else ''}; history: {self.history[i]}"
+
     def verify(self) -> None:
-        """At the end, on the target: every known slot, and the guard gap before each."""
+        """At the end, on the target: every known slot, and the guard gap before each.
+
+        The region is looked up again first: a fault may have replaced it (a
+        restart, a re-registration) after this thread's last request, and the
+        new one holds the fill, not what the thread last wrote into the old one.
+        """
+        for _ in range(3):
+            if self.reopen():
+                break
+            time.sleep(0.5)
+        else:
+            self.stats.lost_detail.append(f"{self.target.role}: the region could not be opened for the final check")
+            self.stats.hangs += 1
+            return
         for i, (off, ln) in enumerate(self.slots):
             want = self.expected(i)
             got = self.target.cmd(f"sha kv {off} {ln}")
@@ -216,7 +247,8 @@ class Worker(threading.Thread):
                 if got == sha(want):
                     self.stats.bytes_verified += ln
                 else:
-                    self.stats.lost(ln, f"slot {off}+{ln} on {self.target.role} ({self.shadow[i]}) differs")
+                    self.stats.lost(ln, f"slot {off}+{ln} on {self.target.role} ({self.shadow[i]}) differs; "
+                                    f"history: {self.history[i]}")
             gap = self.target.cmd(f"sha kv {off - GAP} {GAP}")
             if gap != sha(pattern(FILL, GAP, start=off - GAP)):
                 self.stats.stray_bytes += GAP
