@@ -115,6 +115,7 @@ class _Dispatch:
 
 _depth = threading.local()
 _MAX_INLINE_DEPTH = 16
+_OPEN = threading.Lock()  # the wake lock of handles born done: never held, never waited on
 
 
 class Transfer(Future):  # type: ignore[type-arg]
@@ -160,6 +161,32 @@ class Transfer(Future):  # type: ignore[type-arg]
         self._wake = threading.Lock()
         self._wake.acquire()
 
+    @classmethod
+    def _landed(cls, nbytes: int, transport: str, route: tuple[str, ...], rule: str, dispatch: _Dispatch,
+                request: tuple[Any, ...]) -> Transfer:
+        """A handle born COMPLETED (the engine's inline lane): no lock to wake, no outcome to record.
+
+        ``request`` holds the arguments of the :class:`Request` it stands for,
+        built only if someone asks for :attr:`request`.
+        """
+        t = cls.__new__(cls)
+        Future.__init__(t)
+        t._request = None
+        t._request_args = request
+        t.status = COMPLETED
+        t.transport, t.route, t.route_rule, t.stripes = transport, route, rule, ()
+        t.bytes_moved = nbytes
+        t.submitted_at = t.finished_at = time.monotonic()
+        t._op = None
+        t._dispatch = dispatch
+        t._outcome = (None, nbytes)
+        t._settled = t._cbs_ran = True
+        t._callbacks = []
+        t._lock = threading.Lock()
+        t._wake = _OPEN  # never waited on: the outcome is there
+        Future.set_result(t, nbytes)
+        return t
+
     def __repr__(self) -> str:
         return f"<Transfer {self.status.value} via={self.transport} bytes={self.bytes_moved}>"
 
@@ -172,6 +199,8 @@ class Transfer(Future):  # type: ignore[type-arg]
         if self._request is None and isinstance(self._op, Operation):
             op = self._op
             self._request = Request(op.kind, op.local, op.remote, op.remote_offset, op.length, op.local_offset)
+        elif self._request is None and getattr(self, "_request_args", None) is not None:
+            self._request = Request(*self._request_args)
         return self._request
 
     @property

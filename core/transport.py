@@ -614,6 +614,24 @@ class Transport:
                 log.exception("transport %s failed to post", self.name)
                 op.fail(MpcommError(f"transport {self.name} failed: {exc}"))
 
+    def post_inline(self, kind: str, local: Region, local_offset: int, remote: RemoteRegion, remote_offset: int,
+                    length: int) -> bool:
+        """Optional fast lane: move a small request now, on the caller's thread, or decline.
+
+        The engine calls it (caller's thread, the local region leased for the
+        call) only for a request it has checked and routed to this transport
+        as the first choice, with no notification, hint, completion queue,
+        telemetry or split, and only when the transport overrides this method.
+        Return True once every byte is in the destination (the request is
+        complete); return False to decline (the engine then builds the
+        request and calls :meth:`post`, so whatever this call moved must be
+        what :meth:`post` moves again: the same range, retried whole). Never
+        wait on a peer here, never raise for a refusal or a failure: decline,
+        and let :meth:`post` report it, so both lanes fail the same way. The
+        default declines.
+        """
+        return False
+
     def abort(self, op: Operation | OperationGroup) -> None:
         """``op.abort_exc`` is set: stop ``op`` as soon as possible.
 

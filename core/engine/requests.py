@@ -252,6 +252,10 @@ class Pipeline:
                notify: bytes | None, timeout: float | None, cq: Any, route: Any = None) -> Transfer:
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
+        if notify is None and route is None and cq is None and isinstance(buf, Region):
+            landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout)
+            if landed is not None:
+                return landed
         hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral")
         self._check_access(kind, local, remote)
@@ -265,6 +269,51 @@ class Pipeline:
         self._hold(op)
         self._launch(op, inline=True)
         return op.transfer
+
+    def _inline_lane(self, kind: str, local: Region, remote: RemoteRegion, ro: int, length: int | None, lo: int,
+                     timeout: float | None) -> Transfer | None:
+        """A small request its transport finishes on this thread: no Operation, slot, deadline or table.
+
+        Taken only when nothing but the copy is left to do: the peer is
+        connected at the descriptor's epoch, the route for this region is
+        cached and its first transport is healthy and offers
+        :meth:`Transport.post_inline`, and no notification, hint, completion
+        queue, telemetry, split rule or lazy registration is involved. The
+        checks (access, bounds, timeout) are those of the full path and raise
+        the same errors. The request holds the local region's lease for the
+        call, as a posted one does; it takes no ``queue_depth`` slot, since
+        it is never in flight once ``write()`` returns. None: take the full
+        path (which redoes the request whole).
+        """
+        if local.closed or self._lazy or self.e.telemetry.enabled or self._splits():
+            return None
+        self._check_access(kind, local, remote)
+        length = self._check_bounds(local, remote, lo, ro, length)
+        self._timeout(timeout)
+        link = self.e._peers.ready(remote.address)
+        if link is None or link.info.epoch != remote.epoch:
+            return None
+        entry = self._routes.get((remote.address, remote.epoch, remote.region_id, local.kind, None))
+        if entry is None or self.e.health.any_failures():
+            return None
+        transport = entry[0][0]
+        if type(transport).post_inline is Transport.post_inline:
+            return None
+        try:
+            local.acquire()
+        except RegionClosedError:
+            return None
+        try:
+            landed = transport.post_inline(kind, local, lo, remote, ro, length)
+        except Exception:  # noqa: BLE001 - a plugin bug: the full path reports what post() says
+            log.exception("transport %s failed in post_inline", transport.name)
+            landed = False
+        finally:
+            local.release()
+        if not landed:
+            return None
+        return Transfer._landed(length, transport.name, entry[2], entry[1], self.dispatch,
+                                (kind, local, remote, ro, length, lo))
 
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:

@@ -748,6 +748,44 @@ class ShmTransport(Transport):
             return
         self._start(op, m, write, True)
 
+    def post_inline(self, kind: str, local: Region, local_offset: int, remote: Any, remote_offset: int,
+                    length: int) -> bool:
+        """The small-request copy of :meth:`post` without an Operation: True once it landed.
+
+        Declines (False) whatever :meth:`post` would refuse, fail or hand to a
+        worker; a copy that ran into a dead peer is redone by :meth:`post`,
+        which reports it.
+        """
+        if self.copy_mode or length > self._inline or length > self._chunk:
+            return False
+        m = self._maps.get((remote.epoch, remote.region_id))
+        write = kind == "write"
+        if (m is None or remote.token != m.token or not (m.can_write if write else m.can_read)
+                or remote_offset < 0 or remote_offset + length > m.size):
+            return False
+        lo = local.address + local_offset
+        ro = m.base + remote_offset
+        if length <= _SMALL:  # under the mapping's lock, as post() does
+            with m.lock:
+                if m.error is not None:
+                    return False
+                if m.kind == "map":
+                    rc = self._copy1(ro, lo, length, m.pidfd) if write else self._copy1(lo, ro, length, m.pidfd)
+                else:
+                    rc = self._cma1(m.pid, write, lo, ro, length, m.pidfd)
+            return not rc
+        # Up to one chunk: counted in flight (a revocation waits for it), one native call.
+        if m.enter() is not None:
+            return False
+        try:
+            if m.kind == "map":
+                rc = self._copy1(ro, lo, length, m.pidfd) if write else self._copy1(lo, ro, length, m.pidfd)
+            else:
+                rc = self._cma1(m.pid, write, lo, ro, length, m.pidfd)
+        finally:
+            m.exit()
+        return not rc
+
     def _off_thread(self, fn: Any, *args: Any) -> None:
         try:
             self.ctx.executor.submit(fn, *args)
