@@ -658,19 +658,9 @@ class Pipeline:
             # inside post(): its deadline and close() must be able to interrupt it.
             self._track(unit)
             self._arm(unit)
-        try:
-            if isinstance(unit, Operation):
-                transport.post(unit)
-            else:
-                transport.post_many(unit)
-        except TransportBusy as busy:
-            for waiting in busy.pending or (unit,):
-                self._to_backlog(transport, waiting)
-        except MpcommError as exc:
-            unit.fail(exc)
-        except Exception as exc:  # noqa: BLE001 - a plugin bug fails the request, not the caller
-            log.exception("transport %s failed to post", transport.name)
-            unit.fail(MpcommError(f"transport {transport.name} failed: {exc}"))
+        busy = self._hand_to(transport, unit)
+        for waiting in busy:
+            self._to_backlog(transport, waiting)
         if inline:
             with unit._lock:
                 unit._posting = False
@@ -930,21 +920,34 @@ class Pipeline:
         return True
 
     def _repost(self, unit: Any, t: Transport) -> None:
-        try:
-            if self._lazy or unit._ephemeral:
+        if self._lazy or unit._ephemeral:
+            try:
                 self.e._regions.ensure_registered(unit.local, t)
+            except Exception as exc:  # noqa: BLE001 - the request fails, not the retrying thread
+                unit.fail(exc if isinstance(exc, MpcommError) else MpcommError(f"transport {t.name} failed: {exc}"))
+                return
+        for waiting in self._hand_to(t, unit):
+            self._to_backlog(t, waiting)
+
+    def _hand_to(self, t: Transport, unit: Any) -> tuple[Any, ...]:
+        """Post ``unit`` on ``t``; what a full transport handed back (to queue), else ().
+
+        A refusal (MpcommError) or a plugin bug (anything else, logged) fails
+        the unit here: the request fails, never the thread that posted it.
+        """
+        try:
             if isinstance(unit, Operation):
                 t.post(unit)
             else:
                 t.post_many(unit)
         except TransportBusy as busy:
-            for waiting in busy.pending or (unit,):
-                self._to_backlog(t, waiting)
+            return tuple(busy.pending or (unit,))
         except MpcommError as exc:
             unit.fail(exc)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a plugin bug fails the request, not the caller
             log.exception("transport %s failed to post", t.name)
             unit.fail(MpcommError(f"transport {t.name} failed: {exc}"))
+        return ()
 
     def backlog(self) -> int:
         """Requests waiting now for a queue slot or for a busy transport."""
@@ -986,23 +989,14 @@ class Pipeline:
             if unit.abort_exc is not None:  # timed out, cancelled or closed while it waited
                 unit.fail(unit.abort_exc)
                 continue
-            try:
-                if isinstance(unit, Operation):
-                    t.post(unit)
-                else:
-                    t.post_many(unit)
-            except TransportBusy as busy:
+            busy = self._hand_to(t, unit)
+            if busy:  # still full: back to the front, in order, and try again later
                 with self._backlog_lock:
-                    for waiting in reversed(busy.pending or (unit,)):
+                    for waiting in reversed(busy):
                         waiting._stage = WAITING
                         self._backlog.setdefault(name, deque()).appendleft(waiting)
                 self._schedule_drain(name, min(delay * 2, 0.05))
                 return
-            except MpcommError as exc:
-                unit.fail(exc)
-            except Exception as exc:  # noqa: BLE001
-                log.exception("transport %s failed to post", name)
-                unit.fail(MpcommError(f"transport {name} failed: {exc}"))
 
     # -- deadlines -------------------------------------------------------------------------
 
