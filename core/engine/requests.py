@@ -137,6 +137,12 @@ class Pipeline:
         self._routes: dict[tuple[Any, ...], tuple[tuple[Transport, ...], str, tuple[str, ...]]] = {}
         self._backlog: dict[str, deque[Any]] = {}
         self._backlog_lock = threading.Lock()
+        # Notifications waiting per peer, and how many notify workers each peer holds: a
+        # stopped peer ties up at most _notify_per_peer of them (each waits out its
+        # request's deadline), so notifications to every other peer keep flowing.
+        self._notify_lanes: dict[str, list[Any]] = {}
+        self._notify_lock = threading.Lock()
+        self._notify_per_peer = max(1, cfg.runtime.worker_threads // 4)
         self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
 
     # -- prepare ----------------------------------------------------------------------
@@ -1059,11 +1065,46 @@ class Pipeline:
             self._succeeded(op)
         if error is None and op._notify is not None:
             try:
-                self.e._notifier.submit(self._notify_then_finish, op, nbytes)
+                self._queue_notification(op, nbytes)
                 return
             except RuntimeError:
                 error = EngineClosedError("the engine was closed before the notification was sent")
         self._finish(op, error, nbytes)
+
+    def _queue_notification(self, op: Operation, nbytes: int) -> None:
+        """Send ``op``'s notification on a notify worker, at most ``_notify_per_peer`` per peer.
+
+        Raises RuntimeError (nothing queued) when the engine's notify pool is shut down.
+        """
+        addr = op.remote.address
+        with self._notify_lock:
+            lane = self._notify_lanes.get(addr)
+            if lane is None:
+                lane = self._notify_lanes[addr] = [deque(), 0]
+            lane[0].append((op, nbytes))
+            if lane[1] >= self._notify_per_peer:
+                return  # a worker of this peer's takes it next
+            try:
+                self.e._notifier.submit(self._drain_notifications, addr)
+            except RuntimeError:
+                lane[0].pop()
+                if not lane[0] and not lane[1]:
+                    del self._notify_lanes[addr]
+                raise
+            lane[1] += 1
+
+    def _drain_notifications(self, addr: str) -> None:
+        """Notify worker: send ``addr``'s waiting notifications in order until none is left."""
+        while True:
+            with self._notify_lock:
+                lane = self._notify_lanes[addr]
+                if not lane[0]:
+                    lane[1] -= 1
+                    if not lane[1]:
+                        del self._notify_lanes[addr]
+                    return
+                op, nbytes = lane[0].popleft()
+            self._notify_then_finish(op, nbytes)
 
     def _notify_then_finish(self, op: Operation, nbytes: int) -> None:
         error: BaseException | None = None
