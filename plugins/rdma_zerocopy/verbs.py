@@ -68,7 +68,7 @@ import re
 import select
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -370,6 +370,40 @@ def no_device_detail() -> str:
     return ""
 
 
+def nearest_first(names: list[str], numa_of: Callable[[str], int], near: frozenset[int]) -> list[int]:
+    """Indices of ``names`` with the adapters on a node in ``near`` first, the list order kept otherwise.
+
+    ``numa_of(name)`` is an adapter's NUMA node (-1 unknown). With ``device``
+    unset the engine takes the first usable port in this order: the NIC on the
+    socket this process runs on, so DMA and the CPU's copies stay local.
+    """
+    if not near:
+        return list(range(len(names)))
+    return sorted(range(len(names)), key=lambda i: numa_of(names[i]) not in near)
+
+
+def _device_numa_node(name: str, root: str = "/sys/class/infiniband") -> int:
+    try:
+        with open(os.path.join(root, name, "device", "numa_node")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return -1
+
+
+def _local_nodes() -> frozenset[int]:
+    """The NUMA nodes whose CPUs this process may run on (empty on a single-node host)."""
+    from mpcomm.topology import discover_numa
+
+    try:
+        nodes = discover_numa()
+        allowed = os.sched_getaffinity(0)
+    except OSError:
+        return frozenset()
+    if len(nodes) < 2:
+        return frozenset()
+    return frozenset(n.id for n in nodes if allowed & set(n.cpus))
+
+
 def probe(device: str = "", port: int = 0) -> DeviceProbe:
     """Find an ACTIVE RC-capable port (on ``device`` if given). Opens and closes contexts; nothing else."""
     load_pyverbs()
@@ -382,7 +416,8 @@ def probe(device: str = "", port: int = 0) -> DeviceProbe:
     if device and device not in names:
         return DeviceProbe(False, f"no RDMA device named {device!r} (found: {', '.join(names)})")
     skipped: list[str] = []
-    for dev, name in zip(devs, names):
+    order = nearest_first(names, _device_numa_node, _local_nodes())
+    for dev, name in [(devs[i], names[i]) for i in order]:
         if device and name != device:
             continue
         why = judge_device(getattr(dev, "transport_type", TRANSPORT_IB))

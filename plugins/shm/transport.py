@@ -32,6 +32,11 @@ at a time and check for abort, deadline and revocation between chunks
 :class:`~mpcomm.transport.OperationGroup` against the mapping in one
 vectorised pass and copies it with one native call per ``chunk`` bytes.
 
+On a host with more than one NUMA node, copies handed to threads run on
+threads pinned to the CPUs of the node that holds the destination memory
+(the target reports its region's node at attach; a read's destination is
+the local region), one small pool per node; elsewhere, the engine's workers.
+
 ``copy`` mode stages every chunk through a per-thread bounce buffer (source →
 bounce → destination: two copies), for the zero-copy vs copy comparison.
 
@@ -79,6 +84,7 @@ import struct
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -147,10 +153,11 @@ class _Mapping:
     """
 
     __slots__ = ("kind", "base", "size", "access", "can_read", "can_write", "token", "pid", "pidfd", "mm", "owner",
-                 "rkey", "inflight", "error", "lock", "_idle")
+                 "rkey", "numa", "inflight", "error", "lock", "_idle")
 
     def __init__(self, kind: str, base: int, size: int, access: str, token: int, *, pid: int = 0, pidfd: int = -1,
-                 mm: mmap.mmap | None = None, owner: tuple[str, str] = ("", ""), rkey: str = "") -> None:
+                 mm: mmap.mmap | None = None, owner: tuple[str, str] = ("", ""), rkey: str = "",
+                 numa: int = -1) -> None:
         self.kind = kind  # "map" (our mapping of the memfd) or "cma" (an address in pid)
         self.base = base
         self.size = size
@@ -163,6 +170,7 @@ class _Mapping:
         self.mm = mm
         self.owner = owner  # (node_id, epoch) of the peer that granted the mapping
         self.rkey = rkey  # the revoke key the owner issued for this attachment
+        self.numa = numa  # the NUMA node of the target memory, as its owner reported it (-1: unknown)
         self.inflight = 0
         self.error: MpcommError | None = None
         self.lock = threading.Lock()  # raw lock: it sits on the small-request path
@@ -281,6 +289,11 @@ class ShmTransport(Transport):
         self._early: dict[tuple[str, int], set[str]] = {}  # revoke keys that arrived before the attach answer
         self._reach_cache: dict[tuple[str, str], Availability] = {}
         self._tls = threading.local()
+        # Copy threads near the destination memory, per NUMA node (only on multi-node hosts).
+        self._node_cpus = {n.id: n.cpus for n in _numa_nodes() if n.cpus}
+        if len(self._node_cpus) < 2:
+            self._node_cpus = {}
+        self._near: dict[int, ThreadPoolExecutor] = {}
 
     @classmethod
     def availability(cls) -> Availability:
@@ -480,10 +493,12 @@ class ShmTransport(Transport):
                 if len(served.nonces) >= _MAX_ATTACH:
                     served.nonces.pop()
                 served.nonces.add(nonce)
+        node = served.region.numa_node
         return {
             "kind": "memfd" if served.seg is not None else "cma",
             "nonce": nonce,
             "revoke_key": rkey,
+            "numa_node": -1 if node is None else node,
             "base": region.address,
             "size": region.size,
             "access": region.access,
@@ -634,6 +649,9 @@ class ShmTransport(Transport):
             pid = int(peer.host["pid"])
             m = _Mapping("cma", int(reply["base"]), size, access, r.token, pid=pid, pidfd=self._pidfd_cma(peer, pid),
                          owner=owner, rkey=rkey)
+        numa = reply.get("numa_node", -1)
+        # The peer's word only picks which of our copy threads run the copy: checked, never trusted further.
+        m.numa = numa if isinstance(numa, int) and not isinstance(numa, bool) and 0 <= numa < 4096 else -1
         with self._lock:
             early = self._early.get(key, ())
             if key in self._revoked or rkey in early:
@@ -786,6 +804,28 @@ class ShmTransport(Transport):
             m.exit()
         return not rc
 
+    def _workers(self, node: int | None) -> Any:
+        """The threads to copy into memory on NUMA node ``node``: pinned to that node's CPUs.
+
+        On a single-node host, or when the node is unknown, the engine's
+        workers. A copy's bandwidth is bound by the memory it writes; a copy
+        thread on the far socket pays the interconnect on every line.
+        """
+        cpus = self._node_cpus.get(node) if node is not None and node >= 0 else None
+        if cpus is None:
+            return self.ctx.executor
+        pool = self._near.get(node)  # type: ignore[arg-type]
+        if pool is None:
+            with self._lock:
+                if self._closed:
+                    raise EngineClosedError("the shm transport is closed")
+                pool = self._near.get(node)  # type: ignore[arg-type]
+                if pool is None:
+                    pool = self._near[node] = ThreadPoolExecutor(  # type: ignore[index]
+                        max(self._stripes, 1), thread_name_prefix=f"mpcomm-shm-n{node}", initializer=_pin,
+                        initargs=(cpus, self.log))
+        return pool
+
     def _off_thread(self, fn: Any, *args: Any) -> None:
         try:
             self.ctx.executor.submit(fn, *args)
@@ -865,7 +905,7 @@ class ShmTransport(Transport):
         starts = list(range(0, n, step))
         st = _Pieces(left=len(starts), mapping=m)
         op.state = st
-        submit = self.ctx.executor.submit
+        submit = self._workers(m.numa if write else op.local.numa_node).submit
         # Striped: the workers take all pieces but the first, which the caller
         # copies itself (one thread hop less; the caller's core is not idle).
         inline_first = len(starts) > 1 and self._caller_stripes
@@ -923,7 +963,7 @@ class ShmTransport(Transport):
             self._run_many(g, m, write)
             return
         try:
-            self.ctx.executor.submit(self._run_many, g, m, write)
+            self._workers(m.numa if write else g.local.numa_node).submit(self._run_many, g, m, write)
         except RuntimeError as exc:  # the executor is shut down
             m.exit()
             raise EngineClosedError(f"cannot schedule the shm batch: {exc}") from exc
@@ -1100,12 +1140,34 @@ class ShmTransport(Transport):
         grace = self.ctx.config.runtime.abort_grace_ms / 1000
         for m in maps:
             m.revoke(EngineClosedError("the engine is closed"), grace)
+        with self._lock:
+            near, self._near = list(self._near.values()), {}
+        for pool in near:
+            pool.shutdown(wait=False, cancel_futures=False)
         for s in served:
             with s.lock:
                 s.closed = True
                 if s.seg is not None and s.seg.fd >= 0:
                     os.close(s.seg.fd)
                     s.seg.fd = -1
+
+
+def _numa_nodes() -> tuple[Any, ...]:
+    """This host's NUMA nodes with their CPUs (sysfs), for the near copy threads."""
+    from mpcomm.topology import discover_numa
+
+    try:
+        return discover_numa()
+    except OSError:
+        return ()
+
+
+def _pin(cpus: tuple[int, ...], log: logging.Logger) -> None:
+    """Thread initializer: run this copy thread on ``cpus`` only (Linux: 0 is the calling thread)."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as exc:  # a cpuset that excludes them: copy from wherever we are
+        log.debug("shm: could not pin a copy thread to CPUs %s: %s", cpus, exc)
 
 
 def _again(err: MpcommError, r: Any) -> MpcommError:

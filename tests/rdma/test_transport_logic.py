@@ -482,3 +482,28 @@ def test_failed_fence_on_cancel_is_not_a_clean_cancel(monkeypatch: pytest.Monkey
         with pytest.raises(TransferError) as info:
             t.result(1)
         assert info.value.confirmed is False and "was cancelled, but" in str(info.value)
+
+
+def test_adapters_on_this_process_numa_node_are_tried_first(tmp_path: Any) -> None:
+    """With ``device`` unset, probe() tries the NIC on the socket we run on before the others."""
+    from mpcomm.plugins.rdma_zerocopy import verbs
+
+    for name, node in (("mlx5_0", "1"), ("mlx5_1", "0"), ("mlx5_2", "-1")):
+        (tmp_path / name / "device").mkdir(parents=True)
+        (tmp_path / name / "device" / "numa_node").write_text(node + "\n")
+    names = ["mlx5_0", "mlx5_1", "mlx5_2"]
+
+    def numa_of(n: str) -> int:
+        return verbs._device_numa_node(n, str(tmp_path))
+
+    assert numa_of("mlx5_0") == 1 and numa_of("missing") == -1
+    assert verbs.nearest_first(names, numa_of, frozenset({0})) == [1, 0, 2]
+    assert verbs.nearest_first(names, numa_of, frozenset({1})) == [0, 1, 2]
+    assert verbs.nearest_first(names, numa_of, frozenset()) == [0, 1, 2]  # single-node host: as listed
+    from mpcomm.topology import discover_numa
+
+    here = verbs._local_nodes()  # this host's real sysfs
+    if len(discover_numa()) < 2:
+        assert here == frozenset()  # nothing to prefer
+    else:
+        assert here and here <= {n.id for n in discover_numa()}
