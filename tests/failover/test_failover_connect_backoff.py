@@ -215,3 +215,29 @@ def test_the_back_off_is_per_address_and_a_healthy_peer_is_not_held_up(tmp_path:
         remote = initiator.open(target.address, "kv", timeout=5)
         assert initiator.write(b"z" * 100, remote, timeout=5).result(5) == 100
         assert initiator.stats()["health"]["connect_backoff"].keys() == {dead}
+
+
+def test_the_window_doubles_up_to_the_cap_and_a_success_clears_it() -> None:
+    """ConnectBackoff on a clock the test moves: the exact windows."""
+    from mpcomm.health import ConnectBackoff, ManualClock
+
+    clock = ManualClock()
+    b = ConnectBackoff.from_ms(START_MS, CAP_MS, clock=clock)
+    assert b.refusal("p") is None  # nothing recorded: dial
+    refused = PeerConnectionError("cannot connect to p: Connection refused")
+    for n, window in enumerate((0.1, 0.2, 0.4, 0.4), start=1):
+        assert b.failed("p", refused) == window
+        err = b.refusal("p")
+        assert err is not None and err.retryable and err.__cause__ is refused
+        assert err.retry_after == pytest.approx(window) and f"{n} failed in a row" in str(err)  # type: ignore[attr-defined]
+        assert b.refusal("q") is None  # per address
+        clock.advance(window * 0.99)
+        assert b.refusal("p") is not None
+        clock.advance(window * 0.02)
+        assert b.refusal("p") is None, "the window passed but the next attempt is still held back"
+    assert b.state("p")["failures"] == 4
+    assert b.metrics.snapshot()["connect_backoffs"]["by_peer"] == {"p": 8}
+    b.succeeded("p")
+    assert b.state("p") == {"failures": 0, "retry_in": 0.0}
+    b.failed("p", refused)
+    assert b.refusal("p").retry_after == pytest.approx(0.1)  # type: ignore[union-attr]  # back to the first window
