@@ -131,7 +131,12 @@ class PeerTable:
                 # look-up while the address has no failure recorded.
                 refused = self.backoff.refusal(address)
                 if refused is not None:
-                    raise refused
+                    try:
+                        raise refused
+                    finally:
+                        # A caller looping on a dead address raises thousands of
+                        # these: no frame <-> traceback cycle left for the GC per call.
+                        del refused
                 att = self._attempts[address] = _Attempt(deadline)
                 start = True
             else:
