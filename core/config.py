@@ -39,6 +39,15 @@
     max_queued_notifications = 16384     # notifications held for wait_notification()
     max_queued_notify_bytes = 16777216   # and their bytes
 
+    [health]                   # failover and peer health (docs/topology.md)
+    pause_after = 3            # consecutive failures before a path cools down
+    base_cooldown_ms = 50      # first cool-down of a path or quarantine, doubling per failure
+    max_cooldown_ms = 30000    # cool-down cap
+    quarantine_after = 5       # consecutive failures across a peer's paths before quarantine
+    max_attempts = 3           # transports one request may try (first one included)
+    connect_backoff_ms = 100   # after a failed connect, no new dial to that address this long; 0 = off
+    connect_backoff_max_ms = 2000   # doubling per consecutive failed connect, up to this
+
     [tls]                      # used when transport.tls = true
     cert = "node.pem"          # this node's certificate chain (PEM)
     key = "node.key"
@@ -76,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .health import HealthPolicy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -140,6 +150,23 @@ class LimitsSection:
 
 
 @dataclass(frozen=True)
+class HealthSection:
+    """Failover and peer health; see docs/topology.md ("Failover and peer health").
+
+    The first five keys are :class:`mpcomm.health.HealthPolicy` in
+    milliseconds; the connect back-off is applied by the engine's peer table.
+    """
+
+    pause_after: int = 3
+    base_cooldown_ms: int = 50
+    max_cooldown_ms: int = 30_000
+    quarantine_after: int = 5
+    max_attempts: int = 3
+    connect_backoff_ms: int = 100
+    connect_backoff_max_ms: int = 2000
+
+
+@dataclass(frozen=True)
 class TlsSection:
     cert: str = ""
     key: str = ""
@@ -160,6 +187,7 @@ _SECTIONS = {
     "runtime": RuntimeSection,
     "observability": ObservabilitySection,
     "limits": LimitsSection,
+    "health": HealthSection,
     "tls": TlsSection,
     "cluster": ClusterSection,  # issue 10
 }
@@ -181,6 +209,14 @@ RANGES: dict[tuple[str, str], tuple[int, int]] = {
     ("limits", "notify_rate"): (1, 1 << 24),
     ("limits", "max_queued_notifications"): (1, 1 << 24),
     ("limits", "max_queued_notify_bytes"): (1, 1 << 36),
+    ("health", "pause_after"): (1, 1000),
+    ("health", "base_cooldown_ms"): (1, 3_600_000),
+    ("health", "max_cooldown_ms"): (1, DAY_MS),
+    ("health", "quarantine_after"): (1, 1_000_000),
+    ("health", "max_attempts"): (1, 64),
+    # 0 turns the connect back-off off (every request to a down peer dials again).
+    ("health", "connect_backoff_ms"): (0, 600_000),
+    ("health", "connect_backoff_max_ms"): (0, 3_600_000),
 }
 
 #: Plugin options without a declared range still get these: integers and floats within
@@ -205,6 +241,7 @@ class Config:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     observability: ObservabilitySection = field(default_factory=ObservabilitySection)
     limits: LimitsSection = field(default_factory=LimitsSection)
+    health: HealthSection = field(default_factory=HealthSection)
     tls: TlsSection = field(default_factory=TlsSection)
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
     cluster: ClusterSection = field(default_factory=ClusterSection)
@@ -325,6 +362,13 @@ class Config:
     def request_timeout(self) -> float:
         return self.runtime.request_timeout_ms / 1000.0
 
+    def health_policy(self) -> HealthPolicy:
+        """``[health]`` as the :class:`mpcomm.health.HealthPolicy` an engine's tracker uses."""
+        h = self.health
+        return HealthPolicy(base_cooldown=h.base_cooldown_ms / 1000.0, max_cooldown=h.max_cooldown_ms / 1000.0,
+                            quarantine_after=h.quarantine_after, max_attempts=h.max_attempts,
+                            pause_after=h.pause_after)
+
 
 def _build_section(key: str, section_cls: type, values: dict[str, Any], source: str) -> Any:
     known = {f.name: f for f in fields(section_cls)}
@@ -383,9 +427,20 @@ def _build_section(key: str, section_cls: type, values: dict[str, Any], source: 
             parse_metadata_url(out["metadata"])
         except ConfigError as exc:
             raise ConfigError(f"{source}: cluster.{exc}") from exc
+    if key == "health":
+        _check_health(out, source)
     if key == "cluster" and out.get("lease_ttl_s", 10) < 2:
         raise ConfigError(f"{source}: cluster.lease_ttl_s must be at least 2, not {out['lease_ttl_s']}")
     return section_cls(**out)
+
+
+def _check_health(values: dict[str, Any], source: str) -> None:
+    """A cap below its start would make the back-off shrink: refuse it, naming both keys."""
+    d = HealthSection()
+    for start, cap in (("base_cooldown_ms", "max_cooldown_ms"), ("connect_backoff_ms", "connect_backoff_max_ms")):
+        lo, hi = values.get(start, getattr(d, start)), values.get(cap, getattr(d, cap))
+        if hi < lo:
+            raise ConfigError(f"{source}: health.{cap} must be at least health.{start} ({lo}), not {hi}")
 
 
 def _installed_entry_points() -> set[str]:

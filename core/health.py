@@ -20,6 +20,12 @@ permission, cancellation, stale regions and timeouts whose transport could
 not confirm the stop). The others are the request's fault and are neither
 retried nor counted.
 
+:class:`ConnectBackoff` rate-limits connection attempts per peer address:
+after a failed connect, new requests to that address fail fast (without
+dialling) until a window has passed; the window doubles per consecutive
+failure up to a cap, and a successful connect clears it. The engine's peer
+table applies it (``[health] connect_backoff_ms``).
+
 :class:`EpochWatch` says "reconnect once" when a peer shows a new epoch (it
 restarted): whatever the number of callers, one runs the reconnect and the
 rest wait for its result (single-flight).
@@ -45,7 +51,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from .errors import (
     AccessError,
@@ -58,6 +64,7 @@ from .errors import (
 )
 
 __all__ = [
+    "ConnectBackoff",
     "EpochWatch",
     "FailoverPlan",
     "HealthMetrics",
@@ -270,6 +277,108 @@ class HealthTracker:
             self._peers.pop(peer, None)
 
 
+class _ConnectFailure(NamedTuple):
+    """The last failed connect to one address (replaced whole, so readers need no lock)."""
+
+    failures: int
+    failed_at: float
+    until: float
+    error: BaseException
+
+
+class ConnectBackoff:
+    """Per-address back-off of connection attempts (see the module docstring).
+
+    After ``n`` consecutive failed connects to an address, no new attempt is
+    made for ``min(cap, start * 2**(n-1))`` seconds: :meth:`refusal` returns
+    the retryable :class:`~mpcomm.errors.PeerConnectionError` to fail the
+    request with instead. Once the window has passed, the next caller dials
+    again (the caller makes sure only one does: the engine's connects are
+    single-flight per address). A success (:meth:`succeeded`) clears the
+    record, so a peer that is back is used at once by everyone.
+
+    ``start = 0`` turns the back-off off. :meth:`refusal` is one dict look-up,
+    without a lock, while no failure is recorded for the address.
+    """
+
+    def __init__(self, start: float, cap: float, clock: Any = None, metrics: HealthMetrics | None = None) -> None:
+        if start < 0 or cap < start:
+            raise ValueError(f"connect back-off needs 0 <= start <= cap, not start={start}, cap={cap}")
+        self.start = start
+        self.cap = cap
+        self.clock = clock or MonotonicClock()
+        self.metrics = metrics or HealthMetrics()
+        self._records: dict[str, _ConnectFailure] = {}
+        self._lock = threading.Lock()  # writers only: readers see whole records
+
+    @classmethod
+    def from_ms(cls, start_ms: int, cap_ms: int, **kw: Any) -> ConnectBackoff:
+        return cls(start_ms / 1000.0, cap_ms / 1000.0, **kw)
+
+    def window(self, failures: int) -> float:
+        """How long no attempt is made after ``failures`` consecutive failed connects."""
+        if failures <= 0 or self.start <= 0:
+            return 0.0
+        return min(self.cap, self.start * (2 ** min(failures - 1, 62)))
+
+    def refusal(self, address: str) -> PeerConnectionError | None:
+        """The error to fail a request to ``address`` with now, or None: dial.
+
+        The error says when and why the last connect failed and when the next
+        one is allowed; ``error.retry_after`` holds those seconds and
+        ``__cause__`` the last connect's own error. Counted as
+        ``connect_backoffs`` in the metrics.
+        """
+        rec = self._records.get(address)
+        if rec is None:
+            return None
+        now = self.clock.now()
+        if now >= rec.until:
+            return None
+        left = rec.until - now
+        last = rec.error
+        err = PeerConnectionError(
+            f"not connecting to {address} for another {left:.3g}s: the last connect attempt failed "
+            f"{now - rec.failed_at:.3g}s ago ({type(last).__name__}: {last}); {rec.failures} failed in a row, "
+            f"so new attempts are held back for {self.window(rec.failures):.3g}s "
+            "(health.connect_backoff_ms, doubling up to health.connect_backoff_max_ms); retry after that",
+            peer=address, retryable=True)
+        err.retry_after = left  # type: ignore[attr-defined]
+        err.__cause__ = last
+        self.metrics.count("connect_backoffs", address)
+        return err
+
+    def failed(self, address: str, error: BaseException) -> float:
+        """Record a failed connect to ``address``; returns the window it opens (0 when off)."""
+        if self.start <= 0:
+            return 0.0
+        now = self.clock.now()
+        with self._lock:
+            old = self._records.get(address)
+            n = (old.failures if old is not None else 0) + 1
+            w = self.window(n)
+            self._records[address] = _ConnectFailure(n, now, now + w, error)
+        return w
+
+    def succeeded(self, address: str) -> None:
+        if address in self._records:  # no lock on the common path: nothing to clear
+            with self._lock:
+                self._records.pop(address, None)
+
+    def state(self, address: str) -> dict[str, Any]:
+        """``{"failures": n, "retry_in": seconds}`` (zeros when nothing is recorded)."""
+        rec = self._records.get(address)
+        if rec is None:
+            return {"failures": 0, "retry_in": 0.0}
+        return {"failures": rec.failures, "retry_in": max(0.0, rec.until - self.clock.now())}
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """:meth:`state` of every address with a recorded failure."""
+        with self._lock:
+            addresses = list(self._records)
+        return {a: self.state(a) for a in addresses}
+
+
 class FailoverPlan:
     """One request's walk down its route (see the module docstring).
 
@@ -441,11 +550,13 @@ class HealthMetrics:
     """Counters and gauges the deployment checklist asks to watch.
 
     Counters (monotonic, per peer and total): ``retries``, ``failovers``,
-    ``quarantines``. Gauges: ``queue_backlog`` (requests waiting for a
+    ``quarantines``, ``connect_failures`` (connection attempts that failed)
+    and ``connect_backoffs`` (requests failed by :class:`ConnectBackoff`
+    without dialling). Gauges: ``queue_backlog`` (requests waiting for a
     queue slot, engine-wide) and ``connections`` per peer.
     """
 
-    COUNTERS = ("retries", "failovers", "quarantines")
+    COUNTERS = ("retries", "failovers", "quarantines", "connect_failures", "connect_backoffs")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

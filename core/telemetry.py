@@ -63,6 +63,8 @@ Peer health (``observability.metrics``), fed from each engine's
 ``mpcomm.peer.retries``             counter    requests retried on the next transport
 ``mpcomm.peer.failovers``           counter    retries that moved to another transport
 ``mpcomm.peer.quarantines``         counter    times the peer was quarantined
+``mpcomm.peer.connect_failures``    counter    connection attempts to the peer that failed
+``mpcomm.peer.connect_backoffs``    counter    requests failed at once by the connect back-off
 ``mpcomm.peer.connections``         gauge      live control connections to the peer
 ``mpcomm.queue.backlog``            gauge      requests waiting for a slot or a busy transport
                                                (``mpcomm.node_id`` only)
@@ -191,7 +193,10 @@ class _Tallies:
             unit="{event}", description="register and unregister calls")
         for what, unit, desc in (("retries", "{retry}", "requests retried on the next transport of their route"),
                                  ("failovers", "{failover}", "retries that moved to another transport"),
-                                 ("quarantines", "{quarantine}", "times a peer was quarantined")):
+                                 ("quarantines", "{quarantine}", "times a peer was quarantined"),
+                                 ("connect_failures", "{attempt}", "connection attempts to a peer that failed"),
+                                 ("connect_backoffs", "{request}",
+                                  "requests failed at once by the connect back-off, without dialling")):
             meter.create_observable_counter(f"mpcomm.peer.{what}", [lambda _o, w=what: self._health_obs(w)],
                                             unit=unit, description=desc)
         meter.create_observable_gauge("mpcomm.peer.connections", [lambda _o: self._health_obs("connections")],

@@ -49,7 +49,7 @@ from ..errors import (
     TransportUnavailable,
     UnknownRegionError,
 )
-from ..health import HealthTracker
+from ..health import ConnectBackoff, HealthTracker
 from ..memory import Region, allocate_host, as_byte_view
 from ..metadata import MetadataStore, NodeRecord, PeerToPeerMetadata, RegionRecord, open_metadata
 from ..peer import PeerInfo, format_endpoint, host_identity, is_wildcard, parse_endpoint
@@ -140,8 +140,9 @@ class Engine:
         self.host = host_identity()
         #: This node's hardware, sent to peers in the handshake.
         self.topology = discover_topology()
-        #: Per-path cool-down and per-peer quarantine; ``.metrics`` counts retries and failovers.
-        self.health = HealthTracker()
+        #: Per-path cool-down and per-peer quarantine (policy from ``[health]``);
+        #: ``.metrics`` counts retries, failovers, quarantines and failed connects.
+        self.health = HealthTracker(cfg.health_policy())
         self._metadata: MetadataStore = PeerToPeerMetadata()
         self._closed = False
         self._transports: dict[str, Transport] = {}
@@ -164,6 +165,8 @@ class Engine:
             handshake_timeout=cfg.transport.handshake_timeout_ms / 1000,
             on_lost=self._on_link_lost,
             on_epoch_change=self._on_epoch_change,
+            backoff=ConnectBackoff.from_ms(cfg.health.connect_backoff_ms, cfg.health.connect_backoff_max_ms,
+                                           metrics=self.health.metrics),
         )
 
         bind_host, port = parse_endpoint(cfg.transport.endpoint)
@@ -697,8 +700,11 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counts worth watching: requests held, queue depth, notifications queued and dropped, peers.
 
-        ``health``: retries, failovers and quarantines per peer (counters),
-        ``queue_backlog`` (requests waiting for a queue slot or a busy
+        ``health``: retries, failovers, quarantines, ``connect_failures``
+        (connection attempts that failed) and ``connect_backoffs`` (requests
+        failed at once by the connect back-off, without dialling) per peer
+        (counters), ``connect_backoff`` (addresses held back now:
+        ``{address: {"failures": n, "retry_in": s}}``), ``queue_backlog`` (requests waiting for a queue slot or a busy
         transport, now), ``connections`` (live control connections per peer,
         now) and ``failover_paths`` — also exported as OpenTelemetry metrics
         (``mpcomm.peer.*``, ``mpcomm.queue.backlog``) with ``observability.metrics``.
@@ -723,7 +729,9 @@ class Engine:
             m.set_connections(peer, 0)
         for peer, n in per.items():
             m.set_connections(peer, n)
-        return m.snapshot()
+        snap = m.snapshot()
+        snap["connect_backoff"] = self._peers.backoff.snapshot()
+        return snap
 
     # -- lifecycle ----------------------------------------------------------------------------
 

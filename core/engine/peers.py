@@ -6,6 +6,17 @@ first requests to the same peer share one connection attempt (single-flight).
 Requests posted while their peer is not connected yet wait in that peer's
 queue and are posted by the connecting thread once the handshake is done (or
 failed with its error), so ``write()`` never waits on a peer.
+
+Connects to a peer that is down are rate-limited per address
+(:class:`~mpcomm.health.ConnectBackoff`, ``[health] connect_backoff_ms``):
+after a failed attempt (refused, reset or timed out: a retryable error),
+requests that would start a new one within the back-off window fail at once
+with a retryable PeerConnectionError that says why the last attempt failed
+and when the next is allowed, instead of dialling again. The window doubles
+per consecutive failure up to ``connect_backoff_max_ms``; a successful connect
+clears it. Callers already waiting on an attempt in flight share its outcome,
+as before. A live link that is lost opens no window: the next request dials
+at once (the peer may have restarted).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from typing import Any
 from ..config import Config
 from ..control import PeerLink
 from ..errors import EngineClosedError, MpcommError, PeerConnectionError
+from ..health import ConnectBackoff
 from ..peer import PeerInfo
 
 __all__ = ["PeerTable"]
@@ -41,7 +53,8 @@ class _Attempt:
 
 class PeerTable:
     def __init__(self, *, config: Config, local_info: Callable[[], PeerInfo], secret: str, handshake_timeout: float,
-                 on_lost: Callable[[PeerLink], None], on_epoch_change: Callable[[str], None]) -> None:
+                 on_lost: Callable[[PeerLink], None], on_epoch_change: Callable[[str], None],
+                 backoff: ConnectBackoff | None = None) -> None:
         self._config = config
         self._local_info = local_info
         self._secret = secret
@@ -56,6 +69,8 @@ class PeerTable:
         self._addr_epochs: dict[str, str] = {}
         self._lock = threading.Lock()  # guards the three dicts; never held while connecting
         self._closed = False
+        #: Per-address connect back-off (off when not given: every request may dial).
+        self.backoff = backoff if backoff is not None else ConnectBackoff(0.0, 0.0)
 
     def ready(self, address: str) -> PeerLink | None:
         """The live link to ``address``, or None (no waiting)."""
@@ -65,7 +80,10 @@ class PeerTable:
         return None
 
     def connect(self, address: str, timeout: float) -> PeerLink:
-        """The link to ``address``, connecting if needed; waits up to ``timeout``."""
+        """The link to ``address``, connecting if needed; waits up to ``timeout``.
+
+        Within the connect back-off window of ``address`` it raises the
+        back-off's PeerConnectionError at once, without dialling."""
         link = self.ready(address)
         if link is not None:
             return link
@@ -83,6 +101,8 @@ class PeerTable:
         """Call ``fn(link, None)`` or ``fn(None, error)`` once ``address`` is connected or failed.
 
         Runs ``fn`` on the connecting thread (or at once when already known).
+        Raises (and does not call ``fn``) when no attempt may start now: the
+        engine is closed, or ``address`` is within its connect back-off window.
         """
         link = self.ready(address)
         if link is not None:
@@ -107,6 +127,16 @@ class PeerTable:
                     att.link = link
                     att.done.set()
                     return att
+                # Only a caller that would dial checks the back-off: one lock-free
+                # look-up while the address has no failure recorded.
+                refused = self.backoff.refusal(address)
+                if refused is not None:
+                    try:
+                        raise refused
+                    finally:
+                        # A caller looping on a dead address raises thousands of
+                        # these: no frame <-> traceback cycle left for the GC per call.
+                        del refused
                 att = self._attempts[address] = _Attempt(deadline)
                 start = True
             else:
@@ -122,8 +152,8 @@ class PeerTable:
     def _run_attempt(self, address: str, att: _Attempt) -> None:
         link: PeerLink | None = None
         error: BaseException | None = None
+        timeout = min(self._handshake_timeout, max(att.deadline - time.monotonic(), 0.001))
         try:
-            timeout = min(self._handshake_timeout, max(att.deadline - time.monotonic(), 0.001))
             link = PeerLink(address, local_info=self._local_info(), secret=self._secret, timeout=timeout,
                             on_lost=self._on_lost, config=self._config)
         except MpcommError as exc:
@@ -148,6 +178,18 @@ class PeerTable:
                     self._links[address] = link
             else:
                 closing = None
+            if link is not None:
+                self.backoff.succeeded(address)
+            elif error is not None and not isinstance(error, EngineClosedError):
+                self.backoff.metrics.count("connect_failures", address)
+                # Only "the peer is not there" opens a window: a refused or timed-out
+                # connect or handshake (retryable). An authentication or protocol
+                # error is the configuration's; each caller keeps getting it as is.
+                # An attempt cut short by its callers' deadline (shorter than the
+                # handshake timeout) says nothing about the peer either.
+                short = timeout < self._handshake_timeout and isinstance(error.__cause__, TimeoutError)
+                if getattr(error, "retryable", False) and not short:
+                    self.backoff.failed(address, error)
             att.link, att.error = link, error
             waiters, att.waiters = att.waiters, []
         if closing is not None:
