@@ -3,21 +3,38 @@
 Read-only: the topology comes from sysfs/procfs (:mod:`mpcomm.topology`), the
 transports answer ``availability()`` without starting, and the routes are what
 :class:`mpcomm.routing.RoutePolicy` (the config's ``[[route]]`` rules, or the
-capability-derived default) returns for a few typical peers.
+capability-derived default) returns for a few typical peers. Per transport it
+shows the declared bandwidth class and, where this node has a calibration
+(:mod:`mpcomm.calibration`), the measured one the default route ranks by.
+
+``--calibrate`` first measures every available transport between this
+process and a spawned target (:mod:`mpcomm.cli.calibrate`) and writes this
+node's calibration file; the topology shown after it uses the new figures.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Annotated, Any, Optional
 
 import typer
 
+from mpcomm import calibration
 from mpcomm import topology as topo
 from mpcomm.errors import TransportUnavailable
 from mpcomm.registry import load_plugins
 from mpcomm.routing import RoutePolicy, RouteQuery
 
-from ._common import ConfigOption, JsonOption, build_config, format_size, handle_errors, print_json
+from ._common import (
+    EXIT_USAGE,
+    CliError,
+    ConfigOption,
+    JsonOption,
+    build_config,
+    format_size,
+    handle_errors,
+    print_json,
+)
 
 app = typer.Typer()
 
@@ -42,10 +59,20 @@ def _available(found: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return installed, rows
 
 
-def routes(config: Any, installed: dict[str, Any], running: list[str]) -> list[dict[str, Any]]:
+def _measured(rows: list[dict[str, Any]], res: calibration.Resolution) -> None:
+    """Add each transport's measurement in use (or None) to its row."""
+    for r in rows:
+        m = res.used.get((r["name"], True)) or res.used.get((r["name"], False))
+        r["measured"] = None if m is None else {
+            "class": m.bandwidth_class, "gbps": m.gbps, "p50_us": m.p50_us, "same_host": m.same_host,
+            "rounds_gbps": list(m.rounds_gbps), "measured_at": m.measured_at}
+
+
+def routes(config: Any, installed: dict[str, Any], running: list[str],
+           measured: dict[bool, dict[str, str]] | None = None) -> list[dict[str, Any]]:
     """The route per typical case (also used by tests)."""
-    here = RoutePolicy.for_config(config, installed, running)
-    everything = RoutePolicy.for_config(config, installed, list(installed))
+    here = RoutePolicy.for_config(config, installed, running, measured=measured)
+    everything = RoutePolicy.for_config(config, installed, list(installed), measured=measured)
     mine, alls = frozenset(running), frozenset(installed)
     cases = [
         ("same host", here, RouteQuery(True, peer_transports=mine)),
@@ -78,7 +105,16 @@ def _mem(n: int) -> str:
     return "?" if n < 0 else format_size(n)
 
 
-def _text(t: topo.Topology, rows: list[dict[str, Any]], route_rows: list[dict[str, Any]], rules: list[Any]) -> str:
+def _calibration_line(res: calibration.Resolution) -> str:
+    if res.classes is not None:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(res.calibration.measured_at)) \
+            if res.calibration and res.calibration.measured_at else "?"
+        return f"calibration: {res.path} (measured {when}, same-host routes)"
+    return f"calibration: none in use ({'; '.join(res.notes) or res.path})"
+
+
+def _text(t: topo.Topology, rows: list[dict[str, Any]], route_rows: list[dict[str, Any]], rules: list[Any],
+          res: calibration.Resolution) -> str:
     lines = ["== node ==", f"{t.hostname} ({t.arch}): {t.cpus} CPUs, {t.cpus_usable} usable by this process"]
     lines.append("== numa ==")
     if not t.numa_nodes:
@@ -113,11 +149,19 @@ def _text(t: topo.Topology, rows: list[dict[str, Any]], route_rows: list[dict[st
     hard = "unlimited" if t.memlock_hard < 0 else format_size(t.memlock_hard)
     lines.append(f"memlock: soft {soft}, hard {hard}")
     lines.append("== transports ==")
+    lines.append(_calibration_line(res))
     for r in rows:
         state = "available" if r["available"] else f"unavailable: {r['reason']}"
         reach = "+".join(k for k in ("intra_node", "inter_node") if r[k])
-        lines.append(f"{r['name']:<16} bandwidth {r['bandwidth_class']:<7} {reach:<21} {state}")
-    lines.append("== routes ==" + ("" if rules else " (no [[route]] rules: default from capabilities)"))
+        m = r.get("measured")
+        if m:
+            where = "same host" if m["same_host"] else "other hosts"
+            measured = f"measured {m['class']} ({m['gbps']:.2f} GB/s, p50 {m['p50_us']:.1f} us, {where})"
+        else:
+            measured = "measured -"
+        lines.append(f"{r['name']:<16} declared {r['bandwidth_class']:<7} {measured:<52} {reach:<21} {state}")
+    lines.append("== routes ==" + ("" if rules else " (no [[route]] rules: default from capabilities"
+                                   + (" and measured classes)" if res.classes else ")")))
     for r in route_rows:
         if r["transports"]:
             chosen = ", ".join(r["transports"]) + f"   (rule: {r['rule']})"
@@ -142,16 +186,59 @@ def topo_cpulist(cpus: tuple[int, ...]) -> str:
 
 @app.command("topology")
 @handle_errors
-def topology(ctx: typer.Context, json_: JsonOption = False, config: ConfigOption = None) -> None:
-    """Show this node's CPUs/NUMA, NICs, RDMA devices, GPUs, huge pages, /dev/shm, memlock, and the transport
-    list the route policy would choose for a peer on the same host, another host, and so on."""
+def topology(
+    ctx: typer.Context,
+    json_: JsonOption = False,
+    config: ConfigOption = None,
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="First measure every available transport on this node (4 MiB writes for the "
+        "bandwidth class, 4 KiB writes for p50 latency, between this process and a spawned `mpcomm serve`) "
+        "and write the classes to the calibration file (transport.calibration_file, else "
+        "$MPCOMM_CALIBRATION_FILE, else $XDG_CACHE_HOME/mpcomm/bandwidth.json); engines on this node then "
+        "rank their default same-host route by them (transport.bandwidth = \"measured\"). Classes: memory "
+        ">= 8 GB/s, high >= 3, medium >= 0.8, else low.")] = False,
+    transport: Annotated[Optional[list[str]], typer.Option(
+        "--transport", "-t", help="--calibrate: measure only this transport (repeatable; the file keeps the "
+        "others' figures).", show_default=False)] = None,
+    seconds: Annotated[float, typer.Option(
+        "--seconds", min=0.05, max=10.0, help="--calibrate: time budget per transport in seconds "
+        "(plus the target's start).")] = 1.5,
+    rounds: Annotated[int, typer.Option(
+        "--rounds", min=1, max=15, help="--calibrate: throughput rounds per transport; the median "
+        "round gives the class.")] = 3,
+) -> None:
+    """Show this node's CPUs/NUMA, NICs, RDMA devices, GPUs, huge pages, /dev/shm, memlock, each transport's
+    declared and measured bandwidth class, and the transport list the route policy would choose for a peer
+    on the same host, another host, and so on."""
     cfg = build_config(ctx, config)
-    t = topo.discover()
-    installed, rows = _available(load_plugins())
+    if transport and not calibrate:
+        raise CliError("--transport selects what --calibrate measures: add --calibrate", EXIT_USAGE)
+    found = load_plugins()
+    installed, rows = _available(found)
     running = [r["name"] for r in rows if r["available"]]
-    policy = RoutePolicy.for_config(cfg, installed, running)  # validates [[route]] against the plugins
-    route_rows = routes(cfg, installed, running)
+    RoutePolicy.for_config(cfg, installed, running)  # a bad [[route]] is an error before anything is measured
+    measured_now: list[calibration.Measurement] = []
+    skipped: dict[str, str] = {}
+    if calibrate:
+        from . import calibrate as calib
+
+        _path, measured_now, skipped = calib.run(ctx, config, transport, seconds=seconds, rounds=rounds)
+    res = calibration.resolve(cfg, found.transports, running)
+    _measured(rows, res)
+    policy = RoutePolicy.for_config(cfg, installed, running, measured=res.classes)
+    route_rows = routes(cfg, installed, running, res.classes)
+    t = topo.discover()
     if json_:
-        print_json({"topology": t.to_dict(), "transports": rows, "rules": policy.describe(), "routes": route_rows})
+        out: dict[str, Any] = {"topology": t.to_dict(), "transports": rows, "rules": policy.describe(),
+                               "routes": route_rows,
+                               "calibration": {"path": str(res.path), "in_use": res.classes is not None,
+                                               "notes": res.notes}}
+        if calibrate:
+            out["calibration"]["measured"] = [m.to_dict() for m in measured_now]
+            out["calibration"]["skipped"] = skipped
+        print_json(out)
         return
-    typer.echo(_text(t, rows, route_rows, policy.rules))
+    if calibrate:
+        for name, why in skipped.items():
+            typer.echo(f"calibration: {name} not measured: {why}")
+    typer.echo(_text(t, rows, route_rows, policy.rules, res))

@@ -11,6 +11,8 @@
     secret = ""                # shared secret (HMAC handshake, >= 128 bits); or MPCOMM_SECRET
     handshake_timeout_ms = 5000
     tls = false                # TLS on the control channel (needs [tls])
+    bandwidth = "measured"     # default route: measured classes where calibrated, or "declared"
+    calibration_file = ""      # default: $MPCOMM_CALIBRATION_FILE, else ~/.cache/mpcomm/bandwidth.json
 
     [memory]
     types = ["host", "device"]
@@ -110,6 +112,10 @@ class TransportSection:
     secret: str = ""
     handshake_timeout_ms: int = 5000
     tls: bool = False
+    #: Rank the default route by measured bandwidth classes where this node has a
+    #: calibration (mpcomm.calibration), or always by the declared ones.
+    bandwidth: str = "measured"
+    calibration_file: str = ""  # "": $MPCOMM_CALIBRATION_FILE, else the per-user cache
 
 
 @dataclass(frozen=True)
@@ -227,6 +233,7 @@ _MAX_STRING = 4096
 
 _CHOICES = {
     ("transport", "mode"): ("zero-copy", "copy"),
+    ("transport", "bandwidth"): ("measured", "declared"),
     ("memory", "registration"): ("eager", "lazy"),
     ("runtime", "backpressure"): ("block", "raise"),
 }

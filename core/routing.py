@@ -32,11 +32,15 @@ not running here, not run by the peer, not able to reach another host
 handling the memory kinds. A rule left with nothing is skipped.
 
 With no rule matching, the default is derived from capabilities alone (no
-plugin names in the core): usable transports ranked by declared
-``bandwidth_class`` (memory > high > medium > low), then zero-copy, then
-one-sided, then the engine's configured preference order. (When the user
-gave an explicit order, ``transport.order`` or ``Engine(transports=...)``,
-the default keeps that order instead: ``ranked=False``.)
+plugin names in the core): usable transports ranked by ``bandwidth_class``
+(memory > high > medium > low), then zero-copy, then one-sided, then the
+engine's configured preference order. The class is the *measured* one where
+this node has a calibration of that transport for that kind of route
+(``measured``, from :func:`mpcomm.calibration.route_classes`; same-host
+measurements rank only same-host routes), else the one the transport
+declares. (When the user gave an explicit order, ``transport.order`` or
+``Engine(transports=...)``, the default keeps that order instead:
+``ranked=False``.)
 
 A rule naming a transport no installed plugin provides is a
 :class:`~mpcomm.ConfigError` that says so (a transport that is installed but
@@ -246,9 +250,9 @@ def parse_rules(raw: Any, installed: Iterable[str] | None = None, *, source: str
     return tuple(rules)
 
 
-def _rank(caps: Capabilities) -> int:
+def _rank(bandwidth_class: str) -> int:
     try:
-        return BANDWIDTH_CLASSES.index(caps.bandwidth_class)
+        return BANDWIDTH_CLASSES.index(bandwidth_class)
     except ValueError:
         return 0  # an unknown class ranks as the lowest
 
@@ -264,39 +268,67 @@ class RoutePolicy:
         ranked: rank the default route by capabilities (True), or keep the
             ``installed`` order (False: the user gave an explicit preference,
             ``transport.order`` or ``Engine(transports=...)``).
+        measured: measured bandwidth class per transport, per kind of route
+            (``{True: same-host classes, False: other-host classes}``); a
+            transport missing there ranks by its declared class.
     """
 
     def __init__(self, rules: Sequence[RouteRule], installed: Mapping[str, Capabilities],
-                 running: Iterable[str] | None = None, *, ranked: bool = True) -> None:
+                 running: Iterable[str] | None = None, *, ranked: bool = True,
+                 measured: Mapping[bool, Mapping[str, str]] | None = None) -> None:
         self.rules = tuple(rules)
         #: Whether a rule looks at the request's size (routes then differ per request).
         self.size_rules = any(r.min_size or r.max_size is not None or r.split_min is not None for r in self.rules)
         self.installed = dict(installed)
         self.running = tuple(self.installed if running is None else (n for n in running if n in self.installed))
+        #: Measured classes in use, per kind of route (only those of running transports).
+        self.measured: dict[bool, dict[str, str]] = {
+            kind: {n: c for n, c in (measured or {}).get(kind, {}).items() if n in self.running}
+            for kind in (True, False)}
         order = {name: i for i, name in enumerate(self.installed)}
-        if ranked:
-            self._default_order = tuple(sorted(
-                self.running,
-                key=lambda n: (-_rank(self.installed[n]), not self.installed[n].zero_copy,
-                               not self.installed[n].one_sided, order[n]),
-            ))
-        else:
-            self._default_order = tuple(sorted(self.running, key=order.__getitem__))
+        # One default order per kind of route: a same-host calibration says nothing
+        # about the path to another host.
+        self._default_orders: dict[bool, tuple[str, ...]] = {}
+        for kind in (True, False):
+            if ranked:
+                classes = self.classes(kind)
+                self._default_orders[kind] = tuple(sorted(
+                    self.running,
+                    key=lambda n, c=classes: (-_rank(c[n]), not self.installed[n].zero_copy,
+                                              not self.installed[n].one_sided, order[n]),
+                ))
+            else:
+                self._default_orders[kind] = tuple(sorted(self.running, key=order.__getitem__))
+
+    def classes(self, same_host: bool) -> dict[str, str]:
+        """The bandwidth class the default route ranks each running transport by:
+        measured for this kind of route where known, else declared."""
+        measured = self.measured[same_host]
+        return {n: measured.get(n, self.installed[n].bandwidth_class) for n in self.running}
+
+    def default_order(self, same_host: bool) -> tuple[str, ...]:
+        """Running transports in the default route's order, before per-request filtering."""
+        return self._default_orders[same_host]
 
     @classmethod
     def from_config(cls, raw_rules: Any, installed: Mapping[str, Capabilities],
                     running: Iterable[str] | None = None, *, ranked: bool = True,
-                    source: str = "<config>") -> RoutePolicy:
+                    source: str = "<config>", measured: Mapping[bool, Mapping[str, str]] | None = None,
+                    ) -> RoutePolicy:
         """Validate ``raw_rules`` (the config's ``route`` array) against ``installed``."""
-        return cls(parse_rules(raw_rules, installed, source=source), installed, running, ranked=ranked)
+        return cls(parse_rules(raw_rules, installed, source=source), installed, running, ranked=ranked,
+                   measured=measured)
 
     @classmethod
     def for_config(cls, config: Any, installed: Mapping[str, Capabilities], running: Iterable[str] | None = None,
-                   *, exact_order: Sequence[str] | None = None) -> RoutePolicy:
+                   *, exact_order: Sequence[str] | None = None,
+                   measured: Mapping[bool, Mapping[str, str]] | None = None) -> RoutePolicy:
         """The policy an engine with ``config`` uses: its ``[[route]]`` rules,
         ``installed`` reordered by the configured preference (``exact_order``
         = ``Engine(transports=...)``), and the capability ranking unless the
-        user gave an order of their own."""
+        user gave an order of their own. ``measured``: the node's measured
+        classes (:func:`mpcomm.calibration.route_classes`, which honours
+        ``transport.bandwidth``); None ranks by the declared classes."""
         from .config import DEFAULT_ORDER
 
         t = config.transport
@@ -309,7 +341,7 @@ class RoutePolicy:
         order = [n for n in preferred if n in installed] + [n for n in installed if n not in preferred]
         ranked = exact_order is None and t.name == "auto" and tuple(t.order) == tuple(DEFAULT_ORDER)
         return cls.from_config(list(config.route), {n: installed[n] for n in order}, running,
-                               ranked=ranked, source=config.source)
+                               ranked=ranked, source=config.source, measured=measured)
 
     def usable(self, name: str, q: RouteQuery) -> bool:
         """Can ``name`` carry this request at all (capabilities and both sides)?"""
@@ -329,7 +361,7 @@ class RoutePolicy:
                 chosen = self._filter(rule.transports, q)
                 if chosen:
                     return rule, chosen
-        return None, self._filter(self._default_order, q)
+        return None, self._filter(self._default_orders[q.same_host], q)
 
     def choose(self, q: RouteQuery) -> Route:
         """The ordered transports for ``q`` and the rule that chose them.

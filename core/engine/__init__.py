@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ..calibration import route_classes
 from ..config import Config, load_config
 from ..control import ControlServer, PeerLink
 from ..errors import (
@@ -191,8 +192,10 @@ class Engine:
                 config=cfg,
             )
             installed = {n: e.cls.capabilities for n, e in self.plugin_set.transports.items()}
+            # Only reads this node's calibration file (`mpcomm topology --calibrate` measures).
+            measured = route_classes(cfg, self.plugin_set.transports, self._transports)
             self.route_policy = RoutePolicy.for_config(cfg, installed, self._transports,
-                                                       exact_order=self._exact_order)
+                                                       exact_order=self._exact_order, measured=measured)
             self._metadata = open_metadata(metadata if metadata is not None else cfg.cluster.metadata,
                                            ttl=cfg.cluster.lease_ttl_s)
             self._metadata.start(NodeRecord(node_id=self.node_id, address=self.address, epoch=self.epoch,

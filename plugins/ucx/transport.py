@@ -348,9 +348,11 @@ class UcxTransport(Transport):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
         self._closing = True
+        # Wake the progress thread before _closed is set: _signal() does nothing after that
+        # (the worker may be gone), and the thread would sleep out its join timeout.
         self._signal()
+        self._closed = True
         if self._thread is not None:
             self._thread.join(5.0)
         with self._lock:
