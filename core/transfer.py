@@ -163,7 +163,7 @@ class Transfer(Future):  # type: ignore[type-arg]
 
     @classmethod
     def _landed(cls, nbytes: int, transport: str, route: tuple[str, ...], rule: str, dispatch: _Dispatch,
-                request: tuple[Any, ...]) -> Transfer:
+                request: tuple[Any, ...], submitted_at: float) -> Transfer:
         """A handle born COMPLETED (the engine's inline lane): no lock to wake, no outcome to record.
 
         ``request`` holds the arguments of the :class:`Request` it stands for,
@@ -176,7 +176,7 @@ class Transfer(Future):  # type: ignore[type-arg]
         t.status = COMPLETED
         t.transport, t.route, t.route_rule, t.stripes = transport, route, rule, ()
         t.bytes_moved = nbytes
-        t.submitted_at = t.finished_at = time.monotonic()
+        t.submitted_at, t.finished_at = submitted_at, time.monotonic()
         t._op = None
         t._dispatch = dispatch
         t._outcome = (None, nbytes)

@@ -309,6 +309,7 @@ class Pipeline:
             local.acquire()
         except RegionClosedError:
             return None
+        t0 = time.monotonic()
         try:
             landed = transport.post_inline(kind, local, lo, remote, ro, length)
         except Exception:  # noqa: BLE001 - a plugin bug: the full path reports what post() says
@@ -319,7 +320,7 @@ class Pipeline:
         if not landed:
             return None
         return Transfer._landed(length, transport.name, entry[2], entry[1], self.dispatch,
-                                (kind, local, remote, ro, length, lo))
+                                (kind, local, remote, ro, length, lo), t0)
 
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:

@@ -55,6 +55,7 @@ def test_small_write_and_read_finish_in_the_call(lane_pair: Any, monkeypatch: py
     assert t.request.op == "write" and t.request.remote_offset == 8192 and t.request.length == 4096
     assert bytes(kv.view[8192:12288]) == b"\x5a" * 4096
     assert ini.stats()["requests_held"] == 0
+    assert t.elapsed is not None and t.elapsed > 0  # the copy's time, as for any handle
     got: list[Any] = []
     t.add_done_callback(got.append)  # done: runs at once, on this thread
     assert got == [t]
