@@ -156,6 +156,7 @@ class Transfer(Future):  # type: ignore[type-arg]
         self._cbs_ran = False
         self._callbacks: list[Callable[[Transfer], Any]] = []
         self._lock = threading.Lock()
+        self._waiters_n = 0  # threads blocked in result()/exception() (under _lock)
         # Released by whoever records the outcome: result() waiters wake on it
         # directly, without waiting for the completion thread.
         self._wake = threading.Lock()
@@ -183,6 +184,7 @@ class Transfer(Future):  # type: ignore[type-arg]
         t._settled = t._cbs_ran = True
         t._callbacks = []
         t._lock = threading.Lock()
+        t._waiters_n = 0
         t._wake = _OPEN  # never waited on: the outcome is there
         Future.set_result(t, nbytes)
         return t
@@ -230,14 +232,38 @@ class Transfer(Future):  # type: ignore[type-arg]
         if self._settled or self._outcome is not None:
             self._sync()
             return 0
-        got = self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0))
-        if got:
-            self._wake.release()  # pass it on to the next waiter
-            self._sync()
+        with self._lock:
+            self._waiters_n += 1
+        try:
+            if self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+                self._wake.release()  # pass it on to the next waiter
+        finally:
+            with self._lock:
+                self._waiters_n -= 1
+        if self._outcome is not None:
+            # Settled here: the engine may have left that to this waiter (_leave_to_waiter).
+            if self._settle():
+                with self._lock:
+                    left = bool(self._callbacks)
+                if left and self._dispatch is not None:
+                    self._dispatch.push(self)  # callbacks still run on the completion thread
             return 0
         # No report in time. A handle no engine owns (or one settled another
         # way, e.g. cancel()) may still be resolved through the Future itself.
         return 0 if self._dispatch is not None else timeout
+
+    def _leave_to_waiter(self) -> bool:
+        """Engine, after :meth:`_record`: True when a ``result()`` waiter will settle this handle.
+
+        Then the completion thread need not wake for it (one thread hop less
+        per request waited on). Only without callbacks or a settle hook; a
+        callback added later finds the handle done and runs at once, or, added
+        before the waiter settles, is pushed to the completion thread by it.
+        The waiter counts down under the same lock before it looks at the
+        outcome, so a waiter that saw no outcome was not counted here.
+        """
+        with self._lock:
+            return self._waiters_n > 0 and not self._callbacks and "_on_settled" not in self.__dict__
 
     def result(self, timeout: float | None = None) -> Any:
         return super().result(self._await_outcome(timeout))

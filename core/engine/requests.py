@@ -1190,7 +1190,10 @@ class Pipeline:
             if op._posting or op._handed:
                 return  # the posting thread settles it when post() returns
             op._handed = True
-        op.transfer._dispatch.push(op.transfer)
+        t = op.transfer
+        if t._dispatch is self.dispatch and t._leave_to_waiter():
+            return  # the thread blocked in result() settles it: no completion-thread hop
+        t._dispatch.push(t)
 
     def _batch_done(self, batch: Batch) -> None:
         total = 0

@@ -331,3 +331,53 @@ def test_write_many_names_the_bad_index_and_moves_nothing(kv: Any) -> None:
     assert bytes(buf[:24]) == bytes(24)
     np_batch = initiator.write_many(src, remote, np.array([0, 8]), np.array([100, 200]), np.array([8, 8]))
     assert np_batch.result(5) == 16 and np_batch.failed == [] and np_batch.bytes_per_request == [8, 8]
+
+
+def test_waiters_settle_and_callbacks_run_once_under_races(kv: Any) -> None:
+    """A handle whose waiter settles it (no completion-thread hop) still runs every callback once,
+    wakes concurrent.futures.wait, and is settled even when its waiter gave up just before the report."""
+    _target, ini, _buf, remote = kv
+    ran: list[int] = []
+    lock = threading.Lock()
+    handles: list[Transfer] = []
+
+    def note(k: int) -> Any:
+        def cb(_t: Transfer) -> None:
+            with lock:
+                ran.append(k)
+        return cb
+
+    def worker(base: int) -> None:
+        for k in range(base, base + 150):
+            t = ini.write(b"x" * 4096, remote, (k % 16) * 4096)
+            handles.append(t)
+            mode = k % 4
+            if mode == 0:
+                t.add_done_callback(note(k))  # before the waiter: the completion thread runs it
+                t.result(10)
+            elif mode == 1:
+                try:
+                    t.result(0.00005)  # gives up, likely just before the report
+                except TimeoutError:
+                    pass
+                t.add_done_callback(note(k))
+            elif mode == 2:
+                th = threading.Thread(target=lambda t=t, k=k: t.add_done_callback(note(k)))
+                th.start()  # races with the waiter below
+                t.result(10)
+                th.join()
+            else:
+                t.result(10)
+                t.add_done_callback(note(k))  # done: at once
+
+    threads = [threading.Thread(target=worker, args=(b,)) for b in (0, 1000, 2000)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    done, not_done = cf.wait(handles, timeout=10)
+    assert not not_done and all(t.status is TransferStatus.COMPLETED for t in handles)
+    deadline = time.monotonic() + 10
+    while len(ran) < len(handles) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(ran) == sorted(range(0, 150)) + sorted(range(1000, 1150)) + sorted(range(2000, 2150))
