@@ -19,14 +19,14 @@ network. Needs root; :func:`unavailable` says why not, for ``pytest.skip``.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from mpcomm.testing import TargetProcess
+from mpcomm.testing import LineProcess, TargetProcess
 from mpcomm.testing.netns import Namespaces, unavailable
 
 __all__ = ["Driver", "Network", "netem_unavailable", "nft_unavailable", "unavailable"]
@@ -187,50 +187,17 @@ class Network:
             self.ns.close()
 
 
-class Driver:
-    """An initiator engine in a host namespace, driven over stdin/stdout (see driver.py)."""
+class Driver(LineProcess):
+    """An initiator engine in a host namespace, driven with one JSON command per line (see driver.py)."""
+
+    quit_line = json.dumps({"op": "quit"})
 
     def __init__(self, prefix: list[str], addr: str, config: dict[str, Any]) -> None:
-        import json
-
-        self.proc = subprocess.Popen([*prefix, sys.executable, str(DRIVER), json.dumps(
-            {"endpoint": f"{addr}:0", "config": config})], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, bufsize=1)
-        self.hello = self._read(30)
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        import json
-        import select
-
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"driver did not answer within {timeout}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"driver exited (code {self.proc.poll()})")
-        return json.loads(line)
+        super().__init__([sys.executable, str(DRIVER), json.dumps({"endpoint": f"{addr}:0", "config": config})],
+                         prefix=prefix)
 
     def call(self, wait: float = 60, **cmd: Any) -> Any:
-        import json
-
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read(wait)
+        reply = json.loads(self.request(json.dumps(cmd), wait))
         if "fatal" in reply:
             raise RuntimeError(f"driver: {reply['fatal']}")
         return reply
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call(wait=10, op="quit")
-            except Exception:  # noqa: BLE001
-                pass
-        self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
