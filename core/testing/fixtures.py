@@ -16,7 +16,10 @@ here, and a plugin's suite can do the same: import them into a ``conftest.py``
   ``transports=`` says otherwise, every engine closed at teardown;
 * :func:`spawn_fixture`: a fixture that starts a target class (a
   :class:`~mpcomm.testing.TargetProcess` or any object with ``close()``) with
-  the arguments it is called with, and closes each one at teardown.
+  the arguments it is called with, and closes each one at teardown;
+* :func:`two_hosts_fixture`: a module-scoped second "host" in a network
+  namespace (:func:`mpcomm.testing.netns.two_hosts`), skipped with the reason
+  where namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import pytest
 
 import mpcomm
 
-__all__ = ["ENV_VARS", "closing_all", "make_engine", "spawn_fixture"]
+__all__ = ["ENV_VARS", "closing_all", "make_engine", "spawn_fixture", "two_hosts_fixture"]
 
 T = TypeVar("T")
 
@@ -84,3 +87,23 @@ def spawn_fixture(target: Callable[..., T], name: str = "spawn") -> Any:
             yield start
 
     return spawn
+
+
+def two_hosts_fixture(label: str, first_octets: str, *, here: bool = True, name: str = "two_hosts") -> Any:
+    """A module-scoped fixture (called ``name``) yielding :class:`~mpcomm.testing.netns.TwoHosts`.
+
+    ``here``: side a is this process's namespace (the test's own engine is one
+    host); otherwise two fresh namespaces. Skipped with the reason where
+    namespaces cannot be made (not root, no iproute2).
+    """
+    from . import netns
+
+    @pytest.fixture(scope="module", name=name)
+    def hosts() -> Iterator[netns.TwoHosts]:
+        why = netns.unavailable()
+        if why:
+            pytest.skip(why)
+        with netns.two_hosts(label, first_octets, here=here) as pair:
+            yield pair
+
+    return hosts

@@ -9,23 +9,17 @@ addresses of that private link are ever dialled.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 import mpcomm
 from mpcomm.testing import ConformanceEnv, netns, run_conformance
+from mpcomm.testing.fixtures import two_hosts_fixture
 from mpcomm.testing.kit import CHECKS
 
 
-@pytest.fixture(scope="module")
-def second_host() -> Iterator[netns.TwoHosts]:
-    """This process's namespace (side a) and a namespace (side b, the other host) on one veth link."""
-    why = netns.unavailable()
-    if why:
-        pytest.skip(why)
-    with netns.two_hosts("mh", "10.231") as hosts:
-        yield hosts
+#: This process's namespace (side a) and a namespace (side b, the other host) on one veth link.
+second_host = two_hosts_fixture("mh", "10.231", name="second_host")
 
 
 def _env(host: netns.TwoHosts) -> ConformanceEnv:

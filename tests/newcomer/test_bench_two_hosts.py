@@ -11,22 +11,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 from newcomer_support import cli_env, start_serve
 
 from mpcomm.testing import netns
+from mpcomm.testing.fixtures import two_hosts_fixture
 
 
-@pytest.fixture(scope="module")
-def two_hosts() -> Iterator[netns.TwoHosts]:
-    """Two namespaces (a: the server's host, b: the bench's) on one veth link."""
-    why = netns.unavailable()
-    if why:
-        pytest.skip(why)
-    with netns.two_hosts("nb", "10.232", here=False) as hosts:
-        yield hosts
+#: Two namespaces (a: the server's host, b: the bench's) on one veth link.
+two_hosts = two_hosts_fixture("nb", "10.232", here=False, name="two_hosts")
 
 
 def test_bench_target_on_another_host(two_hosts: netns.TwoHosts) -> None:

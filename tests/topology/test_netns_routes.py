@@ -20,6 +20,7 @@ import pytest
 
 import mpcomm
 from mpcomm.testing import netns
+from mpcomm.testing.fixtures import two_hosts_fixture
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,14 +32,8 @@ RULES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def other_host() -> Iterator[netns.TwoHosts]:
-    """This process's namespace (side a) and a namespace (side b, the other host) on one veth link."""
-    why = netns.unavailable()
-    if why:
-        pytest.skip(why)
-    with netns.two_hosts("tp", "10.232") as hosts:
-        yield hosts
+#: This process's namespace (side a) and a namespace (side b, the other host) on one veth link.
+other_host = two_hosts_fixture("tp", "10.232", name="other_host")
 
 
 @pytest.fixture(scope="module")
