@@ -37,7 +37,8 @@ from typing import Any
 import psutil
 
 import mpcomm
-from mpcomm.cli.records import format_rate, format_record, format_seconds, format_size
+from benchlib import make_pki, timing_fields, tls_section
+from mpcomm.cli.records import format_rate, format_record, format_size
 from mpcomm.testing import TargetProcess
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -69,20 +70,6 @@ while True:
     c, _ = srv.accept()
     threading.Thread(target=serve, args=(c,), daemon=True).start()
 """
-
-
-def make_pki(d: Any) -> None:
-    """ca.pem, and node.pem/node.key signed by it (SAN 127.0.0.1), with the openssl CLI."""
-    def sh(*argv: str) -> None:
-        subprocess.run(argv, check=True, capture_output=True, cwd=d)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
-    sh("openssl", "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=bench-ca", "-days", "1",
-       "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    sh("openssl", "req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=bench-node")
-    sh("openssl", "x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-       "-out", "node.pem", "-days", "1", "-extfile", "ext.cnf")
 
 
 def measure(fn: Callable[[int], None], concurrency: int, iters: int, pids: list[int]) -> dict[str, float]:
@@ -138,12 +125,34 @@ def main() -> None:
         make_pki(pki)
         cfg = cfg or {"transport": {}}
         cfg["transport"]["tls"] = True
-        cfg["tls"] = {"cert": str(pki / "node.pem"), "key": str(pki / "node.key"), "ca": str(pki / "ca.pem")}
+        cfg["tls"] = tls_section(pki)
     target = TargetProcess("tcp", config=cfg, regions={"dst": [8 * 64 * MiB, "allocate"]})
     plain = subprocess.Popen([sys.executable, "-c", PLAIN_SERVER], stdout=subprocess.PIPE, text=True)
     assert plain.stdout is not None
     plain_port = int(plain.stdout.readline())
     records = []
+
+    def compare(op: str, size: int, moved: int, conc: int, via_tcp: Callable[[int], None],
+                via_socket: Callable[[int], None], n: int) -> None:
+        """Measure plain sockets, then tcp, the same way; record (and print) tcp with its ratio to sockets.
+
+        ``size`` is the record's message size, ``moved`` the bytes one call moves (a batch: N x size).
+        """
+        base = measure(via_socket, conc, n, [os.getpid(), plain.pid])
+        res = measure(via_tcp, conc, n, [os.getpid(), target.pid])
+        thr = res["ops"] * moved / res["wall"]
+        base_thr = base["ops"] * moved / base["wall"]
+        rec = {
+            "transport": "tcp+tls" if args.tls else "tcp", "mode": args.mode, "memory": "host", "op": op,
+            "message_size": format_size(size), "concurrency": conc, "numa_binding": "none",
+            "throughput": format_rate(thr), **timing_fields(res["p50"], res["p99"], res["cpu"]),
+            "baseline": "plain-socket", "baseline_throughput": format_rate(base_thr),
+            "ratio_to_socket": f"{thr / base_thr:.2f}",
+        }
+        records.append(rec)
+        if not args.json:
+            print(format_record(rec), flush=True)
+
     try:
         with mpcomm.Engine(cfg, transports=["tcp"]) as eng:
             remote = eng.open(target.address, "dst")
@@ -177,21 +186,7 @@ def main() -> None:
                                 while got < size:
                                     got += s.recv_into(view[got:], size - got)
 
-                        base = measure(via_socket, conc, n, [os.getpid(), plain.pid])
-                        res = measure(via_tcp, conc, n, [os.getpid(), target.pid])
-                        thr = res["ops"] * size / res["wall"]
-                        base_thr = base["ops"] * size / base["wall"]
-                        rec = {
-                            "transport": "tcp+tls" if args.tls else "tcp", "mode": args.mode, "memory": "host", "op": op,
-                            "message_size": format_size(size), "concurrency": conc, "numa_binding": "none",
-                            "throughput": format_rate(thr), "p50_latency": format_seconds(res["p50"]), "p99_latency": format_seconds(res["p99"]),
-                            "cpu_utilization": f"{res['cpu']:.2f}cores",
-                            "baseline": "plain-socket", "baseline_throughput": format_rate(base_thr),
-                            "ratio_to_socket": f"{thr / base_thr:.2f}",
-                        }
-                        records.append(rec)
-                        if not args.json:
-                            print(format_record(rec), flush=True)
+                        compare(op, size, size, conc, via_tcp, via_socket, n)
             if args.batch:
                 nb = args.batch
                 size = 4 * KiB
@@ -208,22 +203,7 @@ def main() -> None:
                         s.sendmsg([struct.pack("!BQ", 1, nb * size), src.view[: nb * size]])
                         s.recv(1)
 
-                    base = measure(batch_socket, conc, n, [os.getpid(), plain.pid])
-                    res = measure(batch_tcp, conc, n, [os.getpid(), target.pid])
-                    thr = res["ops"] * nb * size / res["wall"]
-                    base_thr = base["ops"] * nb * size / base["wall"]
-                    rec = {
-                        "transport": "tcp+tls" if args.tls else "tcp", "mode": args.mode, "memory": "host",
-                        "op": f"write-batch{nb}",
-                        "message_size": format_size(size), "concurrency": conc, "numa_binding": "none",
-                        "throughput": format_rate(thr), "p50_latency": format_seconds(res["p50"]),
-                        "p99_latency": format_seconds(res["p99"]), "cpu_utilization": f"{res['cpu']:.2f}cores",
-                        "baseline": "plain-socket", "baseline_throughput": format_rate(base_thr),
-                        "ratio_to_socket": f"{thr / base_thr:.2f}",
-                    }
-                    records.append(rec)
-                    if not args.json:
-                        print(format_record(rec), flush=True)
+                    compare(f"write-batch{nb}", size, nb * size, conc, batch_tcp, batch_socket, n)
             for s in socks:
                 s.close()
     finally:

@@ -20,38 +20,23 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import make_pki, timing_fields, tls_section
 from mpcomm import Config, tls
+from mpcomm.cli.records import format_rate, format_record, self_cpu
 from mpcomm.control import ControlServer, PeerLink
 from mpcomm.peer import PeerInfo
-from mpcomm.cli.records import format_rate, format_record, format_seconds, self_cpu
 
 MiB = 1 << 20
 
 
-def make_pki(d: Path) -> None:
-    """ca.pem, and node.pem/node.key signed by it (SAN 127.0.0.1), with the openssl CLI."""
-    def sh(*argv: str) -> None:
-        subprocess.run(argv, check=True, capture_output=True, cwd=d)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
-    sh("openssl", "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=bench-ca", "-days", "1",
-       "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    sh("openssl", "req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=bench-node")
-    sh("openssl", "x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-       "-out", "node.pem", "-days", "1", "-extfile", "ext.cnf")
-
-
 def config(d: Path, use_tls: bool) -> Config:
-    return Config.from_dict({"transport": {"tls": use_tls},
-                             "tls": {"cert": str(d / "node.pem"), "key": str(d / "node.key"), "ca": str(d / "ca.pem")}})
+    return Config.from_dict({"transport": {"tls": use_tls}, "tls": tls_section(d)})
 
 
 def control_case(cfg: Config, seconds: float) -> dict[str, Any]:
@@ -142,9 +127,7 @@ def main() -> None:
     for mode in ("plain", "tls"):
         rec = {"case": "control", "mode": mode, "message_size": "ping", "concurrency": 1,
                "rate": f"{med('control', mode, 'ops'):.0f}ops/s",
-               "p50_latency": format_seconds(med("control", mode, "p50")),
-               "p99_latency": format_seconds(med("control", mode, "p99")),
-               "cpu_utilization": f"{med('control', mode, 'cpu'):.2f}cores"}
+               **timing_fields(med("control", mode, "p50"), med("control", mode, "p99"), med("control", mode, "cpu"))}
         print(format_record(rec))
         out[f"control_{mode}"] = rec
         rec = {"case": "bulk", "mode": mode, "message_size": "1MiB", "concurrency": 1,

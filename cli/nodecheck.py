@@ -11,7 +11,12 @@ limit (RDMA and UCX pin registered memory), the size of ``/dev/shm`` (the shm
 transport's backing store), and whether cross-memory attach
 (``process_vm_readv``) works between processes of the same user.
 
-Discovery (NUMA nodes, interfaces, RDMA devices, memlock, /dev/shm) comes from
+What only one transport cares about comes from that transport: each
+transport class may answer ``node_checks()`` (see docs/plugin-authors.md), and
+:func:`run_checks` gathers them from every installed transport; rdma_zerocopy
+contributes the ``rdma`` section (adapters, ports, uverbs, libibverbs).
+
+Discovery (NUMA nodes, interfaces, memlock, /dev/shm) comes from
 :mod:`mpcomm.topology`, the same data a node sends peers in its handshake;
 this module judges it.  It reads ``/proc``, ``/sys``, ``resource`` limits and ``os.statvfs`` and never
 modifies the system: no sysctl, no module loading, no limit raising.  The only
@@ -25,7 +30,9 @@ raises because one probe failed.
 Public API:
 
 * :class:`Status`, :class:`Check`
-* :func:`run_checks` -- all sections, in the order of :data:`SECTIONS`
+* :func:`run_checks` -- all sections: the core's (:data:`SECTIONS`) and the transports'
+* :func:`transport_checks` -- only what the transports contribute
+* :func:`guarded`, :func:`read_text` -- for transports writing their own checks
 * :func:`manifest` -- component versions for reproducible deployment lists
 * :func:`worst_status`, :func:`format_report` -- small helpers for callers
 """
@@ -58,19 +65,22 @@ __all__ = [
     "Check",
     "Status",
     "format_report",
+    "guarded",
     "manifest",
+    "read_text",
     "run_checks",
+    "transport_checks",
     "worst_status",
 ]
 
-SECTIONS: tuple[str, ...] = ("cpu", "network", "rdma", "hugepages", "memory", "cma")
+#: The core's sections, in report order; the transports' own (``rdma`` from rdma_zerocopy) come after ``network``.
+SECTIONS: tuple[str, ...] = ("cpu", "network", "hugepages", "memory", "cma")
 
 _PROC_CPUINFO = "/proc/cpuinfo"
 _PROC_MEMINFO = "/proc/meminfo"
 _SYS_CPU = "/sys/devices/system/cpu"
 _SYS_NODE = "/sys/devices/system/node"
 _SYS_NET = "/sys/class/net"
-_SYS_IB = "/sys/class/infiniband"
 _SYS_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 _YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
@@ -78,10 +88,6 @@ _RDMA_MTU = 4200  # smallest Ethernet MTU that carries a 4096-byte RoCE MTU
 
 _NUMA_HINT = "pin transfer threads to the NIC's NUMA node (numactl --cpunodebind)"
 _MTU_HINT = "for RDMA/RoCE use jumbo frames (MTU 9000) end to end"
-_NO_RDMA_HINT = (
-    "mpcomm will use tcp/shm/ucx; load the rdma drivers (ib_core, mlx5_ib) "
-    "for zero-copy RDMA"
-)
 _HUGEPAGES_HINT = (
     "for pinned pools reserve huge pages: echo N > /proc/sys/vm/nr_hugepages"
 )
@@ -137,7 +143,7 @@ class Check:
 # small readers
 
 
-def _read_text(path: str) -> Optional[str]:
+def read_text(path: str) -> Optional[str]:
     """Return the stripped contents of *path*, or None when it cannot be read."""
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -150,7 +156,7 @@ _parse_meminfo = topology.parse_meminfo
 
 
 def _meminfo() -> dict[str, int]:
-    text = _read_text(_PROC_MEMINFO)
+    text = read_text(_PROC_MEMINFO)
     if text is None:
         raise OSError(f"cannot read {_PROC_MEMINFO}")
     return _parse_meminfo(text)
@@ -169,7 +175,7 @@ def _human_bytes(n: int) -> str:
 
 
 def _cpuinfo_blocks() -> list[dict[str, str]]:
-    text = _read_text(_PROC_CPUINFO) or ""
+    text = read_text(_PROC_CPUINFO) or ""
     blocks: list[dict[str, str]] = []
     current: dict[str, str] = {}
     for line in text.splitlines():
@@ -186,8 +192,8 @@ def _cpuinfo_blocks() -> list[dict[str, str]]:
     return blocks
 
 
-def _guarded(section: str, name: str, fn: Callable[[], list[Check]]) -> list[Check]:
-    """Run one check function; convert any exception into a WARN Check."""
+def guarded(section: str, name: str, fn: Callable[[], list[Check]]) -> list[Check]:
+    """Run one check function; convert any exception into a WARN Check (for transports' checks too)."""
     try:
         return list(fn())
     except Exception as exc:  # noqa: BLE001 - a check must never raise
@@ -244,7 +250,7 @@ def _check_sockets() -> list[Check]:
     source = "/proc/cpuinfo"
     if not ids:
         for path in glob.glob(f"{_SYS_CPU}/cpu[0-9]*/topology/physical_package_id"):
-            value = _read_text(path)
+            value = read_text(path)
             if value is not None:
                 ids.add(value)
         source = "sysfs topology"
@@ -306,7 +312,7 @@ def _check_network() -> list[Check]:
     ifaces, _dropped = topology.discover_interfaces(_SYS_NET, limit=None)
     for iface in sorted(ifaces, key=lambda i: i.name):
         name = iface.name
-        address = _read_text(os.path.join(_SYS_NET, name, "address")) or "-"
+        address = read_text(os.path.join(_SYS_NET, name, "address")) or "-"
         parts = [iface.state, f"mtu {iface.mtu if iface.mtu >= 0 else '?'}", address]
         if iface.speed_mbps > 0:
             parts.append(f"{iface.speed_mbps} Mb/s")
@@ -348,100 +354,6 @@ def _check_network() -> list[Check]:
 
 
 # --------------------------------------------------------------------------
-# rdma
-
-
-def _check_rdma_devices() -> list[Check]:
-    devices = topology.discover_rdma(_SYS_IB)
-    if not devices:
-        return [Check("rdma", "devices", Status.INFO, "no RDMA devices", _NO_RDMA_HINT)]
-    checks: list[Check] = []
-    any_active = False
-    for dev in devices:
-        port_desc: list[str] = []
-        for port in dev.ports:
-            desc = f"port {port.port}: {port.link_layer} {port.state}"
-            if port.rate:
-                desc += f" ({port.rate})"
-            port_desc.append(desc)
-        fw = _read_text(os.path.join(_SYS_IB, dev.name, "fw_ver"))
-        value = f"hca_id {dev.name}"
-        if fw:
-            value += f", fw {fw}"
-        if dev.numa_node >= 0:
-            value += f", numa node {dev.numa_node}"
-        value += "; " + ("; ".join(port_desc) if port_desc else "no ports")
-        any_active = any_active or dev.active
-        checks.append(
-            Check(
-                "rdma",
-                f"device.{dev.name}",
-                Status.PASS if dev.active else Status.WARN,
-                value,
-                "" if dev.active else "no ACTIVE port: check cabling / subnet manager",
-            )
-        )
-    uverbs = glob.glob("/dev/infiniband/uverbs*")
-    if uverbs:
-        checks.append(
-            Check("rdma", "uverbs", Status.PASS, f"{len(uverbs)} /dev/infiniband/uverbs* nodes")
-        )
-    else:
-        checks.append(
-            Check(
-                "rdma",
-                "uverbs",
-                Status.WARN,
-                "RDMA devices present but no /dev/infiniband/uverbs*",
-                "load ib_uverbs, or pass --device=/dev/infiniband into the container",
-            )
-        )
-    checks.insert(
-        0,
-        Check(
-            "rdma",
-            "devices",
-            Status.PASS if any_active else Status.WARN,
-            f"{len(devices)} device(s): {', '.join(d.name for d in devices)}",
-        ),
-    )
-    return checks
-
-
-def _has_rdma_devices() -> bool:
-    return os.path.isdir(_SYS_IB) and bool(os.listdir(_SYS_IB))
-
-
-def _check_rdma_userspace() -> list[Check]:
-    have_devices = _has_rdma_devices()
-    checks: list[Check] = []
-    tool = shutil.which("ibv_devinfo")
-    checks.append(
-        Check(
-            "rdma",
-            "ibv_devinfo",
-            Status.INFO,
-            tool if tool else "ibv_devinfo is not installed",
-            "" if tool else "install ibverbs-utils (rdma-core) for manual RDMA inspection",
-        )
-    )
-    lib = ctypes.util.find_library("ibverbs")
-    if lib:
-        checks.append(Check("rdma", "libibverbs", Status.PASS if have_devices else Status.INFO, lib))
-    else:
-        checks.append(
-            Check(
-                "rdma",
-                "libibverbs",
-                Status.WARN if have_devices else Status.INFO,
-                "libibverbs.so.1 not found",
-                "install libibverbs1 / rdma-core to use the rdma_zerocopy transport",
-            )
-        )
-    return checks
-
-
-# --------------------------------------------------------------------------
 # hugepages
 
 
@@ -460,7 +372,7 @@ def _check_hugepages() -> list[Check]:
 
 
 def _check_thp() -> list[Check]:
-    raw = _read_text(_SYS_THP)
+    raw = read_text(_SYS_THP)
     if raw is None:
         return [Check("hugepages", "transparent_hugepage", Status.INFO, "not available")]
     match = re.search(r"\[(\w+)\]", raw)
@@ -553,7 +465,7 @@ def _check_system_memory() -> list[Check]:
 
 
 def _check_ptrace_scope() -> list[Check]:
-    raw = _read_text(_YAMA_PTRACE_SCOPE)
+    raw = read_text(_YAMA_PTRACE_SCOPE)
     if raw is None:
         return [
             Check(
@@ -693,16 +605,48 @@ def _check_cma_probe() -> list[Check]:
 # public API
 
 
+def transport_checks(transports: Optional[Iterable[type]] = None) -> list[Check]:
+    """The checks every transport contributes through its ``node_checks()`` hook, transport by transport.
+
+    ``transports`` defaults to every transport the installed plugins provide
+    (the ``mpcomm.transports`` entry points, as ``MPCOMM_PLUGINS`` and
+    ``MPCOMM_DISABLE_PLUGIN_AUTOLOAD`` allow), in name order. A hook that raises,
+    or returns something other than :class:`Check` objects, becomes one ``WARN``
+    in a section named after the transport.
+    """
+    if transports is None:
+        from mpcomm.registry import load_plugins
+
+        transports = [entry.cls for _, entry in sorted(load_plugins().transports.items())]
+    checks: list[Check] = []
+    for cls in transports:
+        name = getattr(cls, "name", "") or cls.__name__
+
+        def contributed(cls: type = cls, name: str = name) -> list[Check]:
+            got = list(cls.node_checks())  # type: ignore[attr-defined]  # Transport.node_checks
+            wrong = [c for c in got if not isinstance(c, Check)]
+            if wrong:
+                raise TypeError(f"{name}.node_checks() returned {type(wrong[0]).__name__}, not Check")
+            return got
+
+        checks.extend(guarded(name, "node_checks", contributed))
+    return checks
+
+
 def run_checks(
     *,
     shm_path: str = "/dev/shm",
     min_shm_bytes: int = 1 << 30,
     min_memlock_bytes: int = 64 << 20,
+    transports: Optional[Iterable[type]] = None,
 ) -> list[Check]:
     """Run every read-only node check and return the results in section order.
 
-    Sections are those of :data:`SECTIONS`.  No check raises: a failing probe
-    becomes a ``WARN`` Check whose value carries the error text.
+    The core's sections are those of :data:`SECTIONS`; what the transports
+    contribute (:func:`transport_checks`, ``transports`` as there: by default
+    every installed one) comes after ``network``, where the adapters they
+    drive were just listed. No check raises: a failing probe becomes a
+    ``WARN`` Check whose value carries the error text.
     """
     plan: list[tuple[str, str, Callable[[], list[Check]]]] = [
         ("cpu", "model", _check_cpu_model),
@@ -710,8 +654,8 @@ def run_checks(
         ("cpu", "sockets", _check_sockets),
         ("cpu", "numa_nodes", _check_numa),
         ("network", "interfaces", _check_network),
-        ("rdma", "devices", _check_rdma_devices),
-        ("rdma", "userspace", _check_rdma_userspace),
+        # Each transport's hook is guarded on its own; this guards finding the transports.
+        ("plugins", "node_checks", lambda: transport_checks(transports)),
         ("hugepages", "hugepages", _check_hugepages),
         ("hugepages", "transparent_hugepage", _check_thp),
         ("memory", "memlock", lambda: _check_memlock(min_memlock_bytes)),
@@ -722,7 +666,7 @@ def run_checks(
     ]
     checks: list[Check] = []
     for section, name, fn in plan:
-        checks.extend(_guarded(section, name, fn))
+        checks.extend(guarded(section, name, fn))
     return checks
 
 

@@ -656,6 +656,19 @@ class Transport:
     def close(self) -> None:
         """Release every resource; must not raise. Called once, after the last post."""
 
+    @classmethod
+    def node_checks(cls) -> list[Any]:
+        """Read-only checks of this machine that matter to this transport, for ``mpcomm doctor``.
+
+        Returns :class:`mpcomm.cli.nodecheck.Check` objects (section, name,
+        status, value, hint), in report order. Called without an engine, on
+        any machine, also where :meth:`availability` says no (that is where
+        the hints help most): import native libraries lazily, and never
+        change the system. An exception becomes one WARN check. The default
+        contributes none.
+        """
+        return []
+
 
 def timeout_error(op: Operation | OperationGroup) -> TransferTimeout:
     size = op.length if isinstance(op, Operation) else f"{op.count} requests"

@@ -22,7 +22,10 @@ between two real processes (:mod:`mpcomm.testing.kit`). Three ways to run them:
 
 from __future__ import annotations
 
-from .kit import CHECKS, CheckResult, ConformanceEnv, Report, Skip, TargetProcess, run_conformance
+from .kit import CHECKS, CheckResult, ConformanceEnv, LineProcess, Report, Skip, TargetProcess, run_conformance
 from .patterns import pattern
 
-__all__ = ["CHECKS", "CheckResult", "ConformanceEnv", "Report", "Skip", "TargetProcess", "pattern", "run_conformance"]
+__all__ = [
+    "CHECKS", "CheckResult", "ConformanceEnv", "LineProcess", "Report", "Skip", "TargetProcess", "pattern",
+    "run_conformance",
+]

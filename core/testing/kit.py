@@ -60,56 +60,67 @@ class Skip(Exception):
     """The check does not apply to this transport (the message says why)."""
 
 
-class TargetProcess:
-    """A target engine in a child process, driven over its stdin/stdout."""
+class LineProcess:
+    """A child process spoken to one line at a time: it prints a JSON hello line, then one reply per request line.
 
-    def __init__(self, transport: str, *, plugins: Sequence[str] = (), config: dict[str, Any] | None = None,
-                 endpoint: str = "127.0.0.1:0", regions: dict[str, list[Any]] | None = None,
-                 autoload: bool | None = None, start_timeout: float = 30.0,
-                 prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
-        spec = {"transport": transport, "plugins": list(plugins), "config": config or {}, "endpoint": endpoint,
-                "regions": regions if regions is not None else TARGET_REGIONS, "autoload": autoload}
+    The protocol the kit's target (:mod:`mpcomm.testing.target`) speaks, and any
+    test helper of the same shape (a richer target, an initiator driven from a
+    test): give it the ``argv`` to run, read :attr:`hello`, send lines with
+    :meth:`request`. ``prefix`` runs it under a launcher (``ip netns exec NS``);
+    ``env`` adds to this process's environment. :meth:`close` sends
+    :attr:`quit_line` and waits for the exit, killing it if it lingers.
+    """
+
+    #: The line that asks the child to exit.
+    quit_line = "quit"
+    #: Seconds :meth:`close` waits for an exit after :attr:`quit_line` before killing.
+    quit_wait = 10.0
+
+    def __init__(self, argv: Sequence[str], *, start_timeout: float = 30.0, prefix: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.stopped = False
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "mpcomm.testing.target", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            [*prefix, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
             env={**os.environ, **env} if env else None,
         )
         try:
-            hello = json.loads(self._readline(start_timeout))
+            #: The child's first line, parsed.
+            self.hello: dict[str, Any] = json.loads(self._readline(start_timeout))
         except Exception:
             self.kill()
             raise
-        self.address: str = hello["address"]
-        self.pid: int = hello["pid"]
-        self.node_id: str = hello["node_id"]
+        #: The child's own pid (from its hello: a launcher's pid is not the engine's).
+        self.pid: int = int(self.hello.get("pid", self.proc.pid))
 
     def _readline(self, timeout: float) -> str:
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not ready:
-            raise TimeoutError(f"target process did not answer within {timeout}s")
+            raise TimeoutError(f"{type(self).__name__} did not answer within {timeout}s")
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"target process exited (code {self.proc.poll()})")
+            raise RuntimeError(f"{type(self).__name__} exited (code {self.proc.poll()})")
         return line.strip()
 
-    def cmd(self, line: str, timeout: float = 60.0) -> str:
+    def request(self, line: str, timeout: float = 60.0) -> str:
+        """Send one line, return the one-line reply as it came (TimeoutError, RuntimeError if it exited)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
-        reply = self._readline(timeout)
-        if reply.startswith("error "):
-            raise RuntimeError(f"target: {reply[6:]}")
-        return reply
+        return self._readline(timeout)
 
-    def sha(self, region: str, offset: int, length: int) -> str:
-        return self.cmd(f"sha {region} {offset} {length}")
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def stop(self) -> None:
+        """SIGSTOP the child (a peer that hangs); :meth:`close` continues it before asking it to quit."""
         os.kill(self.pid, signal.SIGSTOP)
+        self.stopped = True
 
     def cont(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
+        self.stopped = False
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -129,14 +140,40 @@ class TargetProcess:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.cmd("quit", timeout=5)
-            except Exception:  # noqa: BLE001
-                pass
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
+                if self.stopped:
+                    self.cont()
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(self.quit_line + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(self.quit_wait)
+            except Exception:  # noqa: BLE001 - gone already, or stuck: killed below
                 pass
         self.kill()
+
+
+class TargetProcess(LineProcess):
+    """A target engine in a child process (:mod:`mpcomm.testing.target`), driven over its stdin/stdout."""
+
+    def __init__(self, transport: str, *, plugins: Sequence[str] = (), config: dict[str, Any] | None = None,
+                 endpoint: str = "127.0.0.1:0", regions: dict[str, list[Any]] | None = None,
+                 autoload: bool | None = None, start_timeout: float = 30.0,
+                 prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        spec = {"transport": transport, "plugins": list(plugins), "config": config or {}, "endpoint": endpoint,
+                "regions": regions if regions is not None else TARGET_REGIONS, "autoload": autoload}
+        super().__init__([sys.executable, "-m", "mpcomm.testing.target", json.dumps(spec)],
+                         start_timeout=start_timeout, prefix=prefix, env=env)
+        self.address: str = self.hello["address"]
+        self.node_id: str = self.hello["node_id"]
+
+    def cmd(self, line: str, timeout: float = 60.0) -> str:
+        """One command (see :mod:`mpcomm.testing.target`); RuntimeError with the target's ``error ...`` reply."""
+        reply = self.request(line, timeout)
+        if reply.startswith("error "):
+            raise RuntimeError(f"target: {reply[6:]}")
+        return reply
+
+    def sha(self, region: str, offset: int, length: int) -> str:
+        return self.cmd(f"sha {region} {offset} {length}")
 
 
 class ConformanceEnv:

@@ -330,6 +330,13 @@ class RdmaZeroCopyTransport(Transport):
         except Exception:  # noqa: BLE001 - a version string must never break `mpcomm plugins`
             return ""
 
+    @classmethod
+    def node_checks(cls) -> list[Any]:
+        """The ``rdma`` section of ``mpcomm doctor``: adapters and ports, uverbs nodes, libibverbs (no pyverbs)."""
+        from .nodecheck import node_checks
+
+        return node_checks()
+
     # -- lifecycle --------------------------------------------------------------------
 
     def start(self) -> dict[str, Any]:

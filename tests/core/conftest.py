@@ -1,53 +1,24 @@
-"""Fixtures for the core tests: engines in this process and target engines in subprocesses."""
+"""Fixtures for the core tests: engines in this process and target engines in subprocesses.
+
+``_clean_env``, ``make_engine`` and the ``spawn`` fixture's machinery are shared with
+tests/tcp and tests/regressions (:mod:`mpcomm.testing.fixtures`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 from core_support import Target
 
 import mpcomm
+from mpcomm.testing.fixtures import _clean_env, make_engine, spawn_fixture  # noqa: F401 (fixtures)
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("MPCOMM_SECRET", "MPCOMM_PLUGINS", "MPCOMM_DISABLE_PLUGIN_AUTOLOAD", "MPCOMM_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def make_engine() -> Iterator[Callable[..., mpcomm.Engine]]:
-    """Engines on tcp only, closed at teardown."""
-    made: list[mpcomm.Engine] = []
-
-    def make(config: Any = None, **kw: Any) -> mpcomm.Engine:
-        kw.setdefault("transports", ["tcp"])
-        e = mpcomm.Engine(config, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in reversed(made):
-        e.close(timeout=2)
+#: ``spawn(regions, endpoint=, config=, env=)``: the kit's target process on tcp, closed at teardown.
+spawn = spawn_fixture(Target)
 
 
 @pytest.fixture
 def pair(make_engine: Callable[..., mpcomm.Engine]) -> tuple[mpcomm.Engine, mpcomm.Engine]:
     """(target, initiator) on tcp."""
     return make_engine(), make_engine()
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., Target]]:
-    started: list[Target] = []
-
-    def start(regions: dict[str, list[Any]], **kw: Any) -> Target:
-        t = Target(regions, **kw)
-        started.append(t)
-        return t
-
-    yield start
-    for t in started:
-        t.close()

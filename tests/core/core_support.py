@@ -30,10 +30,6 @@ class Target(TargetProcess):
     def cmd(self, *words: Any, timeout: float = 20) -> str:  # type: ignore[override]
         return super().cmd(" ".join(map(str, words)), timeout=timeout)
 
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
 
 # -- a recording TCP proxy ------------------------------------------------------------
 

@@ -10,95 +10,56 @@
         net.rate(0, "8mbit")           # a bandwidth cap (tc tbf): queueing delay
         net.link(0, up=False)          # pull h0's cable
 
-Every namespace, link and rule lives inside namespaces this module creates:
-no traffic reaches the machine's own network. Names carry this process's pid
-and are removed on exit (and namespaces left by a dead earlier run are swept
-at start). Needs root; :func:`unavailable` says why not, for ``pytest.skip``.
+The namespaces, links and addresses come from :mod:`mpcomm.testing.netns`
+(shared with tests/multihost and tests/topology); what is here is the fault
+suite's own: the bridge, and the faults. Every namespace, link and rule lives
+inside namespaces made for the run: no traffic reaches the machine's own
+network. Needs root; :func:`unavailable` says why not, for ``pytest.skip``.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
+import json
 import re
-import secrets
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from mpcomm.testing import TargetProcess
+from mpcomm.testing import LineProcess, TargetProcess
+from mpcomm.testing.netns import Namespaces, unavailable
 
-PREFIX = "mpcf"
+__all__ = ["Driver", "Network", "netem_unavailable", "nft_unavailable", "unavailable"]
+
 SUBNET = "10.77.0"
 DRIVER = Path(__file__).with_name("driver.py")
-
-
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=30)
-
-
-def _probe(*argv: str) -> str:
-    try:
-        r = _run(*argv, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    return "" if r.returncode == 0 else (r.stderr.strip() or f"exit {r.returncode}")
-
 
 _CACHE: dict[str, str] = {}
 
 
-def unavailable() -> str:
-    """Why namespaces cannot be used here ('' when they can)."""
-    if "ns" not in _CACHE:
-        if os.geteuid() != 0:
-            _CACHE["ns"] = "needs root (network namespaces)"
-        elif not shutil.which("ip"):
-            _CACHE["ns"] = "needs iproute2 (ip)"
-        else:
-            name = f"{PREFIX}{os.getpid()}probe"
-            why = _probe("ip", "netns", "add", name)
-            _probe("ip", "netns", "del", name)
-            _CACHE["ns"] = f"cannot create a network namespace: {why}" if why else ""
-    return _CACHE["ns"]
+def _tool_unavailable(key: str, argv: list[str], missing: str) -> str:
+    """'' when ``argv`` runs in a fresh namespace, else ``missing`` and why (cached per ``key``)."""
+    if key not in _CACHE:
+        why = unavailable()
+        if not why:
+            with Namespaces(f"{key}probe") as ns:
+                err = ns.run(ns.add(""), *argv, check=False)
+            why = f"{missing}: {err.stderr.strip() or f'exit {err.returncode}'}" if err.returncode else ""
+        _CACHE[key] = why
+    return _CACHE[key]
 
 
 def netem_unavailable() -> str:
     """Why ``tc netem`` cannot be used here ('' when it can)."""
-    if "netem" not in _CACHE:
-        why = unavailable()
-        if not why:
-            name = f"{PREFIX}{os.getpid()}nprobe"
-            _probe("ip", "netns", "add", name)
-            err = _probe("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
-            _probe("ip", "netns", "del", name)
-            why = f"tc netem unavailable: {err} (the kernel lacks sch_netem)" if err else ""
-        _CACHE["netem"] = why
-    return _CACHE["netem"]
+    return _tool_unavailable("netem", ["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                             "tc netem unavailable (the kernel lacks sch_netem?)")
 
 
 def nft_unavailable() -> str:
-    if "nft" not in _CACHE:
-        why = unavailable() or ("" if shutil.which("nft") else "needs nftables (apt-get install nftables)")
-        if not why:
-            name = f"{PREFIX}{os.getpid()}fprobe"
-            _probe("ip", "netns", "add", name)
-            err = _probe("ip", "netns", "exec", name, "nft", "add", "table", "inet", "probe")
-            _probe("ip", "netns", "del", name)
-            why = f"nftables unusable: {err}" if err else ""
-        _CACHE["nft"] = why
-    return _CACHE["nft"]
-
-
-def sweep_stale() -> None:
-    """Remove namespaces an earlier, killed run of this module left behind (its pid is gone)."""
-    r = _run("ip", "netns", "list", check=False)
-    for line in r.stdout.splitlines():
-        m = re.match(rf"({PREFIX}(\d+)\w*)", line.strip())
-        if m and not os.path.exists(f"/proc/{m.group(2)}"):
-            _run("ip", "netns", "del", m.group(1), check=False)
+    """Why nftables rules cannot be used here ('' when they can)."""
+    if shutil.which("nft") is None:
+        return "needs nftables (apt-get install nftables)"
+    return _tool_unavailable("nft", ["nft", "add", "table", "inet", "probe"], "nftables unusable")
 
 
 class Network:
@@ -106,23 +67,18 @@ class Network:
 
     def __init__(self, n: int = 2) -> None:
         self.n = n
-        tag = f"{os.getpid()}{secrets.token_hex(2)}"
-        self.switch = f"{PREFIX}{tag}s"
-        self.hosts = [f"{PREFIX}{tag}h{i}" for i in range(n)]
-        self.ifaces = [f"mp{tag[-6:]}{i}" for i in range(n)]  # <= 15 characters
         self.procs: list[Any] = []
-        self._made: list[str] = []
+        self.ns: Namespaces | None = None
+        self.switch = ""
+        self.hosts: list[str] = []
+        self.ifaces: list[str] = []
 
     # -- topology ---------------------------------------------------------------------
 
     def __enter__(self) -> Network:
-        why = unavailable()
-        if why:
-            raise RuntimeError(why)
-        sweep_stale()
-        atexit.register(self.close)
+        self.ns = Namespaces("f")  # RuntimeError with the reason where namespaces cannot be made
         try:
-            self._build()
+            self._build(self.ns)
         except BaseException:
             self.close()
             raise
@@ -131,31 +87,30 @@ class Network:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _ns(self, ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return _run("ip", "netns", "exec", ns, *argv, check=check)
+    def _ns(self, ns: str, *argv: str, check: bool = True) -> Any:
+        assert self.ns is not None
+        return self.ns.run(ns, *argv, check=check)
 
-    def _build(self) -> None:
-        for ns in (self.switch, *self.hosts):
-            _run("ip", "netns", "add", ns)
-            self._made.append(ns)
-            self._ns(ns, "ip", "link", "set", "lo", "up")
+    def _build(self, ns: Namespaces) -> None:
+        self.switch = ns.add("s")
+        self.hosts = [ns.add(f"h{i}") for i in range(self.n)]
+        self.ifaces = [ns.ifname(str(i)) for i in range(self.n)]
         self._ns(self.switch, "ip", "link", "add", "br0", "type", "bridge")
-        self._ns(self.switch, "ip", "link", "set", "br0", "up")
-        for i, (ns, ifc) in enumerate(zip(self.hosts, self.ifaces)):
-            # Create the pair inside the switch namespace, then move one end into the host:
-            # nothing is ever created in the machine's own namespace.
-            self._ns(self.switch, "ip", "link", "add", ifc, "type", "veth", "peer", "name", f"{ifc}p")
-            self._ns(self.switch, "ip", "link", "set", ifc, "netns", ns)
-            self._ns(self.switch, "ip", "link", "set", f"{ifc}p", "master", "br0")
-            self._ns(self.switch, "ip", "link", "set", f"{ifc}p", "up")
-            self._ns(ns, "ip", "addr", "add", f"{self.addr(i)}/24", "dev", ifc)
-            self._ns(ns, "ip", "link", "set", ifc, "up")
+        ns.link(self.switch, "br0", up=True)
+        for i, (host, ifc) in enumerate(zip(self.hosts, self.ifaces)):
+            # The host's end in the host, the other on the switch's bridge: nothing is ever
+            # created in the machine's own namespace.
+            ns.veth(self.switch, f"{ifc}p", host, ifc)
+            ns.ip(self.switch, "link", "set", f"{ifc}p", "master", "br0")
+            ns.link(self.switch, f"{ifc}p", up=True)
+            ns.address(host, ifc, f"{self.addr(i)}/24")
 
     def addr(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
 
     def exec_prefix(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.hosts[i]]
+        assert self.ns is not None
+        return self.ns.prefix(self.hosts[i])
 
     # -- engines ----------------------------------------------------------------------
 
@@ -212,7 +167,9 @@ class Network:
         self.link(i, up=True)
 
     def link(self, i: int, up: bool) -> None:
-        self._ns(self.hosts[i], "ip", "link", "set", self.ifaces[i], "up" if up else "down")
+        """Host ``i``'s cable in (``up``) or pulled."""
+        assert self.ns is not None
+        self.ns.link(self.hosts[i], self.ifaces[i], up)
 
     # -- cleanup ----------------------------------------------------------------------
 
@@ -226,55 +183,21 @@ class Network:
                 except Exception:  # noqa: BLE001
                     pass
         self.procs.clear()
-        for ns in reversed(self._made):
-            _run("ip", "netns", "del", ns, check=False)
-        self._made.clear()
+        if self.ns is not None:
+            self.ns.close()
 
 
-class Driver:
-    """An initiator engine in a host namespace, driven over stdin/stdout (see driver.py)."""
+class Driver(LineProcess):
+    """An initiator engine in a host namespace, driven with one JSON command per line (see driver.py)."""
+
+    quit_line = json.dumps({"op": "quit"})
 
     def __init__(self, prefix: list[str], addr: str, config: dict[str, Any]) -> None:
-        import json
-
-        self.proc = subprocess.Popen([*prefix, sys.executable, str(DRIVER), json.dumps(
-            {"endpoint": f"{addr}:0", "config": config})], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, bufsize=1)
-        self.hello = self._read(30)
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        import json
-        import select
-
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"driver did not answer within {timeout}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"driver exited (code {self.proc.poll()})")
-        return json.loads(line)
+        super().__init__([sys.executable, str(DRIVER), json.dumps({"endpoint": f"{addr}:0", "config": config})],
+                         prefix=prefix)
 
     def call(self, wait: float = 60, **cmd: Any) -> Any:
-        import json
-
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read(wait)
+        reply = json.loads(self.request(json.dumps(cmd), wait))
         if "fatal" in reply:
             raise RuntimeError(f"driver: {reply['fatal']}")
         return reply
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call(wait=10, op="quit")
-            except Exception:  # noqa: BLE001
-                pass
-        self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 
 import mpcomm
-from mpcomm.testing import TargetProcess
+from mpcomm.testing import LineProcess, TargetProcess
 from mpcomm.testing.patterns import pattern
 from mpcomm.wire import PROTOCOL_VERSION
 
@@ -60,19 +59,14 @@ class HostProcess(TargetProcess):
     def __init__(self, transport: str, regions: dict[str, list[Any]], *, config: dict[str, Any] | None = None,
                  endpoint: str = "127.0.0.1:0", prefix: list[str] | None = None, start_timeout: float = 30.0) -> None:
         self.spec = {"transport": transport, "endpoint": endpoint, "config": config or {}, "regions": regions}
-        self.proc = subprocess.Popen([*(prefix or []), sys.executable, str(HOST), json.dumps(self.spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        try:
-            hello = json.loads(self._readline(start_timeout))
-        except Exception:
-            self.kill()
-            raise
-        self.address: str = hello["address"]
-        self.pid: int = hello["pid"]
-        self.node_id: str = hello["node_id"]
-        self.epoch: str = hello["epoch"]
+        # host.py speaks the kit target's protocol (and more): the line process, not the kit's target program.
+        LineProcess.__init__(self, [sys.executable, str(HOST), json.dumps(self.spec)], start_timeout=start_timeout,
+                             prefix=prefix or ())
+        self.address: str = self.hello["address"]
+        self.node_id: str = self.hello["node_id"]
+        self.epoch: str = self.hello["epoch"]
         #: What each transport published in the handshake (tcp: {"port": data port}).
-        self.transport_info: dict[str, Any] = hello.get("transports", {})
+        self.transport_info: dict[str, Any] = self.hello.get("transports", {})
 
     def restart(self) -> HostProcess:
         """A new process on the same endpoint (a new epoch), after this one is gone."""
@@ -87,16 +81,8 @@ class HostProcess(TargetProcess):
                     raise
                 time.sleep(0.2)
 
-    def reply(self, line: str, timeout: float = 60.0) -> str:
-        """The raw answer, ``error Class: message`` included (``cmd`` raises on those)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self._readline(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    #: The raw answer, ``error Class: message`` included (``cmd`` raises on those).
+    reply = LineProcess.request
 
     def pong(self) -> bool:
         return self.alive and self.cmd("ping", timeout=10) == "pong"

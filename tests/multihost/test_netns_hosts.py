@@ -8,85 +8,50 @@ addresses of that private link are ever dialled.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
 import mpcomm
-from mpcomm.testing import ConformanceEnv, run_conformance
+from mpcomm.testing import ConformanceEnv, netns, run_conformance
+from mpcomm.testing.fixtures import two_hosts_fixture
 from mpcomm.testing.kit import CHECKS
 
-NET = "10.231.{n}.{h}"
+
+#: This process's namespace (side a) and a namespace (side b, the other host) on one veth link.
+second_host = two_hosts_fixture("mh", "10.231", name="second_host")
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+def _env(host: netns.TwoHosts) -> ConformanceEnv:
+    return ConformanceEnv("tcp", target_host=host.addr_b, target_prefix=host.prefix_b)
 
 
-@pytest.fixture(scope="module")
-def second_host() -> Iterator[dict[str, str]]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 (ip) is not installed")
-    tag = uuid.uuid4().hex[:6]
-    ns, here, there = f"mpc-{tag}", f"mpa{tag}", f"mpb{tag}"
-    n = 1 + int(tag[:2], 16) % 250
-    local, remote = NET.format(n=n, h=1), NET.format(n=n, h=2)
-    try:
-        _ip("netns", "add", ns)
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"cannot create a network namespace: {exc.stderr.strip()}")
-    try:
-        _ip("link", "add", here, "type", "veth", "peer", "name", there)
-        _ip("link", "set", there, "netns", ns)
-        _ip("addr", "add", f"{local}/24", "dev", here)
-        _ip("link", "set", here, "up")
-        _ip("-n", ns, "addr", "add", f"{remote}/24", "dev", there)
-        _ip("-n", ns, "link", "set", there, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        yield {"ns": ns, "dev": here, "local": local, "remote": remote}
-    finally:
-        _ip("link", "del", here, check=False)
-        _ip("netns", "del", ns, check=False)
-
-
-def _env(host: dict[str, str]) -> ConformanceEnv:
-    return ConformanceEnv("tcp", target_host=host["remote"], target_prefix=["ip", "netns", "exec", host["ns"]])
-
-
-def test_conformance_across_hosts(second_host: dict[str, str]) -> None:
+def test_conformance_across_hosts(second_host: netns.TwoHosts) -> None:
     """The whole conformance kit over the veth link (the target is on the other 'host')."""
-    report = run_conformance("tcp", target_host=second_host["remote"],
-                             target_prefix=["ip", "netns", "exec", second_host["ns"]])
+    report = run_conformance("tcp", target_host=second_host.addr_b, target_prefix=second_host.prefix_b)
     assert report.ok, report.summary()
     assert sum(r.outcome == "passed" for r in report.results) >= len(CHECKS) - 1, report.summary()
 
 
-def test_other_host_is_not_same_host(second_host: dict[str, str]) -> None:
+def test_other_host_is_not_same_host(second_host: netns.TwoHosts) -> None:
     """The peer in another network namespace reports a different net_ns; shm must not map across it."""
     env = _env(second_host)
     try:
         link = env.engine._peer(env.target.address)
         assert link.info.host["net_ns"] != env.engine.host["net_ns"]
-        assert link.info.address.startswith(second_host["remote"])
+        assert link.info.address.startswith(second_host.addr_b)
     finally:
         env.close()
 
 
-def test_partition_fails_within_deadline(second_host: dict[str, str]) -> None:
+def test_partition_fails_within_deadline(second_host: netns.TwoHosts) -> None:
     """A link that drops every packet: requests end by their deadline, and work again once it heals."""
     env = _env(second_host)
     try:
         remote = env.engine.open(env.target.address, "alloc")
         src = env.engine.allocate(8 << 20)
         env.engine.write(src, remote, 0, 8 << 20).result(30)
-        _ip("-n", second_host["ns"], "link", "set", [d for d in _veth_in_ns(second_host)][0], "down")
+        netns.ip(second_host.b, "link", "set", second_host.dev_b, "down")
         try:
             t0 = time.monotonic()
             with pytest.raises((mpcomm.TransferTimeout, mpcomm.PeerConnectionError)):
@@ -94,7 +59,7 @@ def test_partition_fails_within_deadline(second_host: dict[str, str]) -> None:
             elapsed = time.monotonic() - t0
             assert elapsed < 1.0 + env.grace() + 3, f"partitioned request took {elapsed:.1f}s"
         finally:
-            _ip("-n", second_host["ns"], "link", "set", _veth_in_ns(second_host)[0], "up")
+            netns.ip(second_host.b, "link", "set", second_host.dev_b, "up")
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -106,7 +71,3 @@ def test_partition_fails_within_deadline(second_host: dict[str, str]) -> None:
     finally:
         env.close()
 
-
-def _veth_in_ns(host: dict[str, str]) -> list[str]:
-    out = _ip("-n", host["ns"], "-o", "link", "show", "type", "veth").stdout
-    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.strip()]

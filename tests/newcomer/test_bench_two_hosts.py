@@ -9,59 +9,27 @@ that private link.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 
 import pytest
 from newcomer_support import cli_env, start_serve
 
-NET = "10.232.{n}.{h}"
+from mpcomm.testing import netns
+from mpcomm.testing.fixtures import two_hosts_fixture
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+#: Two namespaces (a: the server's host, b: the bench's) on one veth link.
+two_hosts = two_hosts_fixture("nb", "10.232", here=False, name="two_hosts")
 
 
-@pytest.fixture(scope="module")
-def two_hosts() -> Iterator[dict[str, str]]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 (ip) is not installed")
-    tag = uuid.uuid4().hex[:6]
-    a, b = f"mpbA-{tag}", f"mpbB-{tag}"
-    n = 1 + int(tag[:2], 16) % 250
-    addr_a, addr_b = NET.format(n=n, h=1), NET.format(n=n, h=2)
-    made: list[str] = []
+def test_bench_target_on_another_host(two_hosts: netns.TwoHosts) -> None:
+    srv = start_serve("--region", "bench=16MiB", "--endpoint", f"{two_hosts.addr_a}:0", "-t", "tcp",
+                      prefix=two_hosts.prefix_a)
     try:
-        for ns in (a, b):
-            try:
-                _ip("netns", "add", ns)
-            except subprocess.CalledProcessError as exc:
-                pytest.skip(f"cannot create a network namespace: {exc.stderr.strip()}")
-            made.append(ns)
-        _ip("link", "add", f"va{tag}", "netns", a, "type", "veth", "peer", "name", f"vb{tag}", "netns", b)
-        for ns, dev, addr in ((a, f"va{tag}", addr_a), (b, f"vb{tag}", addr_b)):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield {"a": a, "b": b, "addr_a": addr_a, "addr_b": addr_b}
-    finally:
-        for ns in made:
-            _ip("netns", "del", ns, check=False)  # deleting a namespace deletes its end of the veth pair
-
-
-def test_bench_target_on_another_host(two_hosts: dict[str, str]) -> None:
-    srv = start_serve("--region", "bench=16MiB", "--endpoint", f"{two_hosts['addr_a']}:0", "-t", "tcp",
-                      prefix=["ip", "netns", "exec", two_hosts["a"]])
-    try:
-        assert srv.address.startswith(two_hosts["addr_a"] + ":")
-        cmd = ["ip", "netns", "exec", two_hosts["b"], sys.executable, "-m", "mpcomm.cli", "bench",
-               "--target", srv.address, "bench", "-t", "tcp", "--endpoint", f"{two_hosts['addr_b']}:0",
+        assert srv.address.startswith(two_hosts.addr_a + ":")
+        cmd = [*two_hosts.prefix_b, sys.executable, "-m", "mpcomm.cli", "bench",
+               "--target", srv.address, "bench", "-t", "tcp", "--endpoint", f"{two_hosts.addr_b}:0",
                "--start-size", "4KiB", "--max-size", "1MiB", "--depth", "1", "--depth", "8",
                "--iterations", "200", "--duration", "1", "--check", "--json"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env())
@@ -79,7 +47,7 @@ def test_bench_target_on_another_host(two_hosts: dict[str, str]) -> None:
         lines = subprocess.run(cmd[:-1] + ["--max-size", "64KiB"], capture_output=True, text=True, timeout=300,
                                env=cli_env())
         assert lines.returncode == 0, lines.stderr
-        print(f"\nserve in {two_hosts['a']} ({srv.address}), bench in {two_hosts['b']}:\n{lines.stdout}")
+        print(f"\nserve in {two_hosts.a} ({srv.address}), bench in {two_hosts.b}:\n{lines.stdout}")
     finally:
         code, err = srv.stop()
         assert code == 0, err

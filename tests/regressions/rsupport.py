@@ -5,16 +5,14 @@ from __future__ import annotations
 import pytest  # noqa: I001 (need() skips)
 
 import json
-import os
-import select
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from mpcomm.testing import LineProcess
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,38 +25,24 @@ class TargetError(RuntimeError):
         self.kind = text.split(":", 1)[0]
 
 
-class RTarget:
-    """A target engine in a child process (``rtarget.py``), driven with Python snippets."""
+class RTarget(LineProcess):
+    """A target engine in a child process (``rtarget.py``), driven with Python snippets.
+
+    The kit's line protocol (:class:`mpcomm.testing.LineProcess`) with JSON
+    requests: ``run`` executes statements there, ``ev`` returns an expression's value.
+    """
+
+    quit_line = json.dumps({"quit": True})
+    quit_wait = 5.0
 
     def __init__(self, transports: list[str], config: dict[str, Any] | None = None,
                  start_timeout: float = 30.0) -> None:
         spec = {"transports": transports, "config": config or {}}
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "rtarget.py"), json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        try:
-            hello = json.loads(self._readline(start_timeout))
-        except Exception:
-            self.kill()
-            raise
-        self.address: str = hello["address"]
-        self.pid: int = hello["pid"]
-        self.stopped = False
-
-    def _readline(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"target process did not answer within {timeout}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"target process exited (code {self.proc.poll()})")
-        return line
+        super().__init__([sys.executable, str(HERE / "rtarget.py"), json.dumps(spec)], start_timeout=start_timeout)
+        self.address: str = self.hello["address"]
 
     def _ask(self, req: dict[str, Any], timeout: float) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        reply = json.loads(self._readline(timeout))
+        reply = json.loads(self.request(json.dumps(req), timeout))
         if "error" in reply:
             raise TargetError(reply["error"])
         return reply["ok"]
@@ -68,42 +52,6 @@ class RTarget:
 
     def ev(self, expr: str, timeout: float = 30.0) -> Any:
         return self._ask({"eval": expr}, timeout)
-
-    def stop(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
-        self.stopped = True
-
-    def cont(self) -> None:
-        os.kill(self.pid, signal.SIGCONT)
-        self.stopped = False
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            except OSError:
-                pass
-            self.proc.kill()
-        self.proc.wait(10)
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                if f is not None:
-                    f.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        if self.stopped:
-            self.cont()
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(5)
-            except Exception:  # noqa: BLE001
-                pass
-        self.kill()
 
 
 class SilentPeer:

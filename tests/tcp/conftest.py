@@ -1,46 +1,14 @@
-"""Fixtures for the tcp transport's tests: target engines in child processes, engines here."""
+"""Fixtures for the tcp transport's tests: target engines in child processes, engines here.
+
+``_clean_env``, ``make_engine`` and the ``spawn`` fixture's machinery are shared with
+tests/core and tests/regressions (:mod:`mpcomm.testing.fixtures`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
-
-import pytest
 from tcp_support import Target
 
-import mpcomm
+from mpcomm.testing.fixtures import _clean_env, make_engine, spawn_fixture  # noqa: F401 (fixtures)
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("MPCOMM_SECRET", "MPCOMM_PLUGINS", "MPCOMM_DISABLE_PLUGIN_AUTOLOAD", "MPCOMM_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., Target]]:
-    started: list[Target] = []
-
-    def start(regions: dict[str, list[Any]] | None = None, **kw: Any) -> Target:
-        t = Target(regions or {"kv": [1 << 20, "buffer"]}, **kw)
-        started.append(t)
-        return t
-
-    yield start
-    for t in started:
-        t.close()
-
-
-@pytest.fixture
-def make_engine() -> Iterator[Callable[..., mpcomm.Engine]]:
-    made: list[mpcomm.Engine] = []
-
-    def make(config: Any = None, **kw: Any) -> mpcomm.Engine:
-        kw.setdefault("transports", ["tcp"])
-        e = mpcomm.Engine(config, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in reversed(made):
-        e.close(timeout=2)
+#: ``spawn(regions=None, config=, secret=)``: a tcp target (default: a 1 MiB "kv" buffer), closed at teardown.
+spawn = spawn_fixture(Target)

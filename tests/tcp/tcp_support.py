@@ -24,10 +24,12 @@ from mpcomm.testing import TargetProcess
 
 
 class Target(TargetProcess):
-    """A target engine on tcp in a child process, with the data port's published info at hand."""
+    """A target engine on tcp in a child process (default: one 1 MiB buffer "kv"), with the data port's
+    published info at hand."""
 
-    def __init__(self, regions: dict[str, list[Any]], *, config: dict[str, Any] | None = None,
+    def __init__(self, regions: dict[str, list[Any]] | None = None, *, config: dict[str, Any] | None = None,
                  secret: str = "") -> None:
+        regions = regions or {"kv": [1 << 20, "buffer"]}
         cfg = dict(config or {})
         if secret:
             cfg.setdefault("transport", {})["secret"] = secret

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import mpcomm
 from mpcomm.cli import nodecheck
 
 
@@ -27,12 +28,57 @@ def _one(checks: list, section: str, name: str):
 
 
 def test_every_section_has_checks(checks: list) -> None:
+    contributed = {c.section for c in nodecheck.transport_checks()}
+    assert "rdma" in contributed  # rdma_zerocopy's, installed with mpcomm
     sections = {c.section for c in checks}
-    assert sections == set(nodecheck.SECTIONS)
-    # sections come out in the documented order
+    assert sections == set(nodecheck.SECTIONS) | contributed
+    # the core's sections come out in the documented order, the transports' right after network
     order = [c.section for c in checks]
     firsts = sorted(set(order), key=order.index)
-    assert tuple(firsts) == nodecheck.SECTIONS
+    core = [s for s in firsts if s in nodecheck.SECTIONS]
+    assert tuple(core) == nodecheck.SECTIONS
+    after_network = firsts[firsts.index("network") + 1 : firsts.index("network") + 1 + len(contributed)]
+    assert set(after_network) == contributed
+
+
+class _Checked(mpcomm.Transport):
+    name = "checked"
+
+    @classmethod
+    def node_checks(cls) -> list:
+        return [nodecheck.Check("checked", "widget", nodecheck.Status.PASS, "present")]
+
+
+class _Broken(mpcomm.Transport):
+    name = "broken"
+
+    @classmethod
+    def node_checks(cls) -> list:
+        raise OSError("sysfs went away")
+
+
+class _Wrong(mpcomm.Transport):
+    name = "wrong"
+
+    @classmethod
+    def node_checks(cls) -> list:
+        return [("wrong", "x", "pass", "a tuple")]
+
+
+def test_transports_contribute_checks_through_the_hook() -> None:
+    got = nodecheck.run_checks(transports=[_Checked, mpcomm.Transport, _Broken, _Wrong])
+    mine = [c for c in got if c.section in ("checked", "broken", "wrong")]
+    assert [(c.section, c.name, c.status) for c in mine] == [
+        ("checked", "widget", nodecheck.Status.PASS),
+        ("broken", "node_checks", nodecheck.Status.WARN),
+        ("wrong", "node_checks", nodecheck.Status.WARN),
+    ]
+    assert "OSError: sysfs went away" in mine[1].value
+    assert "returned tuple, not Check" in mine[2].value
+    # the base class contributes nothing; the given transports replace the installed ones
+    assert not [c for c in got if c.section == "rdma"]
+    order = [c.section for c in got]
+    assert order.index("network") < order.index("checked") < order.index("hugepages")
 
 
 def test_statuses_and_fields_are_valid(checks: list) -> None:
@@ -210,7 +256,7 @@ def test_failing_check_becomes_warn() -> None:
     def broken() -> list:
         raise RuntimeError("boom")
 
-    result = nodecheck._guarded("cpu", "broken", broken)
+    result = nodecheck.guarded("cpu", "broken", broken)
     assert len(result) == 1
     assert result[0].status is nodecheck.Status.WARN
     assert "RuntimeError: boom" in result[0].value
