@@ -157,6 +157,7 @@ class Transfer(Future):  # type: ignore[type-arg]
         self._callbacks: list[Callable[[Transfer], Any]] = []
         self._lock = threading.Lock()
         self._waiters_n = 0  # threads blocked in result()/exception() (under _lock)
+        self._left_to_waiter = False  # the engine left settling to a waiter (no completion-thread push)
         # Released by whoever records the outcome: result() waiters wake on it
         # directly, without waiting for the completion thread.
         self._wake = threading.Lock()
@@ -185,6 +186,7 @@ class Transfer(Future):  # type: ignore[type-arg]
         t._callbacks = []
         t._lock = threading.Lock()
         t._waiters_n = 0
+        t._left_to_waiter = False
         t._wake = _OPEN  # never waited on: the outcome is there
         Future.set_result(t, nbytes)
         return t
@@ -244,9 +246,10 @@ class Transfer(Future):  # type: ignore[type-arg]
             # Settled here: the engine may have left that to this waiter (_leave_to_waiter).
             if self._settle():
                 with self._lock:
-                    left = bool(self._callbacks)
+                    left = self._left_to_waiter and bool(self._callbacks)
                 if left and self._dispatch is not None:
-                    self._dispatch.push(self)  # callbacks still run on the completion thread
+                    # Nobody handed it to the completion thread: callbacks added meanwhile run there.
+                    self._dispatch.push(self)
             return 0
         # No report in time. A handle no engine owns (or one settled another
         # way, e.g. cancel()) may still be resolved through the Future itself.
@@ -263,7 +266,9 @@ class Transfer(Future):  # type: ignore[type-arg]
         outcome, so a waiter that saw no outcome was not counted here.
         """
         with self._lock:
-            return self._waiters_n > 0 and not self._callbacks and "_on_settled" not in self.__dict__
+            self._left_to_waiter = (self._waiters_n > 0 and not self._callbacks
+                                    and "_on_settled" not in self.__dict__)
+            return self._left_to_waiter
 
     def result(self, timeout: float | None = None) -> Any:
         return super().result(self._await_outcome(timeout))

@@ -68,7 +68,10 @@ class MPComm:
         self._ids = itertools.count(1)
         self._last = threading.local()
         self._cq = None
-        self._inline: deque[int] = deque()  # finished inside the issue call: never in the queue
+        # Finished inside the issue call, for polling without a completion queue. With one, every
+        # handle reaches the queue (the engine hands inline-finished ones to it too): listing them
+        # here as well reported them twice and, counted, hid others.
+        self._inline: deque[int] = deque()
 
     @property
     def last_error(self) -> tuple[int, str]:
@@ -146,7 +149,7 @@ class MPComm:
         h = next(self._ids)
         self._handles[h] = t
         self._by_transfer[id(t)] = h
-        if t.done():
+        if self._cq is None and t.done():
             self._inline.append(h)
         return h
 
