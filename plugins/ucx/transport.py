@@ -745,8 +745,10 @@ class UcxTransport(Transport):
     def _attach_failed(self, att: _Attach, exc: MpcommError) -> None:
         with self._lock:
             waiting, att.waiting = att.waiting, []
-            if att.peer.attached.get(att.key) is att:
-                del att.peer.attached[att.key]  # not cached: the next request asks again
+            if att.state == "pending" and att.peer.attached.get(att.key) is att:
+                # Not cached: the next request asks again. Only a pending one: a ready attachment
+                # holds an rkey and may have requests in flight that a revocation must still find.
+                del att.peer.attached[att.key]
         for w in waiting:
             self._report_fail(w, exc)
 
@@ -819,7 +821,6 @@ class UcxTransport(Transport):
                         else:
                             w.reqs.append((st, length, 0))
                             w.inflight = length
-                        op.state = w
                         att.works.add(w)
                         p.works.add(w)
                         self._active.add(w)
@@ -860,19 +861,26 @@ class UcxTransport(Transport):
             peer = self._peer_for(op)
             key = (int(r.region_id), str(r.epoch), int(r.token))
             att = peer.attached.get(key)
+            if att is not None and att.state == "revoked":
+                raise _fresh(att.error or UnknownRegionError("region revoked", region=r.name))
+            # op.state stays unset: this transport finds its _Work through its own tables, and
+            # op -> _Work -> op would be a reference cycle per request that keeps the local
+            # buffer (op.local) alive until the cyclic gc runs: hundreds of MiB of RSS under load.
             w = _Work(op, group, att or _Attach(key, peer, op.peer), self._memh.get(op.local.id))
-            op.state = w
             if att is None:
                 att = w.att
                 peer.attached[key] = att
                 self._trim(peer)
-            if att.state == "revoked":
-                raise _fresh(att.error or UnknownRegionError("region revoked", region=r.name))
+                # Queued once, when it is created: a pending attachment that exists is queued or
+                # being attached right now, and that attach starts everything waiting on it. Queued
+                # again while its round trip runs, the connector took it a second time once it was
+                # ready, with nothing waiting (a deadline of 0), failed it and dropped the ready
+                # attachment: its rkey was orphaned on the endpoint and its requests in flight were
+                # no longer found by a revocation (not fenced). One per re-registration.
+                peer.connecting.append(att)
             if att.state == "pending":
                 self._items(w)
                 att.waiting.append(w)
-                if att not in peer.connecting:
-                    peer.connecting.append(att)
                 if peer.connector is None:
                     peer.connector = threading.Thread(target=self._connector, args=(peer,),
                                                       name="mpcomm-ucx-attach", daemon=True)
@@ -992,7 +1000,9 @@ class UcxTransport(Transport):
             return
         for key in list(peer.attached)[: len(peer.attached) // 2]:
             a = peer.attached[key]
-            if a.state == "ready" and not a.works and not a.waiting:
+            # A revoked one stays only to refuse its stale descriptor at once (a revocation whose
+            # drain timed out leaves it here until the target asks again): idle, it can go too.
+            if a.state != "pending" and not a.works and not a.waiting:
                 self._drop_rkey(a)
                 del peer.attached[key]
 
