@@ -91,10 +91,11 @@ class Pieces:
                 if self._left:
                     return False
                 error, unconf = self._error, self._unconfirmed
+        op, self.op = self.op, None  # reported: let go (op.state usually leads back here, a cycle)
         if error is None:
-            self.op.complete(None)
+            op.complete(None)
         else:
-            self.op.fail(error, confirmed=not unconf)
+            op.fail(error, confirmed=not unconf)
         return True
 
     @property

@@ -1143,6 +1143,14 @@ class Pipeline:
         if not unit._released:
             unit._released = True
             self._unhold(unit)
+            t = unit.transfer if unit._batch is None and isinstance(unit, Operation) else None
+            if t is not None and t._op is unit:
+                # Break handle <-> operation: a finished request's buffer is freed when the
+                # engine and the caller drop it, not at the next cyclic GC (8 MiB requests
+                # piled up to GiBs between collections). The handle keeps what `request` needs.
+                t._request_args = (unit.kind, unit.local, unit.remote, unit.remote_offset, unit.length,
+                                   unit.local_offset)
+                t._op = None
             if unit._ephemeral:
                 local = unit.local
                 if unit._batch is None or all(p.local is not local or p.done for _, p in unit._batch._parts):

@@ -381,3 +381,29 @@ def test_waiters_settle_and_callbacks_run_once_under_races(kv: Any) -> None:
     while len(ran) < len(handles) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sorted(ran) == sorted(range(0, 150)) + sorted(range(1000, 1150)) + sorted(range(2000, 2150))
+
+
+def test_a_finished_request_is_freed_without_the_cyclic_gc(kv: Any) -> None:
+    """Handle and operation do not keep each other alive: buffers go when the caller drops them."""
+    import gc
+    import weakref
+
+    from mpcomm import Operation
+
+    _target, ini, _buf, remote = kv
+    gc.collect()
+    gc.disable()
+    try:
+        refs = []
+        for _ in range(50):
+            src = bytearray(b"y" * 8192)  # an ephemeral region per request
+            t = ini.write(src, remote, 0)
+            assert t.result(10) == 8192
+            assert t.request.length == 8192 and t.request.op == "write"  # still there after the release
+            refs.append(weakref.ref(t))
+            del t, src
+        time.sleep(0.2)  # the completion thread lets go of the last ones
+        left = [o for o in gc.get_objects() if isinstance(o, Operation)]
+        assert sum(r() is not None for r in refs) <= 2 and len(left) <= 2, (len(left), sum(r() is not None for r in refs))
+    finally:
+        gc.enable()
