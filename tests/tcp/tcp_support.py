@@ -139,6 +139,24 @@ def closed(s: socket.socket, timeout: float = 5.0) -> bool:
     return False
 
 
+def count_closed(socks: list[socket.socket], expect: int, within: float = 2.0, settle: float = 0.3) -> int:
+    """How many of ``socks`` the peer closed: waits up to ``within`` for ``expect`` of them, then
+    ``settle`` more to see that no other one follows (a loaded machine accepts late; a fixed
+    per-socket timeout made the count flaky). Keep ``within`` below the peer's handshake timeout."""
+    gone: set[int] = set()
+    end = time.monotonic() + within
+    extra: float | None = None
+    while True:
+        for i, s in enumerate(socks):
+            if i not in gone and closed(s, timeout=0.01):
+                gone.add(i)
+        now = time.monotonic()
+        if extra is None and (len(gone) >= expect or now >= end):
+            extra = now + settle
+        if extra is not None and now >= extra:
+            return len(gone)
+
+
 def wait_for(pred: Any, timeout: float, step: float = 0.02) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
