@@ -22,10 +22,20 @@ between two real processes (:mod:`mpcomm.testing.kit`). Three ways to run them:
 
 from __future__ import annotations
 
-from .kit import CHECKS, CheckResult, ConformanceEnv, LineProcess, Report, Skip, TargetProcess, run_conformance
+from .kit import (
+    CHECKS,
+    CheckResult,
+    ConformanceEnv,
+    LineProcess,
+    Report,
+    Skip,
+    TargetProcess,
+    plugin_module,
+    run_conformance,
+)
 from .patterns import pattern
 
 __all__ = [
     "CHECKS", "CheckResult", "ConformanceEnv", "LineProcess", "Report", "Skip", "TargetProcess", "pattern",
-    "run_conformance",
+    "plugin_module", "run_conformance",
 ]

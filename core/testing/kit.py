@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import CancelledError, wait
 from dataclasses import dataclass, field
@@ -757,3 +758,20 @@ def run_conformance(transport: str, *, plugins: Sequence[str] = (), config: dict
     finally:
         env.close()
     return report
+
+
+def plugin_module(name: str, *classes: type[mpcomm.Transport]) -> types.ModuleType:
+    """A plugin module object whose ``mpcomm_register_transports`` hook registers ``classes``.
+
+    For tests that load transports without installing a distribution:
+    ``Engine(plugins=[plugin_module("my_plugin", MyTransport)])``.
+    """
+    mod = types.ModuleType(name)
+
+    @mpcomm.hookimpl
+    def mpcomm_register_transports(register: Any) -> None:
+        for cls in classes:
+            register(cls)
+
+    mod.mpcomm_register_transports = mpcomm_register_transports  # type: ignore[attr-defined]
+    return mod

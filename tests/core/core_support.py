@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import mpcomm
 from mpcomm import Availability, Capabilities, Operation, Transport, TransportContext
-from mpcomm.testing import TargetProcess
+from mpcomm.testing import TargetProcess, plugin_module  # noqa: F401 - re-exported for the core tests
 
 # -- a target engine in a subprocess ------------------------------------------------
 
@@ -159,19 +159,6 @@ class StuckTransport(SlowTransport):
 
     def abort(self, op: Operation) -> None:
         pass
-
-
-def plugin_module(name: str, *classes: type[Transport]) -> types.ModuleType:
-    """A plugin module object whose hook registers ``classes``."""
-    mod = types.ModuleType(name)
-
-    @mpcomm.hookimpl
-    def mpcomm_register_transports(register: Any) -> None:
-        for cls in classes:
-            register(cls)
-
-    mod.mpcomm_register_transports = mpcomm_register_transports  # type: ignore[attr-defined]
-    return mod
 
 
 def slow_plugin() -> types.ModuleType:

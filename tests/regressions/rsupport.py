@@ -108,18 +108,9 @@ class LoopLag:
 
 def busy_plugin() -> Any:
     """A plugin module with :class:`BusyTransport` (name ``busy``)."""
-    import types
+    from mpcomm.testing import plugin_module
 
-    import mpcomm
-
-    mod = types.ModuleType("busy_fake_plugin")
-
-    @mpcomm.hookimpl
-    def mpcomm_register_transports(register: Any) -> None:
-        register(BusyTransport)
-
-    mod.mpcomm_register_transports = mpcomm_register_transports  # type: ignore[attr-defined]
-    return mod
+    return plugin_module("busy_fake_plugin", BusyTransport)
 
 
 def _busy_base() -> Any:
