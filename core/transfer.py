@@ -163,34 +163,6 @@ class Transfer(Future):  # type: ignore[type-arg]
         self._wake = threading.Lock()
         self._wake.acquire()
 
-    @classmethod
-    def _landed(cls, nbytes: int, transport: str, route: tuple[str, ...], rule: str, dispatch: _Dispatch,
-                request: tuple[Any, ...], submitted_at: float) -> Transfer:
-        """A handle born COMPLETED (the engine's inline lane): no lock to wake, no outcome to record.
-
-        ``request`` holds the arguments of the :class:`Request` it stands for,
-        built only if someone asks for :attr:`request`.
-        """
-        t = cls.__new__(cls)
-        Future.__init__(t)
-        t._request = None
-        t._request_args = request
-        t.status = COMPLETED
-        t.transport, t.route, t.route_rule, t.stripes = transport, route, rule, ()
-        t.bytes_moved = nbytes
-        t.submitted_at, t.finished_at = submitted_at, time.monotonic()
-        t._op = None
-        t._dispatch = dispatch
-        t._outcome = (None, nbytes)
-        t._settled = t._cbs_ran = True
-        t._callbacks = []
-        t._lock = threading.Lock()
-        t._waiters_n = 0
-        t._left_to_waiter = False
-        t._wake = _OPEN  # never waited on: the outcome is there
-        Future.set_result(t, nbytes)
-        return t
-
     def __repr__(self) -> str:
         return f"<Transfer {self.status.value} via={self.transport} bytes={self.bytes_moved}>"
 
@@ -287,7 +259,10 @@ class Transfer(Future):  # type: ignore[type-arg]
                 # completion thread: run after them, in registration order.
                 self._callbacks.append(fn)
                 return
-        # Done and nothing waiting: at once.
+        self._call_now(fn)
+
+    def _call_now(self, fn: Callable[[Transfer], Any]) -> None:
+        """Done, no earlier callback waiting: run ``fn`` here (queued when that would recurse)."""
         d = self._dispatch
         depth = getattr(_depth, "n", 0)
         if d is not None and (d.on_dispatch_thread() or depth >= _MAX_INLINE_DEPTH):
@@ -401,6 +376,80 @@ class Transfer(Future):  # type: ignore[type-arg]
                     return
         self._settle()
         self._run_callbacks()
+
+
+_materialising = threading.Lock()
+
+
+class _Landed(Transfer):
+    """A handle born COMPLETED: the engine's inline lane, a request that landed inside ``write()``.
+
+    It costs a few attribute stores: no lock, no wake-up, no outcome to
+    record. Its Future base (a Condition and the Future's own fields) is built
+    only when something outside this class asks for it -- ``concurrent.futures.wait``
+    or ``as_completed`` look at a Future's fields directly -- by running
+    ``Future.__init__`` and ``Future.set_result`` on first access to an
+    attribute the instance lacks; nothing of the Future's internals is named
+    or touched here.
+    """
+
+    status = COMPLETED
+    stripes: tuple[tuple[int, int, str], ...] = ()
+    _op = None
+    _request = None
+    _settled = True
+    _cbs_ran = True
+    _waiters_n = 0
+    _left_to_waiter = False
+    _wake = _OPEN
+
+    def __init__(self, nbytes: int, transport: str, route: tuple[str, ...], rule: str, dispatch: _Dispatch,
+                 request: tuple[Any, ...], submitted_at: float) -> None:  # noqa: D107 - no Future.__init__ on purpose
+        """``request`` holds the arguments of the :class:`Request` it stands for, built only if asked for."""
+        self.bytes_moved = nbytes
+        self.transport, self.route, self.route_rule = transport, route, rule
+        self._dispatch = dispatch
+        self._request_args = request
+        self.submitted_at = submitted_at
+        self.finished_at = time.monotonic()
+        self._outcome = (None, nbytes)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_future_built" in self.__dict__:
+            raise AttributeError(name)
+        with _materialising:
+            if "_future_built" not in self.__dict__:
+                self._callbacks = []
+                self._lock = threading.Lock()
+                Future.__init__(self)
+                Future.set_result(self, self.bytes_moved)
+                self.__dict__["_future_built"] = True
+        return object.__getattribute__(self, name)
+
+    def done(self) -> bool:
+        return True
+
+    def running(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.bytes_moved
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return None
+
+    def cancel(self, timeout: float | None = 0) -> bool:  # type: ignore[override]
+        return False
+
+    def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:  # type: ignore[override]
+        self._call_now(fn)
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.bytes_moved
+        yield  # a generator that finishes at once: nothing to wait for
 
 
 def _call(fn: Callable[[Any], Any], arg: Any) -> None:

@@ -632,6 +632,31 @@ class Transport:
         """
         return False
 
+    def inline_path(self, kind: str, local: Region, remote: RemoteRegion) -> Callable[[int, int, int], bool] | None:
+        """Optional: :meth:`post_inline` bound to one (kind, local region, remote region).
+
+        The engine asks once, after a request of that pair landed through
+        :meth:`post_inline`, and keeps the callable ``move(local_offset,
+        remote_offset, length) -> bool`` for the pair's later requests until
+        the route, the peer link or the engine's health changes or either
+        region goes away. Calls come as for :meth:`post_inline` (caller's
+        thread, checked, the local region leased) and follow its contract: the
+        callable must itself notice a revocation of the remote memory on every
+        call and decline then, since the engine does not ask again. None (the
+        default when :meth:`post_inline` is not overridden): no fast lane. The
+        default binds :meth:`post_inline`; a transport overrides this to
+        resolve what it looks up per call (its mapping of the remote region)
+        once.
+        """
+        if type(self).post_inline is Transport.post_inline:
+            return None
+        post_inline = self.post_inline
+
+        def move(local_offset: int, remote_offset: int, length: int) -> bool:
+            return post_inline(kind, local, local_offset, remote, remote_offset, length)
+
+        return move
+
     def abort(self, op: Operation | OperationGroup) -> None:
         """``op.abort_exc`` is set: stop ``op`` as soon as possible.
 

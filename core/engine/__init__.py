@@ -196,6 +196,7 @@ class Engine:
             measured = route_classes(cfg, self.plugin_set.transports, self._transports)
             self.route_policy = RoutePolicy.for_config(cfg, installed, self._transports,
                                                        exact_order=self._exact_order, measured=measured)
+            self._pipeline.policy_ready()
             self._metadata = open_metadata(metadata if metadata is not None else cfg.cluster.metadata,
                                            ttl=cfg.cluster.lease_ttl_s)
             self._metadata.start(NodeRecord(node_id=self.node_id, address=self.address, epoch=self.epoch,
@@ -401,6 +402,7 @@ class Engine:
         if region.closed:
             return
         region.close(timeout)
+        self._pipeline.forget_fast()  # its bound inline moves hold the region
         if not self._regions.remove(region):
             return
         self._metadata.unpublish_region(region.name)

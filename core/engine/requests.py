@@ -54,7 +54,7 @@ from ..health import is_retryable
 from ..memory import Region, as_byte_view
 from ..peer import same_host
 from ..remote import RemoteRegion
-from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _resolve_members
+from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _Landed, _resolve_members
 from ..routing import Route, RouteQuery, SplitPlan
 from ..transport import FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, _int64, timeout_error
 from .completions import CompletionQueue
@@ -121,6 +121,58 @@ def _oob(msg: str, region: str, peer: str | None = None, request: Any = None) ->
     return OutOfBoundsError(msg, region=region, peer=peer, request=request)
 
 
+_FAST_MAX = 256
+_INF = math.inf
+_NUM = (int, float)
+
+
+class _FastPath:
+    """One (local region, remote region, kind) whose requests land inline: what is left to check per request.
+
+    Bound after the inline lane landed a request of the pair, with every
+    check of that lane done; per request it redoes only what can change:
+    the bounds, the timeout, the local region's lease, the peer link, the
+    engine's health and state. Revocation of the remote memory is the
+    transport's ``move`` to notice. Anything unusual returns None and the
+    request takes the slower lanes, which raise the proper errors.
+    """
+
+    __slots__ = ("kind", "local", "remote", "move", "link", "transport", "route", "rule", "lsize", "rsize")
+
+    def __init__(self, kind: str, local: Region, remote: RemoteRegion, move: Any, link: PeerLink,
+                 transport: str, route: tuple[str, ...], rule: str) -> None:
+        self.kind, self.local, self.remote, self.move, self.link = kind, local, remote, move, link
+        self.transport, self.route, self.rule = transport, route, rule
+        self.lsize, self.rsize = local.size, remote.size
+
+    def run(self, pipe: Pipeline, lo: int, ro: int, length: int | None, timeout: float | None) -> Transfer | None:
+        local = self.local
+        if length is None:
+            length = self.lsize - lo
+        if (type(lo) is not int or type(ro) is not int or type(length) is not int
+                or lo < 0 or ro < 0 or length < 0 or lo + length > self.lsize or ro + length > self.rsize
+                or not (timeout is None or (type(timeout) in _NUM and 0 < timeout < _INF))
+                or not self.link.alive or pipe.e._closed or pipe.e.health.any_failures()):
+            return None
+        t0 = time.monotonic()
+        try:
+            local.acquire()
+        except RegionClosedError:
+            pipe._fast.pop((id(local), id(self.remote), self.kind), None)
+            return None
+        try:
+            landed = self.move(lo, ro, length)
+        except Exception:  # noqa: BLE001 - a plugin bug: the full path reports what post() says
+            log.exception("transport %s failed in its inline move", self.transport)
+            landed = False
+        finally:
+            local.release()
+        if not landed:
+            return None
+        return _Landed(length, self.transport, self.route, self.rule, pipe.dispatch,
+                       (self.kind, local, self.remote, ro, length, lo), t0)
+
+
 class Pipeline:
     """Every request of one engine goes through here (see the module docstring)."""
 
@@ -144,6 +196,14 @@ class Pipeline:
         self._notify_lock = threading.Lock()
         self._notify_per_peer = max(1, cfg.runtime.worker_threads // 4)
         self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
+        #: The inline lane's bound moves, per (id(local), id(remote), kind): see _fast_lane.
+        self._fast: dict[tuple[int, int, str], _FastPath] = {}
+        #: Nothing but the copy may be left to do for the inline lane to apply (set by policy_ready).
+        self._inline_ok = False
+
+    def policy_ready(self) -> None:
+        """The engine's route policy is set: decide once whether the inline lane can ever apply."""
+        self._inline_ok = not self._lazy and not self.e.telemetry.enabled and not self._splits()
 
     # -- prepare ----------------------------------------------------------------------
 
@@ -258,10 +318,16 @@ class Pipeline:
                notify: bytes | None, timeout: float | None, cq: Any, route: Any = None) -> Transfer:
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
-        if notify is None and route is None and cq is None and isinstance(buf, Region):
-            landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout)
-            if landed is not None:
-                return landed
+        if notify is None and route is None and cq is None:
+            fast = self._fast.get((id(buf), id(remote), kind))
+            if fast is not None:
+                landed = fast.run(self, lo, ro, length, timeout)
+                if landed is not None:
+                    return landed
+            if self._inline_ok and isinstance(buf, Region):
+                landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout)
+                if landed is not None:
+                    return landed
         hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral")
         self._check_access(kind, local, remote)
@@ -291,7 +357,7 @@ class Pipeline:
         it is never in flight once ``write()`` returns. None: take the full
         path (which redoes the request whole).
         """
-        if local.closed or self._lazy or self.e.telemetry.enabled or self._splits():
+        if local.closed:
             return None
         self._check_access(kind, local, remote)
         length = self._check_bounds(local, remote, lo, ro, length)
@@ -319,8 +385,28 @@ class Pipeline:
             local.release()
         if not landed:
             return None
-        return Transfer._landed(length, transport.name, entry[2], entry[1], self.dispatch,
-                                (kind, local, remote, ro, length, lo), t0)
+        self._bind_fast(kind, local, remote, transport, link, entry)
+        return _Landed(length, transport.name, entry[2], entry[1], self.dispatch,
+                       (kind, local, remote, ro, length, lo), t0)
+
+    def _bind_fast(self, kind: str, local: Region, remote: RemoteRegion, transport: Transport, link: PeerLink,
+                   entry: tuple[tuple[Transport, ...], str, tuple[str, ...]]) -> None:
+        """After a request of this pair landed inline: keep the transport's bound move for the next ones."""
+        try:
+            move = transport.inline_path(kind, local, remote)
+        except Exception:  # noqa: BLE001 - a plugin bug: the slower lanes still work
+            log.exception("transport %s failed in inline_path", transport.name)
+            return
+        if move is None:
+            return
+        if len(self._fast) >= _FAST_MAX:
+            self._fast.clear()  # bounded; the pairs in use bind again on their next request
+        self._fast[(id(local), id(remote), kind)] = _FastPath(kind, local, remote, move, link, transport.name,
+                                                              entry[2], entry[1])
+
+    def forget_fast(self) -> None:
+        """Drop every bound inline move (routes, health or regions changed): the next request rebinds."""
+        self._fast.clear()
 
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
@@ -963,6 +1049,7 @@ class Pipeline:
         return self.slots._waiting + busy
 
     def forget_routes(self, address: str) -> None:
+        self._fast.clear()
         for key in [k for k in list(self._routes) if k[0] == address]:
             self._routes.pop(key, None)
 

@@ -804,6 +804,44 @@ class ShmTransport(Transport):
             m.exit()
         return not rc
 
+    def inline_path(self, kind: str, local: Region, remote: Any) -> Any:
+        """:meth:`post_inline` for one pair with the mapping resolved once (see Transport.inline_path).
+
+        Only copies that run under the mapping's lock (up to 64 KiB) take it:
+        a revocation sets ``m.error`` under that lock, so each call sees it.
+        """
+        if self.copy_mode:
+            return None
+        m = self._maps.get((remote.epoch, remote.region_id))
+        write = kind == "write"
+        if m is None or remote.token != m.token or not (m.can_write if write else m.can_read):
+            return None
+        limit = min(self._inline, self._chunk, _SMALL)
+        lock, size, base, laddr, pidfd = m.lock, m.size, m.base, local.address, m.pidfd
+        if m.kind == "map":
+            copy1 = self._copy1
+
+            def move(lo: int, ro: int, n: int) -> bool:
+                if n > limit or ro + n > size:
+                    return False
+                with lock:
+                    if m.error is not None:
+                        return False
+                    rc = copy1(base + ro, laddr + lo, n, pidfd) if write else copy1(laddr + lo, base + ro, n, pidfd)
+                return not rc
+        else:
+            cma1, pid = self._cma1, m.pid
+
+            def move(lo: int, ro: int, n: int) -> bool:
+                if n > limit or ro + n > size:
+                    return False
+                with lock:
+                    if m.error is not None:
+                        return False
+                    rc = cma1(pid, write, laddr + lo, base + ro, n, pidfd)
+                return not rc
+        return move
+
     def _workers(self, node: int | None) -> Any:
         """The threads to copy into memory on NUMA node ``node``: pinned to that node's CPUs.
 

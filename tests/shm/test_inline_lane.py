@@ -114,3 +114,77 @@ def test_revoked_region_fails_through_the_full_path(lane_pair: Any) -> None:
 
 def test_the_base_transport_declines() -> None:
     assert Transport.post_inline(Transport.__new__(Transport), "write", None, 0, None, 0, 1) is False  # type: ignore[arg-type]
+
+
+# -- the bound lane (Transport.inline_path): a pair's later requests skip the lookups ---------------
+
+
+def _bind(ini: mpcomm.Engine, src: Any, remote: Any) -> None:
+    for _ in range(2):  # the first lands through post_inline and binds the pair
+        assert ini.write(src, remote, 0, 64).result(5) == 64
+    assert ini._pipeline._fast, "the pair should be bound after an inline write"
+
+
+def test_bound_lane_moves_without_post_inline(lane_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, ini, kv, remote, src = lane_pair
+    _bind(ini, src, remote)
+    seen = _count_lane(monkeypatch, ini)
+    src.view[:4096] = b"\x3c" * 4096
+    t = ini.write(src, remote, 4096, 4096)
+    assert seen == [] and t.done() and t.result(0) == 4096  # landed in the call, through the bound move
+    assert bytes(kv.view[4096:8192]) == b"\x3c" * 4096
+    assert t.transport == "shm" and t.route == ("shm",) and t.request.remote_offset == 4096
+    # The full path's errors, unchanged, for a bound pair.
+    with pytest.raises(mpcomm.OutOfBoundsError):
+        ini.write(src, remote, (1 << 20) - 100, 4096)
+    with pytest.raises(mpcomm.OutOfBoundsError):
+        ini.write(src, remote, 0, 64, local_offset=-1)
+    with pytest.raises(mpcomm.MpcommError, match="timeout must be"):
+        ini.write(src, remote, 0, 64, timeout=0)
+    with pytest.raises(mpcomm.MpcommError, match="timeout must be"):
+        ini.write(src, remote, 0, 64, timeout=float("nan"))
+    big = ini.write(src, remote, 0, 512 << 10)  # over the bound move's limit: the full path carries it
+    assert big.result(5) == 512 << 10
+
+
+def test_bound_lane_sees_revocation(lane_pair: Any) -> None:
+    target, ini, kv, remote, src = lane_pair
+    _bind(ini, src, remote)
+    target.unregister(kv)  # on return no peer may touch the memory: the bound move must decline
+    t = ini.write(src, remote, 0, 64)
+    with pytest.raises((mpcomm.UnknownRegionError, mpcomm.StaleRegionError)):
+        t.result(5)
+    assert t.status is not mpcomm.TransferStatus.COMPLETED
+
+
+def test_bound_lane_lets_go_of_an_unregistered_region(lane_pair: Any) -> None:
+    target, ini, kv, remote, src = lane_pair
+    _bind(ini, src, remote)
+    ini.unregister(src)
+    assert not ini._pipeline._fast  # nothing keeps the region (and its buffer) alive
+    with pytest.raises(mpcomm.RegionClosedError):
+        ini.write(src, remote, 0, 64)
+
+
+def test_landed_handle_is_a_full_future(lane_pair: Any) -> None:
+    import asyncio
+    import concurrent.futures as cf
+
+    target, ini, kv, remote, src = lane_pair
+    _bind(ini, src, remote)
+    handles = [ini.write(src, remote, 0, 64) for _ in range(3)]
+    assert all(type(h).__name__ == "_Landed" for h in handles)
+    done, pending = cf.wait(handles, timeout=1)
+    assert len(done) == 3 and not pending
+    assert sorted(f.result() for f in cf.as_completed(handles, timeout=1)) == [64, 64, 64]
+    assert handles[0].exception() is None and not handles[0].cancel() and not handles[0].running()
+
+    async def main() -> list[int]:
+        t = ini.write(src, remote, 0, 64)
+        return [await t, await asyncio.wrap_future(ini.write(src, remote, 0, 64))]
+
+    assert asyncio.run(main()) == [64, 64]
+    order: list[str] = []
+    t = ini.write(src, remote, 0, 64)
+    t.add_done_callback(lambda h: order.append(h.status.value))
+    assert order == ["completed"]
