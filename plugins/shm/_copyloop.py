@@ -28,6 +28,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
@@ -163,8 +165,8 @@ class NativeLoop(CopyLoop):
 
     native = True
 
-    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
-        super().__init__(f"compiled copy loop ({path})")
+    def __init__(self, lib: ctypes.CDLL, path: str, module: Any = None) -> None:
+        super().__init__(f"compiled copy loop ({path}{', extension module' if module is not None else ''})")
         self.path = path
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
@@ -181,6 +183,10 @@ class NativeLoop(CopyLoop):
         self._check2 = fn("mp_check2", vp, vp, vp, i64, i64, i64)
         self._copy_many = fn("mp_copy_many", vp, vp, vp, vp, vp, i64, i64, i64, ci)
         self._cma_many = fn("mp_cma_many", ci, ci, vp, vp, vp, vp, vp, i64, i64, i64, ci)
+        if module is not None:
+            # The same C functions without ctypes' argument conversion: the single-request path.
+            self.copy = module.copy  # type: ignore[method-assign]
+            self.cma = module.cma  # type: ignore[method-assign]
 
     def check(self, offs: Any, lens: Any, n: int, size: int) -> tuple[int, int]:  # type: ignore[override]
         r = self._check(_addr(offs), _addr(lens), n, size)
@@ -236,8 +242,10 @@ def status() -> str:
     if not SOURCE.is_file():
         return f"python fallback: {SOURCE.name} is not installed beside the plugin"
     d = _cache_dir()
-    if d is not None and (d / _lib_name()).is_file():
-        return f"compiled copy loop ({d / _lib_name()})"
+    if d is not None:
+        for name in (_lib_name(module=True), _lib_name()):
+            if (d / name).is_file():
+                return f"compiled copy loop ({d / name})"
     if not _compiler():
         return "python fallback: no C compiler (set CC or install cc)"
     return "compiled copy loop (built at first use)"
@@ -250,9 +258,16 @@ def _compiler() -> str | None:
     return shutil.which("cc")
 
 
-def _lib_name() -> str:
+def _python_include() -> str | None:
+    """The directory holding Python.h for this interpreter, if it is installed (python3-dev)."""
+    inc = sysconfig.get_paths().get("include")
+    return inc if inc and Path(inc, "Python.h").is_file() else None
+
+
+def _lib_name(module: bool = False) -> str:
     h = hashlib.sha256()
     h.update(SOURCE.read_bytes())
+    h.update(b"\0module" if module else b"\0plain")
     for part in (str(ABI), sys.implementation.cache_tag or "", str(sysconfig.get_config_var("SOABI")),
                  platform.machine(), sys.platform):
         h.update(b"\0" + part.encode())
@@ -291,30 +306,60 @@ def _load() -> CopyLoop:
     d = _cache_dir()
     if d is None:
         return CopyLoop("python fallback: no private writable cache directory for the compiled copy loop")
-    path = d / _lib_name()
-    if not path.is_file():
-        cc = _compiler()
-        if not cc:
-            return CopyLoop("python fallback: no C compiler (set CC or install cc)")
-        tmp = d / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        cmd = [cc, *os.environ.get("CC", "").split()[1:], "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                why = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                return CopyLoop(f"python fallback: {Path(cc).name} failed ({why[0][:200]})")
-            os.replace(tmp, path)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return CopyLoop(f"python fallback: building the copy loop failed ({exc})")
-        finally:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    # With Python.h the same source also builds as an extension module (cheaper single copies);
+    # without it, or if that build fails, the plain library serves every call through ctypes.
+    inc = _python_include()
+    built: CopyLoop | Path | None = None
+    if inc is not None:
+        built = _build(d / _lib_name(module=True), ["-DMP_PYMODULE", f"-I{inc}"])
+    if not isinstance(built, Path):
+        built = _build(d / _lib_name())
+    if not isinstance(built, Path):
+        return built
+    path = built
     st = path.stat()
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
         return CopyLoop(f"python fallback: {path} is not private to this user; not loading it")
     lib = ctypes.CDLL(str(path))
     if lib.mp_abi() != ABI:
         return CopyLoop(f"python fallback: {path} has another ABI")
-    return NativeLoop(lib, str(path))
+    module = None
+    if hasattr(lib, "PyInit__mpcomm_copyloop"):
+        try:
+            loader = importlib.machinery.ExtensionFileLoader("_mpcomm_copyloop", str(path))
+            spec = importlib.util.spec_from_file_location("_mpcomm_copyloop", str(path), loader=loader)
+            assert spec is not None
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            if module.ABI != ABI:
+                module = None
+        except Exception as exc:  # noqa: BLE001 - the ctypes functions of the same library still serve
+            log.debug("shm: the copy loop's extension module did not load (%s); using ctypes", exc)
+            module = None
+    return NativeLoop(lib, str(path), module)
+
+
+def _build(path: Path, extra: list[str] | None = None) -> CopyLoop | Path:
+    """``path``, compiling it first if it is not there (atomic rename); a fallback CopyLoop says why not."""
+    if path.is_file():
+        return path
+    cc = _compiler()
+    if not cc:
+        return CopyLoop("python fallback: no C compiler (set CC or install cc)")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    cmd = [cc, *os.environ.get("CC", "").split()[1:], "-O2", "-shared", "-fPIC", *(extra or []), "-o", str(tmp),
+           str(SOURCE)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            why = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return CopyLoop(f"python fallback: {Path(cc).name} failed ({why[0][:200]})")
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return CopyLoop(f"python fallback: building the copy loop failed ({exc})")
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    return path

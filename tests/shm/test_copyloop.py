@@ -192,3 +192,46 @@ def test_cma_many_stops_at_an_unmapped_piece(loop: _copyloop.CopyLoop, target: T
         assert loop.cma_many(target.pid, 1, _addr(src), loffs, base, roffs, lens, 0, 3, 1 << 40, pidfd) == -14
     finally:
         os.close(pidfd)
+
+
+def test_single_copies_skip_ctypes_where_python_h_is(target: Target) -> None:
+    """With Python.h the library is also an extension module: copy/cma are its functions, same results."""
+    loop = _copyloop.get()
+    if not loop.native or _copyloop._python_include() is None:
+        pytest.skip(f"no compiled extension here: {loop.reason}")
+    assert type(loop.copy).__name__ == "builtin_function_or_method" and "extension module" in loop.reason
+    src = bytearray(os.urandom(4096))
+    dst = bytearray(4096)
+    assert loop.copy(_addr(dst), _addr(src), 4096, -1) == 0 and dst == src
+    alive = os.pidfd_open(os.getpid())
+    try:
+        assert loop.copy(_addr(dst), _addr(src), 16, alive) == 0
+    finally:
+        os.close(alive)
+    with pytest.raises(TypeError):
+        loop.copy(_addr(dst), _addr(src), 16)
+    with pytest.raises(ValueError):
+        loop.copy(_addr(dst), _addr(src), -1, -1)
+    import mpcomm
+
+    with mpcomm.Engine(transports=["tcp"]) as e:
+        base = e.open(target.address, "buf").base_address
+    pidfd = os.pidfd_open(target.pid)
+    try:
+        assert loop.cma(target.pid, True, _addr(src), base, 4096, pidfd) == 0
+        back = bytearray(4096)
+        assert loop.cma(target.pid, False, _addr(back), base, 4096, pidfd) == 0 and back == src
+        assert loop.cma(target.pid, True, _addr(src), 8, 16, pidfd) == -14  # EFAULT, as through ctypes
+    finally:
+        os.close(pidfd)
+
+
+def test_without_python_h_the_plain_library_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _copyloop._compiler():
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("MPCOMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_copyloop, "_python_include", lambda: None)
+    loop = _copyloop._load()
+    assert loop.native and "extension module" not in loop.reason, loop.reason
+    src, dst = bytearray(b"x" * 64), bytearray(64)
+    assert loop.copy(_addr(dst), _addr(src), 64, -1) == 0 and dst == src  # the ctypes function
