@@ -50,6 +50,57 @@ int64_t mpcomm_ucx_rma_many(rma_fn fn, free_fn rfree, progress_fn progress, void
         ;
     return refused;
 }
+
+typedef int (*check_fn)(void *);
+typedef void *(*flush_fn)(void *, const void *);
+
+/* Wait for r while the worker makes local progress: 0 done, < 0 failed, 1 still in flight. */
+static int64_t settle(void *r, check_fn check, free_fn rfree, progress_fn progress, void *worker)
+{
+    int st = check(r);
+    while (st == 1 && progress(worker))
+        st = check(r);
+    if (st == 1)
+        return 1;
+    rfree(r);
+    return st;
+}
+
+/* The small-request path in one call: a put (then the endpoint flush, for remote completion)
+   or a get, progressing the worker while it reports work -- local work only, never a wait on
+   the peer. Returns 0 when done, a negative ucs_status_t on failure, or 1 (the put/get) / 2
+   (the flush) with *pending set to the request still in flight. */
+int64_t mpcomm_ucx_rma_one(rma_fn fn, check_fn check, free_fn rfree, progress_fn progress, flush_fn flush,
+                           void *ep, void *worker, int64_t laddr, int64_t n, int64_t raddr, void *rkey,
+                           const void *param, const void *fparam, int64_t write, void **pending)
+{
+    void *r = fn(ep, (void *)(intptr_t)laddr, (size_t)n, (uint64_t)raddr, rkey, param);
+    if ((uintptr_t)r >= (uintptr_t)(intptr_t)-100)
+        return (int64_t)(intptr_t)r;
+    if (r != NULL) {
+        int64_t st = settle(r, check, rfree, progress, worker);
+        if (st == 1) {
+            *pending = r;
+            return 1;
+        }
+        if (st < 0)
+            return st;
+    }
+    if (!write)
+        return 0;
+    r = flush(ep, fparam);
+    if ((uintptr_t)r >= (uintptr_t)(intptr_t)-100)
+        return (int64_t)(intptr_t)r;
+    if (r != NULL) {
+        int64_t st = settle(r, check, rfree, progress, worker);
+        if (st == 1) {
+            *pending = r;
+            return 2;
+        }
+        return st;
+    }
+    return 0;
+}
 """
 
 _lock = threading.Lock()
@@ -104,4 +155,8 @@ def _build() -> C.CDLL | None:
     f.restype = C.c_int64
     f.argtypes = [C.c_void_p] * 5 + [C.c_void_p, C.c_int64, C.c_void_p, C.c_int64, C.c_void_p, C.c_int64,
                                      C.c_void_p, C.c_void_p, C.c_void_p]
+    g = lib.mpcomm_ucx_rma_one
+    g.restype = C.c_int64
+    g.argtypes = [C.c_void_p] * 7 + [C.c_int64, C.c_int64, C.c_int64, C.c_void_p, C.c_void_p, C.c_void_p,
+                                     C.c_int64, C.c_void_p]
     return lib

@@ -485,6 +485,32 @@ class Endpoint:
         lib.ucp_request_free(r)
         return st
 
+    def rma_flush_now(self, write: bool, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
+                      memh: MemHandle | None = None) -> "Request | int":
+        """:meth:`rma_now`, then for a write :meth:`flush_now`: one call into the compiled helper.
+
+        Returns UCS_OK (0) once the put is remotely complete (or the get landed),
+        a negative status, or the Request still in flight: the put/get's, or
+        (``name == "ucp_ep_flush_nbx"``) the flush's once the put is done. Without
+        the helper, the same two calls from Python."""
+        native = _native_helper()
+        if native is None or self.error_status is not None:
+            st = self.rma_now(write, local_addr, length, remote_addr, rkey, memh)
+            return self.flush_now() if st == 0 and write else st
+        p = self._params.get(memh)
+        if p is None:
+            p = self._params[memh] = _req_param(memh)
+        fns = _fn_pointers(self._lib)
+        pending = C.c_void_p()
+        st = native.mpcomm_ucx_rma_one(fns[0] if write else fns[1], fns[4], fns[2], fns[3], fns[5], self._h,
+                                       self.worker._h, local_addr, length, remote_addr, rkey._h, C.byref(p),
+                                       C.byref(self._flush_param), int(write), C.byref(pending))
+        if st == 1:
+            return Request(self.worker, pending.value, "ucp_put_nbx" if write else "ucp_get_nbx")
+        if st == 2:
+            return Request(self.worker, pending.value, "ucp_ep_flush_nbx")
+        return st
+
     def rma_many(self, write: bool, local_addrs, remote_addrs, lengths, rkey: "RemoteKey",
                  memh: MemHandle | None = None) -> dict:
         """Issue N puts/gets (sequences of addresses and lengths) without tracking each request.
@@ -692,7 +718,8 @@ def _fn_pointers(lib):
     fns = _fn_cache.get(id(lib))
     if fns is None:
         fns = _fn_cache[id(lib)] = tuple(C.cast(getattr(lib, name), C.c_void_p).value for name in (
-            "ucp_put_nbx", "ucp_get_nbx", "ucp_request_free", "ucp_worker_progress"))
+            "ucp_put_nbx", "ucp_get_nbx", "ucp_request_free", "ucp_worker_progress", "ucp_request_check_status",
+            "ucp_ep_flush_nbx"))
     return fns
 
 

@@ -158,7 +158,7 @@ class _Attach:
     """Initiator side: one remote region as the target described it over the control channel."""
 
     __slots__ = ("key", "peer", "info", "state", "error", "rkey_hex", "rkey", "generation", "base", "size",
-                 "access", "waiting", "works", "ok_remote")
+                 "access", "waiting", "works", "ok_remote", "orphans")
 
     def __init__(self, key: tuple[int, str, int], peer: _Peer, info: PeerInfo) -> None:
         self.key = key  # (region_id, epoch, token)
@@ -174,6 +174,9 @@ class _Attach:
         self.waiting: list[_Work] = []  # posted before the attach finished
         self.works: set[_Work] = set()  # issuing or in flight
         self.ok_remote: Any = None  # the last RemoteRegion object found to match the target's answer
+        #: Requests the inline lane issued and left in flight when it declined (the full path redoes
+        #: the write; its flush covers these). A revocation waits for them as for ``works``.
+        self.orphans: list[Any] = []
 
 
 class _Work:
@@ -273,6 +276,7 @@ class UcxTransport(Transport):
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._by_info: dict[int, tuple[PeerInfo, _Peer]] = {}  # id(op.peer) -> (that PeerInfo, its peer)
         self._active: set[_Work] = set()
+        self._orphaned: set[_Attach] = set()  # attachments with inline-lane requests still in flight
         self._waits: list[tuple[Any, threading.Event]] = []  # connector threads waiting for a wire-up flush
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -369,6 +373,12 @@ class UcxTransport(Transport):
         err = EngineClosedError("the ucx transport was closed")
         for w in set(works):
             self._release_requests(w)
+        with self._lock:
+            for att in self._orphaned:
+                for r in att.orphans:
+                    r.free()  # UCX reclaims a request freed before it completes
+                att.orphans = []
+            self._orphaned.clear()
         for peer in peers:
             # The progress thread is gone: progress the closes here, or UCX tears down a worker
             # whose endpoints still have queued operations (an assertion that aborts the process).
@@ -542,7 +552,7 @@ class UcxTransport(Transport):
         self._signal()
         deadline = time.monotonic() + self._revoke_timeout
         with self._lock:
-            while any(a.works for a in atts):
+            while any(a.works or a.orphans for a in atts):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeout(f"accesses to region {rid} did not drain in {self._revoke_timeout}s")
@@ -802,10 +812,8 @@ class UcxTransport(Transport):
                         and p.failed is None and att.rkey is not None and att.generation == p.generation
                         and op.remote_offset >= 0 and op.remote_offset + length <= att.size
                         and not self._closed):
-                    st = ep.rma_now(op.kind == "write", op.local.address + op.local_offset, length,
-                                    att.base + op.remote_offset, att.rkey, self._memh.get(op.local.id))
-                    if st == 0 and op.kind == "write":
-                        st = ep.flush_now()
+                    st = ep.rma_flush_now(op.kind == "write", op.local.address + op.local_offset, length,
+                                          att.base + op.remote_offset, att.rkey, self._memh.get(op.local.id))
                     if st == 0:
                         done = True
                     elif isinstance(st, int):
@@ -840,6 +848,71 @@ class UcxTransport(Transport):
                 op.fail(err)
                 return
         self._post(op, False)
+
+    def post_inline(self, kind: str, local: Region, local_offset: int, remote: Any, remote_offset: int,
+                    length: int) -> bool:
+        """A small write on a ready endpoint, put and flush in one native call; declines anything else."""
+        move = self.inline_path(kind, local, remote)
+        return move is not None and move(local_offset, remote_offset, length)
+
+    def inline_path(self, kind: str, local: Region, remote: Any) -> Any:
+        """The hot path of :meth:`post` bound to one attachment (see Transport.inline_path).
+
+        Writes only: a put still in flight when the lane declines is kept (``att.orphans``) and
+        covered by the flush of the write :meth:`post` then issues, and a revocation waits for
+        it; a get still in flight could land in the local buffer after the redone read had
+        completed. Each call rechecks, under the lock, what a revocation, a failed or restarted
+        endpoint or a close changes.
+        """
+        if kind != "write" or self._closed:
+            return None
+        key = (remote.region_id, remote.epoch, remote.token)
+        with self._lock:
+            found = next(((p, p.attached[key]) for p in self._peers.values()
+                          if key in p.attached and p.attached[key].ok_remote is remote), None)
+        if found is None:
+            return None
+        peer, att = found
+        memh = self._memh.get(local.id)
+        laddr = local.address
+        limit = min(self._chunk, self._inline_threshold)
+        lock = self._lock
+
+        def move(lo: int, ro: int, n: int) -> bool:
+            if n <= 0 or n > limit:
+                return False
+            with lock:
+                ep = peer.ep
+                if (att.state != "ready" or ep is None or peer.failed is not None or att.rkey is None
+                        or att.generation != peer.generation or self._closed or att.ok_remote is not remote
+                        or ro + n > att.size):
+                    return False
+                st = ep.rma_flush_now(True, laddr + lo, n, att.base + ro, att.rkey, memh)
+                if st == 0:
+                    if self._active:
+                        self._signal()  # the progress calls may have completed handed-off work
+                    return True
+                if not isinstance(st, int):
+                    att.orphans.append(st)
+                    self._orphaned.add(att)
+                    self._signal()
+                return False
+
+        return move
+
+    def _reap_orphans(self) -> None:
+        """Free the inline lane's requests that finished (progress thread, lock held)."""
+        for att in list(self._orphaned):
+            left = []
+            for r in att.orphans:
+                if r.status() == 1:
+                    left.append(r)
+                else:
+                    r.free()
+            att.orphans = left
+            if not left:
+                self._orphaned.discard(att)
+                self._drained.notify_all()
 
     def post_many(self, group: Any) -> None:
         """N puts or gets and one flush; each index reported (see the module docstring)."""
@@ -1228,6 +1301,8 @@ class UcxTransport(Transport):
                                 req.free()
                                 ev.set()
                         self._waits = keep
+                    if self._orphaned:
+                        self._reap_orphans()
                     works = list(self._active)
                     for st in works:
                         try:
