@@ -126,6 +126,20 @@ _INF = math.inf
 _NUM = (int, float)
 
 
+def _leased_call(local: Region, transport: str, fn: Any, *args: Any) -> bool:
+    """The inline lane's copy, ``local`` leased by the caller (released here): True once it landed.
+
+    A plugin bug is logged and counts as declining: the full path reports what post() says.
+    """
+    try:
+        return bool(fn(*args))
+    except Exception:  # noqa: BLE001
+        log.exception("transport %s failed in post_inline (or its inline_path move)", transport)
+        return False
+    finally:
+        local.release()
+
+
 class _FastPath:
     """One (local region, remote region, kind) whose requests land inline: what is left to check per request.
 
@@ -156,18 +170,11 @@ class _FastPath:
             return None
         t0 = time.monotonic()
         try:
-            local.acquire()
+            local.acquire()  # released by _leased_call
         except RegionClosedError:
             pipe._fast.pop((id(local), id(self.remote), self.kind), None)
             return None
-        try:
-            landed = self.move(lo, ro, length)
-        except Exception:  # noqa: BLE001 - a plugin bug: the full path reports what post() says
-            log.exception("transport %s failed in its inline move", self.transport)
-            landed = False
-        finally:
-            local.release()
-        if not landed:
+        if not _leased_call(local, self.transport, self.move, lo, ro, length):
             return None
         return _Landed(length, self.transport, self.route, self.rule, pipe.dispatch,
                        (self.kind, local, self.remote, ro, length, lo), t0)
@@ -372,18 +379,11 @@ class Pipeline:
         if type(transport).post_inline is Transport.post_inline:
             return None
         try:
-            local.acquire()
+            local.acquire()  # released by _leased_call
         except RegionClosedError:
             return None
         t0 = time.monotonic()
-        try:
-            landed = transport.post_inline(kind, local, lo, remote, ro, length)
-        except Exception:  # noqa: BLE001 - a plugin bug: the full path reports what post() says
-            log.exception("transport %s failed in post_inline", transport.name)
-            landed = False
-        finally:
-            local.release()
-        if not landed:
+        if not _leased_call(local, transport.name, transport.post_inline, kind, local, lo, remote, ro, length):
             return None
         self._bind_fast(kind, local, remote, transport, link, entry)
         return _Landed(length, transport.name, entry[2], entry[1], self.dispatch,

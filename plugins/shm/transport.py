@@ -818,28 +818,21 @@ class ShmTransport(Transport):
             return None
         limit = min(self._inline, self._chunk, _SMALL)
         lock, size, base, laddr, pidfd = m.lock, m.size, m.base, local.address, m.pidfd
-        if m.kind == "map":
-            copy1 = self._copy1
+        copy1, cma1, pid, cma = self._copy1, self._cma1, m.pid, m.kind != "map"
 
-            def move(lo: int, ro: int, n: int) -> bool:
-                if n > limit or ro + n > size:
+        def move(lo: int, ro: int, n: int) -> bool:
+            if n > limit or ro + n > size:
+                return False
+            with lock:
+                if m.error is not None:
                     return False
-                with lock:
-                    if m.error is not None:
-                        return False
-                    rc = copy1(base + ro, laddr + lo, n, pidfd) if write else copy1(laddr + lo, base + ro, n, pidfd)
-                return not rc
-        else:
-            cma1, pid = self._cma1, m.pid
-
-            def move(lo: int, ro: int, n: int) -> bool:
-                if n > limit or ro + n > size:
-                    return False
-                with lock:
-                    if m.error is not None:
-                        return False
+                if cma:
                     rc = cma1(pid, write, laddr + lo, base + ro, n, pidfd)
-                return not rc
+                elif write:
+                    rc = copy1(base + ro, laddr + lo, n, pidfd)
+                else:
+                    rc = copy1(laddr + lo, base + ro, n, pidfd)
+            return not rc
         return move
 
     def _workers(self, node: int | None) -> Any:
