@@ -203,7 +203,7 @@ class Pipeline:
         self._notify_lock = threading.Lock()
         self._notify_per_peer = max(1, cfg.runtime.worker_threads // 4)
         self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
-        #: The inline lane's bound moves, per (id(local), id(remote), kind): see _fast_lane.
+        #: The inline lane's bound moves, per (id(local), id(remote), kind): see _FastPath.
         self._fast: dict[tuple[int, int, str], _FastPath] = {}
         #: Nothing but the copy may be left to do for the inline lane to apply (set by policy_ready).
         self._inline_ok = False
@@ -325,13 +325,13 @@ class Pipeline:
                notify: bytes | None, timeout: float | None, cq: Any, route: Any = None) -> Transfer:
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
-        if notify is None and route is None and cq is None:
+        if self._inline_ok and notify is None and route is None and cq is None:
             fast = self._fast.get((id(buf), id(remote), kind))
             if fast is not None:
                 landed = fast.run(self, lo, ro, length, timeout)
                 if landed is not None:
                     return landed
-            if self._inline_ok and isinstance(buf, Region):
+            if isinstance(buf, Region):
                 landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout)
                 if landed is not None:
                     return landed
@@ -385,7 +385,8 @@ class Pipeline:
         t0 = time.monotonic()
         if not _leased_call(local, transport.name, transport.post_inline, kind, local, lo, remote, ro, length):
             return None
-        self._bind_fast(kind, local, remote, transport, link, entry)
+        if (id(local), id(remote), kind) not in self._fast:  # bound pairs get here with what their move declines
+            self._bind_fast(kind, local, remote, transport, link, entry)
         return _Landed(length, transport.name, entry[2], entry[1], self.dispatch,
                        (kind, local, remote, ro, length, lo), t0)
 

@@ -774,35 +774,36 @@ class ShmTransport(Transport):
         worker; a copy that ran into a dead peer is redone by :meth:`post`,
         which reports it.
         """
-        if self.copy_mode or length > self._inline or length > self._chunk:
+        if length > self._inline or length > self._chunk or remote_offset < 0:
             return False
-        m = self._maps.get((remote.epoch, remote.region_id))
-        write = kind == "write"
-        if (m is None or remote.token != m.token or not (m.can_write if write else m.can_read)
-                or remote_offset < 0 or remote_offset + length > m.size):
+        if length <= _SMALL:  # under the mapping's lock, as post() does: the bound move's copy
+            move = self.inline_path(kind, local, remote)
+            return move is not None and move(local_offset, remote_offset, length)
+        m = self._inline_map(kind, remote)
+        if m is None or remote_offset + length > m.size:
             return False
-        lo = local.address + local_offset
-        ro = m.base + remote_offset
-        if length <= _SMALL:  # under the mapping's lock, as post() does
-            with m.lock:
-                if m.error is not None:
-                    return False
-                if m.kind == "map":
-                    rc = self._copy1(ro, lo, length, m.pidfd) if write else self._copy1(lo, ro, length, m.pidfd)
-                else:
-                    rc = self._cma1(m.pid, write, lo, ro, length, m.pidfd)
-            return not rc
         # Up to one chunk: counted in flight (a revocation waits for it), one native call.
         if m.enter() is not None:
             return False
+        lo = local.address + local_offset
+        ro = m.base + remote_offset
         try:
             if m.kind == "map":
-                rc = self._copy1(ro, lo, length, m.pidfd) if write else self._copy1(lo, ro, length, m.pidfd)
+                rc = self._copy1(ro, lo, length, m.pidfd) if kind == "write" else self._copy1(lo, ro, length, m.pidfd)
             else:
-                rc = self._cma1(m.pid, write, lo, ro, length, m.pidfd)
+                rc = self._cma1(m.pid, kind == "write", lo, ro, length, m.pidfd)
         finally:
             m.exit()
         return not rc
+
+    def _inline_map(self, kind: str, remote: Any) -> _Mapping | None:
+        """The mapping an inline copy of ``kind`` may use for ``remote`` (attached, same token, access), or None."""
+        if self.copy_mode:
+            return None
+        m = self._maps.get((remote.epoch, remote.region_id))
+        if m is None or remote.token != m.token or not (m.can_write if kind == "write" else m.can_read):
+            return None
+        return m
 
     def inline_path(self, kind: str, local: Region, remote: Any) -> Any:
         """:meth:`post_inline` for one pair with the mapping resolved once (see Transport.inline_path).
@@ -810,12 +811,10 @@ class ShmTransport(Transport):
         Only copies that run under the mapping's lock (up to 64 KiB) take it:
         a revocation sets ``m.error`` under that lock, so each call sees it.
         """
-        if self.copy_mode:
+        m = self._inline_map(kind, remote)
+        if m is None:
             return None
-        m = self._maps.get((remote.epoch, remote.region_id))
         write = kind == "write"
-        if m is None or remote.token != m.token or not (m.can_write if write else m.can_read):
-            return None
         limit = min(self._inline, self._chunk, _SMALL)
         lock, size, base, laddr, pidfd = m.lock, m.size, m.base, local.address, m.pidfd
         copy1, cma1, pid, cma = self._copy1, self._cma1, m.pid, m.kind != "map"

@@ -54,14 +54,22 @@ int64_t mpcomm_ucx_rma_many(rma_fn fn, free_fn rfree, progress_fn progress, void
 typedef int (*check_fn)(void *);
 typedef void *(*flush_fn)(void *, const void *);
 
-/* Wait for r while the worker makes local progress: 0 done, < 0 failed, 1 still in flight. */
-static int64_t settle(void *r, check_fn check, free_fn rfree, progress_fn progress, void *worker)
+/* What UCX returned for an operation, settled while the worker makes local progress:
+   0 done, a negative status on failure, or `code` with *pending = r still in flight. */
+static int64_t settle(void *r, int64_t code, check_fn check, free_fn rfree, progress_fn progress, void *worker,
+                      void **pending)
 {
+    if ((uintptr_t)r >= (uintptr_t)(intptr_t)-100)   /* UCS_PTR_IS_ERR */
+        return (int64_t)(intptr_t)r;
+    if (r == NULL)
+        return 0;
     int st = check(r);
     while (st == 1 && progress(worker))
         st = check(r);
-    if (st == 1)
-        return 1;
+    if (st == 1) {
+        *pending = r;
+        return code;
+    }
     rfree(r);
     return st;
 }
@@ -74,32 +82,11 @@ int64_t mpcomm_ucx_rma_one(rma_fn fn, check_fn check, free_fn rfree, progress_fn
                            void *ep, void *worker, int64_t laddr, int64_t n, int64_t raddr, void *rkey,
                            const void *param, const void *fparam, int64_t write, void **pending)
 {
-    void *r = fn(ep, (void *)(intptr_t)laddr, (size_t)n, (uint64_t)raddr, rkey, param);
-    if ((uintptr_t)r >= (uintptr_t)(intptr_t)-100)
-        return (int64_t)(intptr_t)r;
-    if (r != NULL) {
-        int64_t st = settle(r, check, rfree, progress, worker);
-        if (st == 1) {
-            *pending = r;
-            return 1;
-        }
-        if (st < 0)
-            return st;
-    }
-    if (!write)
-        return 0;
-    r = flush(ep, fparam);
-    if ((uintptr_t)r >= (uintptr_t)(intptr_t)-100)
-        return (int64_t)(intptr_t)r;
-    if (r != NULL) {
-        int64_t st = settle(r, check, rfree, progress, worker);
-        if (st == 1) {
-            *pending = r;
-            return 2;
-        }
+    int64_t st = settle(fn(ep, (void *)(intptr_t)laddr, (size_t)n, (uint64_t)raddr, rkey, param), 1, check,
+                        rfree, progress, worker, pending);
+    if (st != 0 || !write)
         return st;
-    }
-    return 0;
+    return settle(flush(ep, fparam), 2, check, rfree, progress, worker, pending);
 }
 """
 

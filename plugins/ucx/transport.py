@@ -807,11 +807,8 @@ class UcxTransport(Transport):
             p = peer[1]
             with self._lock:
                 att = p.attached.get((r.region_id, r.epoch, r.token))
-                ep = p.ep
-                if (att is not None and att.ok_remote is r and att.state == "ready" and ep is not None
-                        and p.failed is None and att.rkey is not None and att.generation == p.generation
-                        and op.remote_offset >= 0 and op.remote_offset + length <= att.size
-                        and not self._closed):
+                ep = self._hot_ep(p, att, r, op.remote_offset, length) if att is not None else None
+                if ep is not None:
                     st = ep.rma_flush_now(op.kind == "write", op.local.address + op.local_offset, length,
                                           att.base + op.remote_offset, att.rkey, self._memh.get(op.local.id))
                     if st == 0:
@@ -882,10 +879,8 @@ class UcxTransport(Transport):
             if n <= 0 or n > limit:
                 return False
             with lock:
-                ep = peer.ep
-                if (att.state != "ready" or ep is None or peer.failed is not None or att.rkey is None
-                        or att.generation != peer.generation or self._closed or att.ok_remote is not remote
-                        or ro + n > att.size):
+                ep = self._hot_ep(peer, att, remote, ro, n)
+                if ep is None:
                     return False
                 st = ep.rma_flush_now(True, laddr + lo, n, att.base + ro, att.rkey, memh)
                 if st == 0:
@@ -899,6 +894,19 @@ class UcxTransport(Transport):
                 return False
 
         return move
+
+    def _hot_ep(self, peer: _Peer, att: _Attach, remote: Any, ro: int, n: int) -> Any:
+        """The endpoint a small request to ``att`` may be issued on at once, or None (lock held).
+
+        The attachment is ready for this very descriptor, on the peer's live endpoint of the same
+        generation, with its rkey, and [ro, ro + n) lies in what the target registered.
+        """
+        ep = peer.ep
+        if (att.ok_remote is not remote or att.state != "ready" or ep is None or peer.failed is not None
+                or att.rkey is None or att.generation != peer.generation or ro < 0 or ro + n > att.size
+                or self._closed):
+            return None
+        return ep
 
     def _reap_orphans(self) -> None:
         """Free the inline lane's requests that finished (progress thread, lock held)."""
