@@ -776,25 +776,8 @@ class ShmTransport(Transport):
         """
         if length > self._inline or length > self._chunk or remote_offset < 0:
             return False
-        if length <= _SMALL:  # under the mapping's lock, as post() does: the bound move's copy
-            move = self.inline_path(kind, local, remote)
-            return move is not None and move(local_offset, remote_offset, length)
-        m = self._inline_map(kind, remote)
-        if m is None or remote_offset + length > m.size:
-            return False
-        # Up to one chunk: counted in flight (a revocation waits for it), one native call.
-        if m.enter() is not None:
-            return False
-        lo = local.address + local_offset
-        ro = m.base + remote_offset
-        try:
-            if m.kind == "map":
-                rc = self._copy1(ro, lo, length, m.pidfd) if kind == "write" else self._copy1(lo, ro, length, m.pidfd)
-            else:
-                rc = self._cma1(m.pid, kind == "write", lo, ro, length, m.pidfd)
-        finally:
-            m.exit()
-        return not rc
+        move = self.inline_path(kind, local, remote)
+        return move is not None and move(local_offset, remote_offset, length)
 
     def _inline_map(self, kind: str, remote: Any) -> _Mapping | None:
         """The mapping an inline copy of ``kind`` may use for ``remote`` (attached, same token, access), or None."""
@@ -808,20 +791,33 @@ class ShmTransport(Transport):
     def inline_path(self, kind: str, local: Region, remote: Any) -> Any:
         """:meth:`post_inline` for one pair with the mapping resolved once (see Transport.inline_path).
 
-        Only copies that run under the mapping's lock (up to 64 KiB) take it:
-        a revocation sets ``m.error`` under that lock, so each call sees it.
+        A revocation sets ``m.error`` under the mapping's lock, so each call
+        sees it: copies up to 64 KiB run under that lock, longer ones (up to
+        one chunk) count themselves in ``inflight``, which the revocation
+        waits for.
         """
         m = self._inline_map(kind, remote)
         if m is None:
             return None
         write = kind == "write"
-        limit = min(self._inline, self._chunk, _SMALL)
+        limit = min(self._inline, self._chunk)
         lock, size, base, laddr, pidfd = m.lock, m.size, m.base, local.address, m.pidfd
         copy1, cma1, pid, cma = self._copy1, self._cma1, m.pid, m.kind != "map"
 
         def move(lo: int, ro: int, n: int) -> bool:
             if n > limit or ro + n > size:
                 return False
+            if n > _SMALL:
+                if m.enter() is not None:
+                    return False
+                try:
+                    if cma:
+                        return not cma1(pid, write, laddr + lo, base + ro, n, pidfd)
+                    if write:
+                        return not copy1(base + ro, laddr + lo, n, pidfd)
+                    return not copy1(laddr + lo, base + ro, n, pidfd)
+                finally:
+                    m.exit()
             with lock:
                 if m.error is not None:
                     return False

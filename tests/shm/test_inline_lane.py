@@ -143,15 +143,20 @@ def test_bound_lane_moves_without_post_inline(lane_pair: Any, monkeypatch: pytes
         ini.write(src, remote, 0, 64, timeout=0)
     with pytest.raises(mpcomm.MpcommError, match="timeout must be"):
         ini.write(src, remote, 0, 64, timeout=float("nan"))
-    big = ini.write(src, remote, 0, 512 << 10)  # over the bound move's limit: the full path carries it
-    assert big.result(5) == 512 << 10
+    # Long copies up to one chunk take the bound move too, counted in flight rather than under the lock.
+    src.view[:512 << 10] = b"\x5b" * (512 << 10)
+    big = ini.write(src, remote, 0, 512 << 10)
+    assert seen == [] and big.done() and big.result(0) == 512 << 10
+    assert bytes(kv.view[:512 << 10]) == b"\x5b" * (512 << 10)
 
 
-def test_bound_lane_sees_revocation(lane_pair: Any) -> None:
+@pytest.mark.parametrize("n", [64, 256 << 10])  # under the mapping's lock; counted in flight
+def test_bound_lane_sees_revocation(lane_pair: Any, n: int) -> None:
     target, ini, kv, remote, src = lane_pair
     _bind(ini, src, remote)
+    ini.write(src, remote, 0, n).result(5)
     target.unregister(kv)  # on return no peer may touch the memory: the bound move must decline
-    t = ini.write(src, remote, 0, 64)
+    t = ini.write(src, remote, 0, n)
     with pytest.raises((mpcomm.UnknownRegionError, mpcomm.StaleRegionError)):
         t.result(5)
     assert t.status is not mpcomm.TransferStatus.COMPLETED
