@@ -27,23 +27,17 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
-import importlib.machinery
-import importlib.util
 import logging
 import os
-import platform
-import secrets
 import select
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
 import threading
 from operator import add
 from pathlib import Path
 from typing import Any
+
+from mpcomm import native_helper
+from mpcomm.native_helper import compiler as _compiler
+from mpcomm.native_helper import python_include as _python_include
 
 from . import _native
 
@@ -251,51 +245,12 @@ def status() -> str:
     return "compiled copy loop (built at first use)"
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC", "").split()
-    if cc:
-        return shutil.which(cc[0])
-    return shutil.which("cc")
-
-
-def _python_include() -> str | None:
-    """The directory holding Python.h for this interpreter, if it is installed (python3-dev)."""
-    inc = sysconfig.get_paths().get("include")
-    return inc if inc and Path(inc, "Python.h").is_file() else None
-
-
 def _lib_name(module: bool = False) -> str:
-    h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
-    h.update(b"\0module" if module else b"\0plain")
-    for part in (str(ABI), sys.implementation.cache_tag or "", str(sysconfig.get_config_var("SOABI")),
-                 platform.machine(), sys.platform):
-        h.update(b"\0" + part.encode())
-    return f"copyloop-{h.hexdigest()[:24]}.so"
-
-
-def _private_dir(path: Path) -> bool:
-    """Ours and not writable by anyone else (a shared-lib planted by another user must never load)."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.stat()
-    except OSError:
-        return False
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(path, os.W_OK | os.X_OK)
+    return native_helper.artifact_name("copyloop", SOURCE, ABI, module)
 
 
 def _cache_dir() -> Path | None:
-    explicit = os.environ.get("MPCOMM_CACHE_DIR")
-    candidates = []
-    if explicit:
-        candidates.append(Path(explicit) / "shm")
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    candidates.append(Path(xdg) / "mpcomm" / "shm" if xdg else Path.home() / ".cache" / "mpcomm" / "shm")
-    candidates.append(Path(tempfile.gettempdir()) / f"mpcomm-{os.getuid()}" / "shm")
-    for d in candidates:
-        if _private_dir(d.parent) and _private_dir(d):
-            return d
-    return None
+    return native_helper.cache_dir("shm")
 
 
 def _load() -> CopyLoop:
@@ -317,8 +272,7 @@ def _load() -> CopyLoop:
     if not isinstance(built, Path):
         return built
     path = built
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+    if not native_helper.private_file(path):
         return CopyLoop(f"python fallback: {path} is not private to this user; not loading it")
     lib = ctypes.CDLL(str(path))
     if lib.mp_abi() != ABI:
@@ -326,11 +280,7 @@ def _load() -> CopyLoop:
     module = None
     if hasattr(lib, "PyInit__mpcomm_copyloop"):
         try:
-            loader = importlib.machinery.ExtensionFileLoader("_mpcomm_copyloop", str(path))
-            spec = importlib.util.spec_from_file_location("_mpcomm_copyloop", str(path), loader=loader)
-            assert spec is not None
-            module = importlib.util.module_from_spec(spec)
-            loader.exec_module(module)
+            module = native_helper.load_module("_mpcomm_copyloop", path)
             if module.ABI != ABI:
                 module = None
         except Exception as exc:  # noqa: BLE001 - the ctypes functions of the same library still serve
@@ -341,25 +291,5 @@ def _load() -> CopyLoop:
 
 def _build(path: Path, extra: list[str] | None = None) -> CopyLoop | Path:
     """``path``, compiling it first if it is not there (atomic rename); a fallback CopyLoop says why not."""
-    if path.is_file():
-        return path
-    cc = _compiler()
-    if not cc:
-        return CopyLoop("python fallback: no C compiler (set CC or install cc)")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    cmd = [cc, *os.environ.get("CC", "").split()[1:], "-O2", "-shared", "-fPIC", *(extra or []), "-o", str(tmp),
-           str(SOURCE)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            why = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            return CopyLoop(f"python fallback: {Path(cc).name} failed ({why[0][:200]})")
-        os.replace(tmp, path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return CopyLoop(f"python fallback: building the copy loop failed ({exc})")
-    finally:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-    return path
+    built = native_helper.build(path, SOURCE, extra)
+    return built if isinstance(built, Path) else CopyLoop(f"python fallback: {built}")

@@ -511,6 +511,44 @@ class Endpoint:
             return Request(self.worker, pending.value, "ucp_ep_flush_nbx")
         return st
 
+    def rma_caller(self, write: bool, rkey: "RemoteKey", memh: MemHandle | None = None):
+        """:meth:`rma_flush_now` bound to this endpoint, ``rkey`` and ``memh``: ``call(laddr, n, raddr)``.
+
+        One call into the helper's extension module per request, with the
+        handles packed once; None without that module (use :meth:`rma_flush_now`).
+        The result is what :meth:`rma_flush_now` returns. The caller must not
+        use it after this endpoint or ``rkey`` is closed (it checks the
+        endpoint's handle and error state, not the rkey's).
+        """
+        nat = _native_module()
+        if nat is None or self._h is None or rkey._h is None:
+            return None
+        mod, RmaCall = nat
+        p = self._params.get(memh)
+        if p is None:
+            p = self._params[memh] = _req_param(memh)
+        fns = _fn_pointers(self._lib)
+        call = RmaCall(fns[0] if write else fns[1], fns[4], fns[2], fns[3], fns[5], self._h.value,
+                       self.worker._h.value, rkey._h.value, C.addressof(p), C.addressof(self._flush_param),
+                       int(write), None)
+        at, one, worker, h = C.addressof(call), mod.rma_one, self.worker, self._h
+        keep = (call, p, rkey)  # what the packed pointers point into stays alive with the closure
+
+        def run(laddr: int, n: int, raddr: int):
+            if self._h is not h:
+                return UCS_ERR_CANCELED  # closed since it was bound: nothing was issued
+            if self.error_status is not None:
+                return self.error_status  # the peer failed: nothing was issued
+            st = one(at, laddr, n, raddr)
+            if st == 1:
+                return Request(worker, call.pending, "ucp_put_nbx" if write else "ucp_get_nbx")
+            if st == 2:
+                return Request(worker, call.pending, "ucp_ep_flush_nbx")
+            return st
+
+        run.keep = keep  # type: ignore[attr-defined]
+        return run
+
     def rma_many(self, write: bool, local_addrs, remote_addrs, lengths, rkey: "RemoteKey",
                  memh: MemHandle | None = None) -> dict:
         """Issue N puts/gets (sequences of addresses and lengths) without tracking each request.
@@ -708,10 +746,19 @@ def _native_helper():
     if not _native_state:
         try:
             from . import _native  # absent when this file is loaded by path (tests' peers)
-            _native_state.append(_native.load())
+            _native_state.extend((_native.load(), _native))
         except ImportError:
-            _native_state.append(None)
+            _native_state.extend((None, None))
     return _native_state[0]
+
+
+def _native_module():
+    """(the helper's extension module, its RmaCall struct) or None."""
+    if _native_helper() is None:  # no helper (or disabled): no module either
+        return None
+    nat = _native_state[1]
+    mod = nat.module() if nat is not None else None
+    return None if mod is None else (mod, nat.RmaCall)
 
 
 def _fn_pointers(lib):

@@ -874,6 +874,7 @@ class UcxTransport(Transport):
         laddr = local.address
         limit = min(self._chunk, self._inline_threshold)
         lock = self._lock
+        bound: list[Any] = [None, None, None]  # the endpoint and rkey its packed call was made for, the call
 
         def move(lo: int, ro: int, n: int) -> bool:
             if n <= 0 or n > limit:
@@ -882,7 +883,13 @@ class UcxTransport(Transport):
                 ep = self._hot_ep(peer, att, remote, ro, n)
                 if ep is None:
                     return False
-                st = ep.rma_flush_now(True, laddr + lo, n, att.base + ro, att.rkey, memh)
+                if ep is not bound[0] or att.rkey is not bound[1]:
+                    bound[:] = ep, att.rkey, ep.rma_caller(True, att.rkey, memh)  # a new endpoint or rkey
+                call = bound[2]
+                if call is not None:
+                    st = call(laddr + lo, n, att.base + ro)
+                else:
+                    st = ep.rma_flush_now(True, laddr + lo, n, att.base + ro, att.rkey, memh)
                 if st == 0:
                     if self._active:
                         self._signal()  # the progress calls may have completed handed-off work

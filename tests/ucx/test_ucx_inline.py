@@ -84,7 +84,21 @@ def test_a_declined_write_left_in_flight_holds_revocation(bound: Any, monkeypatc
         calls.append(a)
         return pend if len(calls) == 1 else real(self, *a)
 
+    real_caller = type(peer.ep).rma_caller
+
+    def caller(self: Any, write: bool, rkey: Any, memh: Any = None) -> Any:
+        inner = real_caller(self, write, rkey, memh)
+
+        def run(laddr: int, n: int, raddr: int) -> Any:
+            calls.append((laddr, n, raddr))
+            if len(calls) == 1:
+                return pend
+            return inner(laddr, n, raddr) if inner is not None else real(self, write, laddr, n, raddr, rkey, memh)
+        return run
+
     monkeypatch.setattr(type(peer.ep), "rma_flush_now", once_pending)
+    monkeypatch.setattr(type(peer.ep), "rma_caller", caller)
+    ini._pipeline.forget_fast()  # the pair binds again, through the patched calls
     assert ini.write(src, remote, 0, 64).result(10) == 64  # the lane declined; the full path carried it
     att = next(a for a in peer.attached.values() if a.orphans)
     assert att.orphans == [pend] and att in ucx._orphaned
@@ -95,3 +109,55 @@ def test_a_declined_write_left_in_flight_holds_revocation(bound: Any, monkeypatc
     with ucx._lock:
         ucx._reap_orphans()
     assert att.orphans == [] and pend.freed and att not in ucx._orphaned
+
+
+def test_bound_write_goes_through_the_packed_native_call(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpcomm.plugins.ucx import _native, _ucp
+
+    if _native.module() is None:
+        pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
+    target, ini, kv, remote, src = bound
+    # With the packed call bound, the ctypes path is not used at all.
+    monkeypatch.setattr(_ucp.Endpoint, "rma_flush_now", lambda *a, **k: pytest.fail("ctypes path used"))
+    for i, fill in enumerate((b"\x41", b"\x42")):
+        src.view[:4096] = fill * 4096
+        t = ini.write(src, remote, 4096 * i, 4096)
+        assert t.done() and t.result(0) == 4096
+        assert bytes(kv.view[4096 * i:4096 * (i + 1)]) == fill * 4096
+    ucx = ini.transports["ucx"]
+    peer = next(iter(ucx._peers.values()))
+    ep = peer.ep
+    att = next(iter(peer.attached.values()))
+    call = ep.rma_caller(True, att.rkey, ucx._memh.get(src.id))
+    assert call(src.address, 64, att.base) == 0  # the same call, outside the engine
+    # A peer failure recorded on the endpoint: nothing is issued, its status comes back.
+    monkeypatch.setattr(ep, "error_status", _ucp.UCS_ERR_CONNECTION_RESET)
+    assert call(src.address, 64, att.base) == _ucp.UCS_ERR_CONNECTION_RESET
+
+
+def test_packed_call_refuses_after_its_endpoint_closed() -> None:
+    from mpcomm.plugins.ucx import _native, _ucp
+
+    if _native.module() is None:
+        pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
+    import mmap
+
+    ctx = _ucp.Context(env={"RNDV_THRESH": "inf"})
+    try:
+        w = ctx.create_worker()
+        buf = mmap.mmap(-1, 4096)
+        mh = ctx.mem_map(_ucp.buffer_address(buf), 4096)
+        ep = w.connect(w.address, error_handling=True)
+        rk = ep.unpack_rkey(mh.pack_rkey())
+        src = mmap.mmap(-1, 4096)
+        src[:64] = b"\x5c" * 64
+        call = ep.rma_caller(True, rk)
+        assert call is not None
+        st = call(_ucp.buffer_address(src), 64, mh.address)
+        if not isinstance(st, int):
+            _ucp.wait_all([st], timeout=10)
+        assert buf[:64] == b"\x5c" * 64  # a loopback endpoint: the put landed in our own buffer
+        ep.close(force=True, timeout=5)
+        assert call(_ucp.buffer_address(src), 64, mh.address) == _ucp.UCS_ERR_CANCELED  # never a stale handle
+    finally:
+        ctx.close()
