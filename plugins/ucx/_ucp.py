@@ -582,10 +582,12 @@ class Endpoint:
         return failed
 
     def rma_group(self, write: bool, lbase: int, local_offsets, rbase: int, remote_offsets, lengths,
-                  rkey: "RemoteKey", memh: MemHandle | None = None) -> dict:
+                  rkey: "RemoteKey", memh: MemHandle | None = None, merge: int = 0) -> dict:
         """rma_many over ``base + offset`` arrays (``array('q')``), in the compiled helper when
         there is one (issue, release and progress without the interpreter), else in Python.
-        The worker is progressed while it reports work afterwards either way."""
+        The worker is progressed while it reports work afterwards either way. With the helper,
+        pieces adjacent on both sides go as one operation of up to ``merge`` bytes (0: never);
+        a refusal then names every index that operation covered."""
         native = _native_helper()
         n = len(lengths)
         if native is None or self.error_status is not None or n == 0:
@@ -606,7 +608,7 @@ class Endpoint:
         refused = native.mpcomm_ucx_rma_many(
             fns[0] if write else fns[1], fns[2], fns[3], self._h, self.worker._h,
             arr.from_buffer(local_offsets), lbase, arr.from_buffer(remote_offsets), rbase,
-            arr.from_buffer(lengths), n, rkey._h, C.byref(p), status)
+            arr.from_buffer(lengths), n, rkey._h, C.byref(p), status, merge)
         if not refused:
             return {}
         return {i: status[i] for i in range(n) if status[i]}

@@ -1110,7 +1110,7 @@ class UcxTransport(Transport):
                     op, base = w.op, att.base
                     lbase = op.local.address
                     failed = ep.rma_group(w.kind == "write", lbase, op.local_offsets, base, op.remote_offsets,
-                                          op.lengths, rkey, w.memh)
+                                          op.lengths, rkey, w.memh, self._chunk)
                     for i, status in failed.items():
                         w.failed[i] = map_status(status, w.remote, w.kind, "request refused")
                     w.next = len(w.items)
