@@ -366,17 +366,19 @@ class Pipeline:
         """
         if local.closed:
             return None
+        # First what rules the lane out for good (no cached route, a transport without the
+        # lane: tcp, rdma): such requests go straight to the full path, which checks them.
+        entry = self._routes.get((remote.address, remote.epoch, remote.region_id, local.kind, None))
+        if entry is None:
+            return None
+        transport = entry[0][0]
+        if type(transport).post_inline is Transport.post_inline:
+            return None
         self._check_access(kind, local, remote)
         length = self._check_bounds(local, remote, lo, ro, length)
         self._timeout(timeout)
         link = self.e._peers.ready(remote.address)
-        if link is None or link.info.epoch != remote.epoch:
-            return None
-        entry = self._routes.get((remote.address, remote.epoch, remote.region_id, local.kind, None))
-        if entry is None or self.e.health.any_failures():
-            return None
-        transport = entry[0][0]
-        if type(transport).post_inline is Transport.post_inline:
+        if link is None or link.info.epoch != remote.epoch or self.e.health.any_failures():
             return None
         try:
             local.acquire()  # released by _leased_call

@@ -30,9 +30,36 @@ import importlib
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import IO, Any
 
 from mpcomm.testing.patterns import pattern
+
+
+def serve_commands(handlers: dict[str, Callable[..., str]], out: IO[str], lines: Iterable[str] | None = None) -> None:
+    """Answer one command per line with one line until ``quit`` or the end of ``lines`` (stdin).
+
+    ``handlers[word](*args)`` returns the answer for ``word args...``. An
+    unknown word, or any exception a handler raises, is answered ``error
+    Class: message`` on one line and the loop goes on: a target under test
+    never dies of a bad command. Shared by the kit's target and richer targets
+    built on it (the fault suite's host).
+    """
+    for line in sys.stdin if lines is None else lines:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "quit":
+            return
+        fn = handlers.get(cmd[0])
+        if fn is None:
+            out.write(f"error unknown command {cmd[0]}\n")
+            continue
+        try:
+            answer = fn(*cmd[1:])
+        except Exception as exc:  # noqa: BLE001 - report, keep serving
+            answer = f"error {type(exc).__name__}: {str(exc).replace(chr(10), ' ')}"
+        out.write(answer + "\n")
 
 
 def main(argv: list[str]) -> int:
@@ -77,40 +104,34 @@ def main(argv: list[str]) -> int:
 
     engine.on_notification(on_note)
     out.write(json.dumps({"address": engine.address, "pid": os.getpid(), "node_id": engine.node_id}) + "\n")
-    for line in sys.stdin:
-        cmd = line.split()
-        if not cmd:
-            continue
-        try:
-            if cmd[0] == "sha":
-                view = regions[cmd[1]].view if cmd[1] in regions else memoryview(memory[cmd[1]])
-                off, ln = int(cmd[2]), int(cmd[3])
-                out.write(hashlib.sha256(view[off : off + ln]).hexdigest() + "\n")
-            elif cmd[0] == "fill":
-                r = regions[cmd[1]]
-                r.view[:] = pattern(int(cmd[2]), r.size)
-                out.write("ok\n")
-            elif cmd[0] == "zero":
-                r = regions[cmd[1]]
-                r.view[:] = bytes(r.size)
-                out.write("ok\n")
-            elif cmd[0] == "notes":
-                out.write(json.dumps(notes) + "\n")
-            elif cmd[0] == "unregister":
-                engine.unregister(regions[cmd[1]])  # refused (RegionBusyError): it stays reachable
-                regions.pop(cmd[1])
-                out.write("ok\n")
-            elif cmd[0] == "register":
-                if cmd[1] in regions:
-                    raise ValueError(f"region {cmd[1]!r} is still registered")
-                regions[cmd[1]] = engine.register(memory[cmd[1]], name=cmd[1])
-                out.write("ok\n")
-            elif cmd[0] == "quit":
-                break
-            else:
-                out.write(f"error unknown command {cmd[0]}\n")
-        except Exception as exc:  # noqa: BLE001 - report, keep serving
-            out.write(f"error {type(exc).__name__}: {exc}\n")
+
+    def sha(name: str, off: str, ln: str) -> str:
+        view = regions[name].view if name in regions else memoryview(memory[name])
+        return hashlib.sha256(view[int(off) : int(off) + int(ln)]).hexdigest()
+
+    def fill(name: str, seed: str) -> str:
+        r = regions[name]
+        r.view[:] = pattern(int(seed), r.size)
+        return "ok"
+
+    def zero(name: str) -> str:
+        r = regions[name]
+        r.view[:] = bytes(r.size)
+        return "ok"
+
+    def unregister(name: str) -> str:
+        engine.unregister(regions[name])  # refused (RegionBusyError): it stays reachable
+        regions.pop(name)
+        return "ok"
+
+    def register(name: str) -> str:
+        if name in regions:
+            raise ValueError(f"region {name!r} is still registered")
+        regions[name] = engine.register(memory[name], name=name)
+        return "ok"
+
+    serve_commands({"sha": sha, "fill": fill, "zero": zero, "notes": lambda: json.dumps(notes),
+                    "unregister": unregister, "register": register}, out)
     engine.close()
     return 0
 

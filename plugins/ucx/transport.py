@@ -158,7 +158,7 @@ class _Attach:
     """Initiator side: one remote region as the target described it over the control channel."""
 
     __slots__ = ("key", "peer", "info", "state", "error", "rkey_hex", "rkey", "generation", "base", "size",
-                 "access", "waiting", "works", "ok_remote", "orphans")
+                 "access", "waiting", "works", "ok_remote", "orphans", "calls")
 
     def __init__(self, key: tuple[int, str, int], peer: _Peer, info: PeerInfo) -> None:
         self.key = key  # (region_id, epoch, token)
@@ -177,6 +177,8 @@ class _Attach:
         #: Requests the inline lane issued and left in flight when it declined (the full path redoes
         #: the write; its flush covers these). A revocation waits for them as for ``works``.
         self.orphans: list[Any] = []
+        #: (write, local region id) -> (endpoint, rkey, packed call): post()'s hot path (bounded).
+        self.calls: dict[tuple[bool, int], tuple[Any, Any, Any]] = {}
 
 
 class _Work:
@@ -614,6 +616,7 @@ class UcxTransport(Transport):
 
     def _drop_rkey(self, att: _Attach) -> None:
         rk, att.rkey = att.rkey, None
+        att.calls.clear()  # packed with that rkey
         if rk is None:
             return
         ep = att.peer.ep
@@ -809,8 +812,11 @@ class UcxTransport(Transport):
                 att = p.attached.get((r.region_id, r.epoch, r.token))
                 ep = self._hot_ep(p, att, r, op.remote_offset, length) if att is not None else None
                 if ep is not None:
-                    st = ep.rma_flush_now(op.kind == "write", op.local.address + op.local_offset, length,
-                                          att.base + op.remote_offset, att.rkey, self._memh.get(op.local.id))
+                    write = op.kind == "write"
+                    la, ra = op.local.address + op.local_offset, att.base + op.remote_offset
+                    call = self._packed(att, ep, write, op.local.id)
+                    st = call(la, length, ra) if call is not None else \
+                        ep.rma_flush_now(write, la, length, ra, att.rkey, self._memh.get(op.local.id))
                     if st == 0:
                         done = True
                     elif isinstance(st, int):
@@ -845,6 +851,16 @@ class UcxTransport(Transport):
                 op.fail(err)
                 return
         self._post(op, False)
+
+    def _packed(self, att: _Attach, ep: Any, write: bool, local_id: int) -> Any:
+        """The packed native call for (endpoint, rkey, local region, direction), or None (lock held)."""
+        key = (write, local_id)
+        c = att.calls.get(key)
+        if c is None or c[0] is not ep or c[1] is not att.rkey:
+            if len(att.calls) >= 16:
+                att.calls.clear()  # bounded: the pairs in use pack again
+            c = att.calls[key] = (ep, att.rkey, ep.rma_caller(write, att.rkey, self._memh.get(local_id)))
+        return c[2]
 
     def post_inline(self, kind: str, local: Region, local_offset: int, remote: Any, remote_offset: int,
                     length: int) -> bool:

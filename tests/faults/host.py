@@ -1,5 +1,7 @@
 """A target engine for the fault suite with more levers than the kit's: ``python host.py SPEC``.
 
+Its command loop is the kit's (``mpcomm.testing.target.serve_commands``); only the commands differ.
+
 SPEC is JSON ``{"transport": name, "endpoint": "127.0.0.1:0", "config": {...},
 "regions": {"name": [size, how, seed]}}``; ``how`` is ``buffer`` (a registered
 bytearray), ``readonly`` (registered bytes) or ``allocate`` (Engine.allocate); every region starts filled with
@@ -36,6 +38,7 @@ def main(argv: list[str]) -> int:
 
     import mpcomm
     from mpcomm.testing.patterns import pattern
+    from mpcomm.testing.target import serve_commands
 
     engine = mpcomm.Engine(spec.get("config") or None, endpoint=spec.get("endpoint", "127.0.0.1:0"),
                            transports=[spec["transport"]])
@@ -62,47 +65,39 @@ def main(argv: list[str]) -> int:
                           "epoch": engine.epoch,
                           "transports": engine.info().transports}) + "\n")
     limits = {"AS": resource.RLIMIT_AS, "MEMLOCK": resource.RLIMIT_MEMLOCK}
-    for line in sys.stdin:
-        cmd = line.split()
-        if not cmd:
-            continue
-        try:
-            op = cmd[0]
-            if op == "sha":
-                off, ln = int(cmd[2]), int(cmd[3])
-                out.write(hashlib.sha256(memoryview(memory[cmd[1]])[off : off + ln]).hexdigest() + "\n")
-            elif op == "fill":
-                mem = memory[cmd[1]]
-                memoryview(mem)[:] = pattern(int(cmd[2]), len(mem))
-                out.write("ok\n")
-            elif op == "register":
-                register(cmd[1], int(cmd[2]), cmd[3], int(cmd[4]))
-                out.write("ok\n")
-            elif op == "unregister":
-                region = regions[cmd[1]]
-                engine.unregister(region, timeout=float(cmd[2]) if len(cmd) > 2 else None)
-                del regions[cmd[1]]
-                old = memory[f"old:{cmd[1]}"] = memory.pop(cmd[1])
-                # The old memory's sha the moment unregister returned: any later change is a late byte.
-                out.write(f"ok {hashlib.sha256(memoryview(old)).hexdigest()}\n")
-            elif op == "rlimit":
-                which = limits[cmd[1]]
-                _soft, hard = resource.getrlimit(which)
-                soft = resource.RLIM_INFINITY if cmd[2] == "inf" else int(cmd[2])
-                resource.setrlimit(which, (soft, hard))
-                out.write("ok\n")
-            elif op == "vmsize":
-                with open("/proc/self/status") as f:
-                    kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmSize:"))
-                out.write(f"{kb * 1024}\n")
-            elif op == "ping":
-                out.write("pong\n")
-            elif op == "quit":
-                break
-            else:
-                out.write(f"error unknown command {op}\n")
-        except Exception as exc:  # noqa: BLE001 - report, keep serving
-            out.write(f"error {type(exc).__name__}: {str(exc).replace(chr(10), ' ')}\n")
+
+    def sha(name: str, off: str, ln: str) -> str:
+        return hashlib.sha256(memoryview(memory[name])[int(off) : int(off) + int(ln)]).hexdigest()
+
+    def fill(name: str, seed: str) -> str:
+        mem = memory[name]
+        memoryview(mem)[:] = pattern(int(seed), len(mem))
+        return "ok"
+
+    def register_cmd(name: str, size: str, how: str, seed: str) -> str:
+        register(name, int(size), how, int(seed))
+        return "ok"
+
+    def unregister(name: str, timeout: str | None = None) -> str:
+        engine.unregister(regions[name], timeout=float(timeout) if timeout is not None else None)
+        del regions[name]
+        old = memory[f"old:{name}"] = memory.pop(name)
+        # The old memory's sha the moment unregister returned: any later change is a late byte.
+        return f"ok {hashlib.sha256(memoryview(old)).hexdigest()}"
+
+    def rlimit(which: str, soft: str) -> str:
+        res = limits[which]
+        _soft, hard = resource.getrlimit(res)
+        resource.setrlimit(res, (resource.RLIM_INFINITY if soft == "inf" else int(soft), hard))
+        return "ok"
+
+    def vmsize() -> str:
+        with open("/proc/self/status") as f:
+            kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmSize:"))
+        return str(kb * 1024)
+
+    serve_commands({"sha": sha, "fill": fill, "register": register_cmd, "unregister": unregister,
+                    "rlimit": rlimit, "vmsize": vmsize, "ping": lambda: "pong"}, out)
     engine.close()
     return 0
 

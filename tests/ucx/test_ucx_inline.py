@@ -161,3 +161,19 @@ def test_packed_call_refuses_after_its_endpoint_closed() -> None:
         assert call(_ucp.buffer_address(src), 64, mh.address) == _ucp.UCS_ERR_CANCELED  # never a stale handle
     finally:
         ctx.close()
+
+
+def test_post_hot_path_uses_the_packed_call_for_reads(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpcomm.plugins.ucx import _native, _ucp
+
+    if _native.module() is None:
+        pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
+    target, ini, kv, remote, src = bound
+    kv.view[:4096] = b"\x6e" * 4096
+    assert ini.read(src, remote, 0, 4096, local_offset=8192).result(10) == 4096  # packs the call
+    monkeypatch.setattr(_ucp.Endpoint, "rma_flush_now", lambda *a, **k: pytest.fail("ctypes path used"))
+    kv.view[:4096] = b"\x6f" * 4096
+    assert ini.read(src, remote, 0, 4096, local_offset=8192).result(10) == 4096
+    assert bytes(src.view[8192:12288]) == b"\x6f" * 4096
+    att = next(iter(next(iter(ini.transports["ucx"]._peers.values())).attached.values()))
+    assert (False, src.id) in att.calls and len(att.calls) <= 16
