@@ -518,7 +518,9 @@ class Endpoint:
         handles packed once; None without that module (use :meth:`rma_flush_now`).
         The result is what :meth:`rma_flush_now` returns. The caller must not
         use it after this endpoint or ``rkey`` is closed (it checks the
-        endpoint's handle and error state, not the rkey's).
+        endpoint's handle and error state, not the rkey's), and must serialize
+        its calls (the packed struct holds the pending request of the last one):
+        the transport calls it under its lock.
         """
         nat = _native_module()
         if nat is None or self._h is None or rkey._h is None:
