@@ -812,11 +812,8 @@ class UcxTransport(Transport):
                 att = p.attached.get((r.region_id, r.epoch, r.token))
                 ep = self._hot_ep(p, att, r, op.remote_offset, length) if att is not None else None
                 if ep is not None:
-                    write = op.kind == "write"
-                    la, ra = op.local.address + op.local_offset, att.base + op.remote_offset
-                    call = self._packed(att, ep, write, op.local.id)
-                    st = call(la, length, ra) if call is not None else \
-                        ep.rma_flush_now(write, la, length, ra, att.rkey, self._memh.get(op.local.id))
+                    st = self._packed(att, ep, op.kind == "write", op.local.id)[2](
+                        op.local.address + op.local_offset, length, att.base + op.remote_offset)
                     if st == 0:
                         done = True
                     elif isinstance(st, int):
@@ -852,15 +849,25 @@ class UcxTransport(Transport):
                 return
         self._post(op, False)
 
-    def _packed(self, att: _Attach, ep: Any, write: bool, local_id: int) -> Any:
-        """The packed native call for (endpoint, rkey, local region, direction), or None (lock held)."""
+    def _packed(self, att: _Attach, ep: Any, write: bool, local_id: int) -> tuple[Any, Any, Any]:
+        """``(ep, rkey, call)``: ``call(laddr, n, raddr)`` is one small put+flush or get to ``att`` (lock held).
+
+        The helper's packed native call (:meth:`Endpoint.rma_caller`), made once per
+        (endpoint, rkey, local region, direction) and kept on the attachment (at most 16);
+        without the extension module, :meth:`Endpoint.rma_flush_now`. Either returns what
+        rma_flush_now returns. A caller that keeps the tuple may use its call while the
+        attachment's endpoint and rkey are still these.
+        """
         key = (write, local_id)
         c = att.calls.get(key)
         if c is None or c[0] is not ep or c[1] is not att.rkey:
             if len(att.calls) >= 16:
                 att.calls.clear()  # bounded: the pairs in use pack again
-            c = att.calls[key] = (ep, att.rkey, ep.rma_caller(write, att.rkey, self._memh.get(local_id)))
-        return c[2]
+            rkey, memh = att.rkey, self._memh.get(local_id)
+            call = ep.rma_caller(write, rkey, memh) or (
+                lambda la, n, ra: ep.rma_flush_now(write, la, n, ra, rkey, memh))
+            c = att.calls[key] = (ep, rkey, call)
+        return c
 
     def post_inline(self, kind: str, local: Region, local_offset: int, remote: Any, remote_offset: int,
                     length: int) -> bool:
@@ -886,11 +893,10 @@ class UcxTransport(Transport):
         if found is None:
             return None
         peer, att = found
-        memh = self._memh.get(local.id)
-        laddr = local.address
+        laddr, lid = local.address, local.id
         limit = min(self._chunk, self._inline_threshold)
         lock = self._lock
-        bound: list[Any] = [None, None, None]  # the endpoint and rkey its packed call was made for, the call
+        last: list[Any] = [(None, None, None)]  # the attachment's packed call this move used last
 
         def move(lo: int, ro: int, n: int) -> bool:
             if n <= 0 or n > limit:
@@ -899,13 +905,10 @@ class UcxTransport(Transport):
                 ep = self._hot_ep(peer, att, remote, ro, n)
                 if ep is None:
                     return False
-                if ep is not bound[0] or att.rkey is not bound[1]:
-                    bound[:] = ep, att.rkey, ep.rma_caller(True, att.rkey, memh)  # a new endpoint or rkey
-                call = bound[2]
-                if call is not None:
-                    st = call(laddr + lo, n, att.base + ro)
-                else:
-                    st = ep.rma_flush_now(True, laddr + lo, n, att.base + ro, att.rkey, memh)
+                c = last[0]
+                if c[0] is not ep or c[1] is not att.rkey:
+                    c = last[0] = self._packed(att, ep, True, lid)
+                st = c[2](laddr + lo, n, att.base + ro)
                 if st == 0:
                     if self._active:
                         self._signal()  # the progress calls may have completed handed-off work

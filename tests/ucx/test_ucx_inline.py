@@ -98,7 +98,9 @@ def test_a_declined_write_left_in_flight_holds_revocation(bound: Any, monkeypatc
 
     monkeypatch.setattr(type(peer.ep), "rma_flush_now", once_pending)
     monkeypatch.setattr(type(peer.ep), "rma_caller", caller)
-    ini._pipeline.forget_fast()  # the pair binds again, through the patched calls
+    for a in peer.attached.values():
+        a.calls.clear()  # the packed calls are made again, through the patched ones,
+    ini._pipeline.forget_fast()  # and the pair binds again
     assert ini.write(src, remote, 0, 64).result(10) == 64  # the lane declined; the full path carried it
     att = next(a for a in peer.attached.values() if a.orphans)
     assert att.orphans == [pend] and att in ucx._orphaned
