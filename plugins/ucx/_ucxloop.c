@@ -97,14 +97,13 @@ int64_t mpcomm_ucx_rma_one(rma_fn fn, check_fn check, free_fn rfree, progress_fn
  * mpcomm_ucx_rma_one converts 15 arguments (about 2 us here, as much as the put
  * and flush themselves). The binding packs the handles and function pointers
  * of one (endpoint, rkey, memh) once into a struct mp_rma_call and passes its
- * address; per request only the addresses and the length cross. Up to
- * MP_KEEP_GIL bytes the call keeps the GIL: the caller holds the transport's
- * lock anyway, and giving the GIL up and taking it back costs more than a
- * small put. Built only where Python.h is found. */
+ * address; per request only the addresses and the length cross. The GIL is
+ * always released around the UCX calls, as ctypes does: in multi-thread mode
+ * another thread (the progress thread) can hold the worker's lock while UCX
+ * runs our error callback, which needs the GIL; keeping it here while UCX
+ * spins on that lock would deadlock. Built only where Python.h is found. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-
-#define MP_KEEP_GIL (64 << 10)
 
 struct mp_rma_call {
     rma_fn fn;            /* ucp_put_nbx or ucp_get_nbx */
@@ -137,15 +136,10 @@ static PyObject *py_rma_one(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     int64_t r;
     c->pending = NULL;
-    if (n > MP_KEEP_GIL) {
-        Py_BEGIN_ALLOW_THREADS
-        r = mpcomm_ucx_rma_one(c->fn, c->check, c->rfree, c->progress, c->flush, c->ep, c->worker, laddr, n, raddr,
-                               c->rkey, c->param, c->fparam, c->write, &c->pending);
-        Py_END_ALLOW_THREADS
-    } else {
-        r = mpcomm_ucx_rma_one(c->fn, c->check, c->rfree, c->progress, c->flush, c->ep, c->worker, laddr, n, raddr,
-                               c->rkey, c->param, c->fparam, c->write, &c->pending);
-    }
+    Py_BEGIN_ALLOW_THREADS
+    r = mpcomm_ucx_rma_one(c->fn, c->check, c->rfree, c->progress, c->flush, c->ep, c->worker, laddr, n, raddr,
+                           c->rkey, c->param, c->fparam, c->write, &c->pending);
+    Py_END_ALLOW_THREADS
     return PyLong_FromLongLong((long long)r);
 }
 

@@ -179,3 +179,54 @@ def test_post_hot_path_uses_the_packed_call_for_reads(bound: Any, monkeypatch: p
     assert bytes(src.view[8192:12288]) == b"\x6f" * 4096
     att = next(iter(next(iter(ini.transports["ucx"]._peers.values())).attached.values()))
     assert (False, src.id) in att.calls and len(att.calls) <= 16
+
+
+def test_writers_on_the_lane_survive_a_peer_dying_under_them() -> None:
+    """A peer killed while threads hammer the bound lane: every writer ends, none deadlocks.
+
+    The progress thread meets the failure inside ucp_worker_progress, holding UCX's
+    worker lock, and runs our error callback, which needs the GIL. A lane call that
+    kept the GIL while UCX waited for that lock froze the whole process (seen once in
+    CI with 64 KiB writes); the helper now always releases it, as ctypes does.
+    """
+    from mpcomm.testing.kit import ConformanceEnv, Skip
+
+    try:
+        env = ConformanceEnv("ucx")
+    except Skip as exc:
+        pytest.skip(str(exc))
+    import threading
+    import time
+
+    try:
+        for _ in range(3):
+            target = env.spawn(regions={"kv": [1 << 20, "allocate"]})
+            remote = env.remote("kv", target)
+            src = env.engine.allocate(1 << 20)
+            assert env.engine.write(src, remote, 0, 4096).result(10) == 4096
+            stop = threading.Event()
+            ended: list[str] = []
+
+            def pump(n: int) -> None:
+                try:
+                    while not stop.is_set():
+                        env.engine.write(src, remote, 0, n, timeout=5).result(15)
+                except mpcomm.MpcommError as exc:
+                    ended.append(type(exc).__name__)
+                    return
+                ended.append("stopped")
+
+            threads = [threading.Thread(target=pump, args=(n,), daemon=True) for n in (64 << 10, 4096)]
+            for th in threads:
+                th.start()
+            time.sleep(0.3)
+            target.kill()
+            deadline = time.monotonic() + 25
+            for th in threads:
+                th.join(max(0.0, deadline - time.monotonic()))
+            stop.set()
+            assert not any(th.is_alive() for th in threads), "a writer hung after the peer died"
+            assert len(ended) == 2, ended
+            env.engine.unregister(src, timeout=10)
+    finally:
+        env.close()
