@@ -98,6 +98,29 @@ MAX_ATTACHED = 1024  # idle attachments (unpacked rkeys) kept per peer endpoint
 
 _PEER_GONE = {-25, -80, -6, -24, -3}  # CONNECTION_RESET, ENDPOINT_TIMEOUT, UNREACHABLE, NOT_CONNECTED, IO_ERROR
 
+#: UCT transports whose put/get is a copy this process makes itself (a system call or a
+#: mapping), finished inside progress without any step of the peer's.
+_LOCAL_COPY_TLS = frozenset({"cma", "knem", "xpmem"})
+
+
+def _rma_is_local_copy(lanes: str) -> bool:
+    """True when every RMA lane in ``ucp_ep_print_info`` text is a local copy (cma, knem, xpmem).
+
+    Without an RMA lane UCX emulates RMA over active messages (the peer's
+    progress answers), so that is False too, as is any text this does not read.
+    """
+    tls = []
+    for line in lanes.splitlines():
+        if "lane[" not in line or " rma" not in line:
+            continue
+        try:
+            tl = line.split("]:", 1)[1].split()[0].split(":", 1)[1].split("/", 1)[0]
+        except IndexError:
+            return False
+        tls.append(tl)
+    return bool(tls) and all(tl in _LOCAL_COPY_TLS for tl in tls)
+
+
 
 def _ucp_module() -> Any:
     from . import _ucp
@@ -152,6 +175,8 @@ class _Peer:
         self.attached: OrderedDict[tuple[int, str, int], _Attach] = OrderedDict()
         self.connecting: list[_Attach] = []  # attaches queued for the connector thread
         self.connector: threading.Thread | None = None
+        #: (generation, whether its RMA lanes are local copies): may reads take the inline lane.
+        self.local_rma: tuple[int, bool] = (-1, False)
 
 
 class _Attach:
@@ -871,27 +896,30 @@ class UcxTransport(Transport):
 
     def post_inline(self, kind: str, local: Region, local_offset: int, remote: Any, remote_offset: int,
                     length: int) -> bool:
-        """A small write on a ready endpoint, put and flush in one native call; declines anything else."""
+        """A small write (or, on a local-copy lane, read) on a ready endpoint in one native call; else declines."""
         move = self.inline_path(kind, local, remote)
         return move is not None and move(local_offset, remote_offset, length)
 
     def inline_path(self, kind: str, local: Region, remote: Any) -> Any:
         """The hot path of :meth:`post` bound to one attachment (see Transport.inline_path).
 
-        Writes only: a put still in flight when the lane declines is kept (``att.orphans``) and
+        Writes: a put still in flight when the lane declines is kept (``att.orphans``) and
         covered by the flush of the write :meth:`post` then issues, and a revocation waits for
-        it; a get still in flight could land in the local buffer after the redone read had
-        completed. Each call rechecks, under the lock, what a revocation, a failed or restarted
-        endpoint or a close changes.
+        it. Reads only where every RMA lane of the endpoint is a local copy (cma, knem, xpmem):
+        a get left in flight on a network lane could land in the local buffer after the redone
+        read had completed, while a local-copy get is finished here (local work, never a wait
+        on the peer). Each call rechecks, under the lock, what a revocation, a failed or
+        restarted endpoint or a close changes.
         """
-        if kind != "write" or self._closed:
+        if self._closed:
             return None
+        write = kind == "write"
         key = (remote.region_id, remote.epoch, remote.token)
         with self._lock:
             found = next(((p, p.attached[key]) for p in self._peers.values()
                           if key in p.attached and p.attached[key].ok_remote is remote), None)
-        if found is None:
-            return None
+            if found is None or not (write or self._local_rma(found[0])):
+                return None
         peer, att = found
         laddr, lid = local.address, local.id
         limit = min(self._chunk, self._inline_threshold)
@@ -907,19 +935,46 @@ class UcxTransport(Transport):
                     return False
                 c = last[0]
                 if c[0] is not ep or c[1] is not att.rkey:
-                    c = last[0] = self._packed(att, ep, True, lid)
+                    if not (write or self._local_rma(peer)):
+                        return False  # a new endpoint whose RMA is not a local copy
+                    c = last[0] = self._packed(att, ep, write, lid)
                 st = c[2](laddr + lo, n, att.base + ro)
+                if not isinstance(st, int):
+                    if write:
+                        att.orphans.append(st)
+                        self._orphaned.add(att)
+                        self._signal()
+                        return False
+                    st = self._finish_local(st)  # a get on a local-copy lane: local work, finish it
                 if st == 0:
                     if self._active:
                         self._signal()  # the progress calls may have completed handed-off work
                     return True
-                if not isinstance(st, int):
-                    att.orphans.append(st)
-                    self._orphaned.add(att)
-                    self._signal()
                 return False
 
         return move
+
+    def _local_rma(self, peer: _Peer) -> bool:
+        """Whether the peer's current endpoint does RMA as a local copy (lock held; cached per generation)."""
+        gen, local = peer.local_rma
+        if gen != peer.generation:
+            ep = peer.ep
+            local = ep is not None and _rma_is_local_copy(ep.info())
+            peer.local_rma = (peer.generation, local)
+        return local
+
+    def _finish_local(self, r: Any) -> int:
+        """Progress until ``r`` (a get on a local-copy lane) is done; its status (lock held).
+
+        Never a wait on the peer: a cma/knem/xpmem get is a copy this process
+        makes, fragment by fragment, inside progress.
+        """
+        progress = self._worker.progress  # type: ignore[union-attr]
+        while r.status() == 1:
+            progress()
+        st = r.status()
+        r.free()
+        return st
 
     def _hot_ep(self, peer: _Peer, att: _Attach, remote: Any, ro: int, n: int) -> Any:
         """The endpoint a small request to ``att`` may be issued on at once, or None (lock held).

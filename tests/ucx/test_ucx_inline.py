@@ -39,8 +39,12 @@ def test_small_write_lands_in_the_call_without_post(bound: Any, monkeypatch: pyt
     t = ini.write(src, remote, 12288, 8192)
     assert t.done() and t.result(0) == 8192 and t.transport == "ucx" and posted == []
     assert bytes(kv.view[12288:20480]) == b"\x77" * 8192
-    r = ini.read(src, remote, 0, 4096, local_offset=4096)  # reads keep the full path (see inline_path)
-    assert r.result(10) == 4096 and len(posted) == 1
+    # Reads take the lane too where the endpoint's RMA is a local copy (cma here), else post().
+    ucx_peer = next(iter(ucx._peers.values()))
+    local = ucx._local_rma(ucx_peer)
+    r = ini.read(src, remote, 0, 4096, local_offset=4096)
+    assert r.result(10) == 4096 and len(posted) == (0 if local else 1)
+    assert bytes(src.view[4096:8192]) == bytes(kv.view[:4096])
     with pytest.raises(mpcomm.OutOfBoundsError):
         ini.write(src, remote, (1 << 20) - 10, 4096)
 
@@ -230,3 +234,54 @@ def test_writers_on_the_lane_survive_a_peer_dying_under_them() -> None:
             env.engine.unregister(src, timeout=10)
     finally:
         env.close()
+
+
+LANES_CMA = """#                 lane[0]:  2:tcp/lo.0 md[1]     -> md[1]/tcp/sysdev[255] seg 4294967295 am keepalive wireup
+#                 lane[1]:  5:cma/memory.0 md[4] -> md[4]/cma/sysdev[255] seg 4294967295 rma_bw#0"""
+LANES_TCP = """#                 lane[0]:  1:tcp/lo.0 md[0]   -> md[0]/tcp/sysdev[255] seg 4294967295 rma_bw#0 am keepalive
+#                 lane[1]:  0:tcp/eth0.0 md[0] -> md[0]/tcp/sysdev[255] seg 4294967295 rma_bw#1 wireup"""
+
+
+def test_only_local_copy_rma_lanes_let_reads_take_the_lane() -> None:
+    from mpcomm.plugins.ucx.transport import _rma_is_local_copy
+
+    assert _rma_is_local_copy(LANES_CMA)
+    assert not _rma_is_local_copy(LANES_TCP)
+    assert not _rma_is_local_copy(LANES_CMA + "\n" + LANES_TCP.splitlines()[1])  # one network RMA lane: no
+    assert not _rma_is_local_copy(LANES_CMA.splitlines()[0])  # no RMA lane: emulated over AM, the peer answers
+    assert not _rma_is_local_copy("#  lane[0]: garbled rma")  # text it cannot read: no
+    assert not _rma_is_local_copy("")
+
+
+def test_reads_keep_the_full_path_off_local_copy_lanes(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpcomm.plugins.ucx import transport as ucx_transport
+
+    target, ini, kv, remote, src = bound
+    ucx = ini.transports["ucx"]
+    monkeypatch.setattr(ucx_transport, "_rma_is_local_copy", lambda lanes: False)
+    for p in ucx._peers.values():
+        p.local_rma = (-1, False)
+    ini._pipeline.forget_fast()
+    posted: list[Any] = []
+    monkeypatch.setattr(ucx, "post", lambda op: posted.append(op) or UcxTransport.post(ucx, op))
+    kv.view[:4096] = b"\x3d" * 4096
+    for _ in range(3):
+        assert ini.read(src, remote, 0, 4096).result(10) == 4096
+    assert len(posted) == 3 and bytes(src.view[:4096]) == b"\x3d" * 4096
+
+
+def test_revocation_reaches_a_bound_read_pair(bound: Any) -> None:
+    target, ini, kv, remote, src = bound
+    ucx = ini.transports["ucx"]
+    if not ucx._local_rma(next(iter(ucx._peers.values()))):
+        pytest.skip("the endpoint's RMA is not a local copy here: reads do not take the lane")
+    kv.view[:64] = b"\x21" * 64
+    for _ in range(3):  # bind the read pair
+        assert ini.read(src, remote, 0, 64, local_offset=8192).result(10) == 64
+    assert any(k[2] == "read" for k in ini._pipeline._fast)
+    src.view[8192:8256] = b"\x00" * 64
+    target.unregister(kv)
+    t = ini.read(src, remote, 0, 64, local_offset=8192)
+    with pytest.raises(mpcomm.MpcommError):
+        t.result(10)
+    assert t.status is not mpcomm.TransferStatus.COMPLETED and bytes(src.view[8192:8256]) == b"\x00" * 64
