@@ -186,7 +186,7 @@ def test_post_hot_path_uses_the_packed_call_for_reads(bound: Any, monkeypatch: p
 
 
 def test_writers_on_the_lane_survive_a_peer_dying_under_them() -> None:
-    """A peer killed while threads hammer the bound lane: every writer ends, none deadlocks.
+    """A peer killed while threads hammer the bound lane (writes and reads): every one ends, none deadlocks.
 
     The progress thread meets the failure inside ucp_worker_progress, holding UCX's
     worker lock, and runs our error callback, which needs the GIL. A lane call that
@@ -211,16 +211,18 @@ def test_writers_on_the_lane_survive_a_peer_dying_under_them() -> None:
             stop = threading.Event()
             ended: list[str] = []
 
-            def pump(n: int) -> None:
+            def pump(n: int, op: str = "write") -> None:
+                move = env.engine.write if op == "write" else env.engine.read
                 try:
                     while not stop.is_set():
-                        env.engine.write(src, remote, 0, n, timeout=5).result(15)
+                        move(src, remote, 0, n, timeout=5).result(15)
                 except mpcomm.MpcommError as exc:
                     ended.append(type(exc).__name__)
                     return
                 ended.append("stopped")
 
-            threads = [threading.Thread(target=pump, args=(n,), daemon=True) for n in (64 << 10, 4096)]
+            threads = [threading.Thread(target=pump, args=a, daemon=True)
+                       for a in ((64 << 10,), (4096,), (4096, "read"))]
             for th in threads:
                 th.start()
             time.sleep(0.3)
@@ -230,7 +232,7 @@ def test_writers_on_the_lane_survive_a_peer_dying_under_them() -> None:
                 th.join(max(0.0, deadline - time.monotonic()))
             stop.set()
             assert not any(th.is_alive() for th in threads), "a writer hung after the peer died"
-            assert len(ended) == 2, ended
+            assert len(ended) == 3, ended
             env.engine.unregister(src, timeout=10)
     finally:
         env.close()
