@@ -23,9 +23,11 @@ Rules every helper follows, because a shared library is code we execute:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import platform
 import secrets
@@ -34,10 +36,12 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["artifact_name", "build", "cache_dir", "compiler", "load_module", "private_file", "python_include"]
+__all__ = ["Helper", "artifact_name", "build", "cache_dir", "compiler", "load", "load_module", "private_file",
+           "python_include"]
 
 
 def compiler() -> str | None:
@@ -135,3 +139,53 @@ def load_module(name: str, path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
+
+
+@dataclass
+class Helper:
+    """A loaded helper: the shared library (ctypes), its extension module if it built as one, the file."""
+
+    lib: ctypes.CDLL
+    module: ModuleType | None
+    path: Path
+
+
+def load(source: Path, sub: str, stem: str, abi: int, abi_symbol: str, module_name: str,
+         include: str | None) -> Helper | str:
+    """Build (once) and load ``source`` as ``<cache>/<sub>/<stem>-<hash>.so``; else the reason, in words.
+
+    With ``include`` (the directory of Python.h, see :func:`python_include`)
+    the source is first built with ``-DMP_PYMODULE`` as the extension module
+    ``module_name``; without it, or if that build fails, as a plain library.
+    The library must answer ``abi_symbol()`` (an ``int`` function) with
+    ``abi``, and the module must carry ``ABI == abi``, or neither is used;
+    a module that fails to load leaves the library serving through ctypes.
+    """
+    if not source.is_file():
+        return f"{source.name} is not installed beside the plugin"
+    d = cache_dir(sub)
+    if d is None:
+        return "no private writable cache directory"
+    built: Path | str = "no Python.h"
+    if include is not None:
+        built = build(d / artifact_name(stem, source, abi, True), source, ["-DMP_PYMODULE", f"-I{include}"])
+    if not isinstance(built, Path):
+        built = build(d / artifact_name(stem, source, abi), source)
+    if not isinstance(built, Path):
+        return built
+    if not private_file(built):
+        return f"{built} is not private to this user; not loading it"
+    lib = ctypes.CDLL(str(built))
+    getattr(lib, abi_symbol).restype = ctypes.c_int
+    if getattr(lib, abi_symbol)() != abi:
+        return f"{built} has another ABI"
+    module = None
+    if hasattr(lib, f"PyInit_{module_name}"):
+        try:
+            module = load_module(module_name, built)
+            if module.ABI != abi:
+                module = None
+        except Exception as exc:  # noqa: BLE001 - the ctypes functions of the same library still serve
+            logging.getLogger("mpcomm.native").debug("%s did not load as a module (%s); using ctypes", built, exc)
+            module = None
+    return Helper(lib, module, built)

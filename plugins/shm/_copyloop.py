@@ -256,40 +256,9 @@ def _cache_dir() -> Path | None:
 def _load() -> CopyLoop:
     if os.environ.get(_ENV, "1") == "0":
         return CopyLoop(f"python fallback: disabled by {_ENV}=0")
-    if not SOURCE.is_file():
-        return CopyLoop(f"python fallback: {SOURCE.name} is not installed beside the plugin")
-    d = _cache_dir()
-    if d is None:
-        return CopyLoop("python fallback: no private writable cache directory for the compiled copy loop")
     # With Python.h the same source also builds as an extension module (cheaper single copies);
     # without it, or if that build fails, the plain library serves every call through ctypes.
-    inc = _python_include()
-    built: CopyLoop | Path | None = None
-    if inc is not None:
-        built = _build(d / _lib_name(module=True), ["-DMP_PYMODULE", f"-I{inc}"])
-    if not isinstance(built, Path):
-        built = _build(d / _lib_name())
-    if not isinstance(built, Path):
-        return built
-    path = built
-    if not native_helper.private_file(path):
-        return CopyLoop(f"python fallback: {path} is not private to this user; not loading it")
-    lib = ctypes.CDLL(str(path))
-    if lib.mp_abi() != ABI:
-        return CopyLoop(f"python fallback: {path} has another ABI")
-    module = None
-    if hasattr(lib, "PyInit__mpcomm_copyloop"):
-        try:
-            module = native_helper.load_module("_mpcomm_copyloop", path)
-            if module.ABI != ABI:
-                module = None
-        except Exception as exc:  # noqa: BLE001 - the ctypes functions of the same library still serve
-            log.debug("shm: the copy loop's extension module did not load (%s); using ctypes", exc)
-            module = None
-    return NativeLoop(lib, str(path), module)
-
-
-def _build(path: Path, extra: list[str] | None = None) -> CopyLoop | Path:
-    """``path``, compiling it first if it is not there (atomic rename); a fallback CopyLoop says why not."""
-    built = native_helper.build(path, SOURCE, extra)
-    return built if isinstance(built, Path) else CopyLoop(f"python fallback: {built}")
+    h = native_helper.load(SOURCE, "shm", "copyloop", ABI, "mp_abi", "_mpcomm_copyloop", _python_include())
+    if isinstance(h, str):
+        return CopyLoop(f"python fallback: {h}")
+    return NativeLoop(h.lib, str(h.path), h.module)

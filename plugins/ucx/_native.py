@@ -62,26 +62,11 @@ def module() -> ModuleType | None:
 
 
 def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
-    if not SOURCE.is_file():
-        return None, None, f"{SOURCE.name} is not installed beside the plugin"
-    d = native_helper.cache_dir("ucx")
-    if d is None:
-        return None, None, "no private writable cache directory"
-    inc = native_helper.python_include()
-    built: Path | str = "no Python.h"
-    if inc is not None:
-        built = native_helper.build(d / native_helper.artifact_name("ucxloop", SOURCE, ABI, True), SOURCE,
-                                    ["-DMP_PYMODULE", f"-I{inc}"])
-    if not isinstance(built, Path):
-        built = native_helper.build(d / native_helper.artifact_name("ucxloop", SOURCE, ABI), SOURCE)
-    if not isinstance(built, Path):
-        return None, None, built
-    if not native_helper.private_file(built):
-        return None, None, f"{built} is not private to this user; not loading it"
-    lib = C.CDLL(str(built))
-    lib.mpcomm_ucx_abi.restype = C.c_int64
-    if lib.mpcomm_ucx_abi() != ABI:
-        return None, None, f"{built} has another ABI"
+    h = native_helper.load(SOURCE, "ucx", "ucxloop", ABI, "mpcomm_ucx_abi", "_mpcomm_ucxloop",
+                           native_helper.python_include())
+    if isinstance(h, str):
+        return None, None, h
+    lib = h.lib
     f = lib.mpcomm_ucx_rma_many
     f.restype = C.c_int64
     f.argtypes = [C.c_void_p] * 5 + [C.c_void_p, C.c_int64, C.c_void_p, C.c_int64, C.c_void_p, C.c_int64,
@@ -90,16 +75,8 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
     g.restype = C.c_int64
     g.argtypes = [C.c_void_p] * 7 + [C.c_int64, C.c_int64, C.c_int64, C.c_void_p, C.c_void_p, C.c_void_p,
                                      C.c_int64, C.c_void_p]
-    mod = None
-    if hasattr(lib, "PyInit__mpcomm_ucxloop"):
-        try:
-            mod = native_helper.load_module("_mpcomm_ucxloop", built)
-            if mod.ABI != ABI or mod.CALL_SIZE != C.sizeof(RmaCall):
-                mod = None
-        except Exception as exc:  # noqa: BLE001 - the ctypes functions of the same library still serve
-            log.debug("ucx: the helper's extension module did not load (%s); using ctypes", exc)
-            mod = None
-    return lib, mod, f"compiled helper ({built}{', extension module' if mod is not None else ''})"
+    mod = h.module if h.module is not None and h.module.CALL_SIZE == C.sizeof(RmaCall) else None
+    return lib, mod, f"compiled helper ({h.path}{', extension module' if mod is not None else ''})"
 
 
 class RmaCall(C.Structure):

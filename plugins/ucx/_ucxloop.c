@@ -11,7 +11,7 @@
 
 #define MP_ABI 3
 
-int64_t mpcomm_ucx_abi(void) { return MP_ABI; }
+int mpcomm_ucx_abi(void) { return MP_ABI; }
 
 typedef void *(*rma_fn)(void *, void *, size_t, uint64_t, void *, const void *);
 typedef void (*free_fn)(void *);
