@@ -807,26 +807,27 @@ class ShmTransport(Transport):
         def move(lo: int, ro: int, n: int) -> bool:
             if n > limit or ro + n > size:
                 return False
-            if n > _SMALL:
+            long = n > _SMALL
+            if long:
                 if m.enter() is not None:
                     return False
-                try:
-                    if cma:
-                        return not cma1(pid, write, laddr + lo, base + ro, n, pidfd)
-                    if write:
-                        return not copy1(base + ro, laddr + lo, n, pidfd)
-                    return not copy1(laddr + lo, base + ro, n, pidfd)
-                finally:
-                    m.exit()
-            with lock:
+            else:
+                lock.acquire()
                 if m.error is not None:
+                    lock.release()
                     return False
+            try:
                 if cma:
                     rc = cma1(pid, write, laddr + lo, base + ro, n, pidfd)
                 elif write:
                     rc = copy1(base + ro, laddr + lo, n, pidfd)
                 else:
                     rc = copy1(laddr + lo, base + ro, n, pidfd)
+            finally:
+                if long:
+                    m.exit()
+                else:
+                    lock.release()
             return not rc
         return move
 

@@ -455,6 +455,13 @@ class Endpoint:
         r = fn(self._h, local_addr, length, remote_addr, rkey._h, C.byref(p))
         return Request._wrap(self.worker, r, name)
 
+    def _param(self, memh: MemHandle | None) -> "_RequestParam":
+        """The request parameters for ``memh``, built once and reused (UCX reads them only during a call)."""
+        p = self._params.get(memh)
+        if p is None:
+            p = self._params[memh] = _req_param(memh)
+        return p
+
     def rma_now(self, write: bool, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
                 memh: MemHandle | None = None) -> "Request | int":
         """One put/get, then local progress while it makes progress; the hot path of small requests.
@@ -464,9 +471,7 @@ class Endpoint:
         are built once per memh and reused (UCX reads them only during the call)."""
         if self.error_status is not None:
             return self.error_status
-        p = self._params.get(memh)
-        if p is None:
-            p = self._params[memh] = _req_param(memh)
+        p = self._param(memh)
         fn = self._lib.ucp_put_nbx if write else self._lib.ucp_get_nbx
         r = fn(self._h, local_addr, length, remote_addr, rkey._h, C.byref(p))
         if not r:
@@ -497,19 +502,13 @@ class Endpoint:
         if native is None or self.error_status is not None:
             st = self.rma_now(write, local_addr, length, remote_addr, rkey, memh)
             return self.flush_now() if st == 0 and write else st
-        p = self._params.get(memh)
-        if p is None:
-            p = self._params[memh] = _req_param(memh)
+        p = self._param(memh)
         fns = _fn_pointers(self._lib)
         pending = C.c_void_p()
         st = native.mpcomm_ucx_rma_one(fns[0] if write else fns[1], fns[4], fns[2], fns[3], fns[5], self._h,
                                        self.worker._h, local_addr, length, remote_addr, rkey._h, C.byref(p),
                                        C.byref(self._flush_param), int(write), C.byref(pending))
-        if st == 1:
-            return Request(self.worker, pending.value, "ucp_put_nbx" if write else "ucp_get_nbx")
-        if st == 2:
-            return Request(self.worker, pending.value, "ucp_ep_flush_nbx")
-        return st
+        return st if st <= 0 else _left_in_flight(self.worker, st, pending.value, write)
 
     def rma_caller(self, write: bool, rkey: "RemoteKey", memh: MemHandle | None = None):
         """:meth:`rma_flush_now` bound to this endpoint, ``rkey`` and ``memh``: ``call(laddr, n, raddr)``.
@@ -526,9 +525,7 @@ class Endpoint:
         if nat is None or self._h is None or rkey._h is None:
             return None
         mod, RmaCall = nat
-        p = self._params.get(memh)
-        if p is None:
-            p = self._params[memh] = _req_param(memh)
+        p = self._param(memh)
         fns = _fn_pointers(self._lib)
         call = RmaCall(fns[0] if write else fns[1], fns[4], fns[2], fns[3], fns[5], self._h.value,
                        self.worker._h.value, rkey._h.value, C.addressof(p), C.addressof(self._flush_param),
@@ -542,11 +539,7 @@ class Endpoint:
             if self.error_status is not None:
                 return self.error_status  # the peer failed: nothing was issued
             st = one(at, laddr, n, raddr)
-            if st == 1:
-                return Request(worker, call.pending, "ucp_put_nbx" if write else "ucp_get_nbx")
-            if st == 2:
-                return Request(worker, call.pending, "ucp_ep_flush_nbx")
-            return st
+            return st if st <= 0 else _left_in_flight(worker, st, call.pending, write)
 
         run.keep = keep  # type: ignore[attr-defined]
         return run
@@ -754,6 +747,13 @@ def _native_helper():
         except ImportError:
             _native_state.extend((None, None))
     return _native_state[0]
+
+
+def _left_in_flight(worker, code: int, ptr: int, write: bool) -> "Request":
+    """What mpcomm_ucx_rma_one left in flight: the put/get (code 1) or the write's flush (code 2)."""
+    if code == 2:
+        return Request(worker, ptr, "ucp_ep_flush_nbx")
+    return Request(worker, ptr, "ucp_put_nbx" if write else "ucp_get_nbx")
 
 
 def _native_module():

@@ -121,7 +121,6 @@ def _rma_is_local_copy(lanes: str) -> bool:
     return bool(tls) and all(tl in _LOCAL_COPY_TLS for tl in tls)
 
 
-
 def _ucp_module() -> Any:
     from . import _ucp
 
