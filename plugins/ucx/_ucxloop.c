@@ -54,7 +54,9 @@ int64_t mpcomm_ucx_rma_many(rma_fn fn, free_fn rfree, progress_fn progress, void
     return refused;
 }
 
-typedef int (*check_fn)(void *);
+/* ucs_status_t is a packed enum: one signed byte. Read as an int, a failure such as -3
+   (UCS_ERR_IO_ERROR) comes back as 253 and looks like neither done nor failed. */
+typedef int8_t (*check_fn)(void *);
 typedef void *(*flush_fn)(void *, const void *);
 
 /* What UCX returned for an operation, settled while the worker makes local progress:
@@ -66,7 +68,7 @@ static int64_t settle(void *r, int64_t code, check_fn check, free_fn rfree, prog
         return (int64_t)(intptr_t)r;
     if (r == NULL)
         return 0;
-    int st = check(r);
+    int8_t st = check(r);
     while (st == 1 && progress(worker))
         st = check(r);
     if (st == 1) {

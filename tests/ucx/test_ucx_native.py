@@ -94,3 +94,20 @@ def test_adjacent_batch_lands_whole_through_real_ucx() -> None:
     finally:
         ini.close(timeout=5)
         target.close(timeout=5)
+
+
+CHECK_BYTE = C.CFUNCTYPE(C.c_uint8, C.c_void_p)  # ucs_status_t is one byte; -3 travels as 0xfd
+FLUSH = C.CFUNCTYPE(C.c_void_p, C.c_void_p, C.c_void_p)
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_rma_one_reads_a_failed_request_status_as_the_signed_byte_it_is(lib: Any, write: bool) -> None:
+    """A request that ends in UCS_ERR_IO_ERROR (-3) is reported as -3, freed, and never as in flight."""
+    freed: list[int] = []
+    keep = (RMA(lambda ep, la, n, ra, rk, p: 0x1000), CHECK_BYTE(lambda r: ERR_IO & 0xFF),
+            FREE(lambda r: freed.append(r)), PROGRESS(lambda w: 0), FLUSH(lambda ep, p: 0))
+    fn, check, rfree, progress, flush = (C.cast(k, C.c_void_p) for k in keep)
+    pending = C.c_void_p()
+    st = lib.mpcomm_ucx_rma_one(fn, check, rfree, progress, flush, None, None, 0x2000, 64, 0x3000, None, None,
+                                None, int(write), C.byref(pending))
+    assert st == ERR_IO and freed == [0x1000] and pending.value is None
