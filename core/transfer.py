@@ -20,7 +20,9 @@ request finished inside ``write()``, otherwise on the engine's completion
 thread, which also runs the callbacks. No callback runs on a transport's
 thread, on the deadline timer or under a lock, so a callback may submit more
 transfers and wait on them with ``result()``. ``result()`` itself wakes as
-soon as the transport reported (one thread hop, not two).
+soon as the transport reported (one thread hop, not two); a transport that
+implements :meth:`~mpcomm.Transport.drive` (tcp) may report on the waiting
+thread itself, with no hop at all.
 
 **Timeouts.** Every request has a deadline (``runtime.request_timeout_ms``
 unless given). When it passes, the engine asks the transport to abort; the
@@ -46,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -53,7 +56,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .transport import DONE, FAILED, Operation, OperationGroup
+from .transport import DONE, FAILED, Operation, OperationGroup, Transport
 
 if TYPE_CHECKING:
     from .remote import RemoteRegion
@@ -209,6 +212,17 @@ class Transfer(Future):  # type: ignore[type-arg]
         with self._lock:
             self._waiters_n += 1
         try:
+            op = self._op
+            t = getattr(op, "transport", None)
+            if getattr(type(t), "drive", Transport.drive) is not Transport.drive and timeout != 0:
+                # Counted as a waiter first, so a report made by this very call leaves the settling here.
+                end = None if timeout is None else time.monotonic() + max(timeout, 0)
+                try:
+                    t.drive(op, math.inf if end is None else end)
+                except Exception:  # noqa: BLE001 - the caller still waits the usual way
+                    log.exception("transport %s failed in drive()", t.name)
+                if end is not None:
+                    timeout = max(end - time.monotonic(), 0)
             if self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
                 self._wake.release()  # pass it on to the next waiter
         finally:

@@ -657,6 +657,23 @@ class Transport:
 
         return move
 
+    def drive(self, op: Operation | OperationGroup, until: float) -> None:
+        """Optional: a thread is about to block in ``result()`` on ``op``; report it from here if you can.
+
+        Called on the waiting caller's thread, outside every engine lock, for a
+        posted request this transport carries, when the caller's thread would
+        otherwise sleep until another thread reports ``op``: a transport whose
+        reports come from a reader thread can instead read the answer here and
+        save the caller a thread wake-up. Return as soon as ``op`` is reported
+        (through ``complete``/``fail``, as the transport's own threads would),
+        once ``until`` (``time.monotonic()``) passes, or at once when this
+        thread cannot help; the caller then waits as usual. Never block past
+        ``until``, never wait on another operation, never leave a half-read
+        frame behind, and never raise (an exception is logged and ignored).
+        Reports of other operations made on the way are allowed. The default
+        returns at once.
+        """
+
     def abort(self, op: Operation | OperationGroup) -> None:
         """``op.abort_exc`` is set: stop ``op`` as soon as possible.
 

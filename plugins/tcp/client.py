@@ -7,7 +7,11 @@ instance (host, port, epoch). Each connection has
   ``transport.handshake_timeout_ms``), then sends whatever the posting side
   could not send at once, in order;
 * a **reader** thread: it reads replies, matches them to requests by id,
-  scatters read payloads straight into the local buffer, and reports.
+  scatters read payloads straight into the local buffer, and reports;
+* or, instead of the reader, a **driver**: a thread waiting in ``result()``
+  on a one-frame request reads the replies itself (:meth:`Conn.drive`), the
+  whole ones already in the socket buffer only, and leaves the rest to the
+  reader. Exactly one of them reads at a time (``reading``/``driving``).
 
 ``Conn.submit`` never waits on the peer: when the connection is up and
 nothing is queued, a request small enough is sent on the poster's thread with
@@ -34,9 +38,14 @@ carried it (the fence is per connection):
 from __future__ import annotations
 
 import collections
+import fcntl
 import itertools
 import json
+import math
+import select
 import socket
+import struct
+import termios
 import threading
 import time
 from typing import Any
@@ -46,12 +55,19 @@ from mpcomm.errors import MpcommError, PeerConnectionError, ProtocolError, error
 from mpcomm.peer import format_endpoint
 from mpcomm.transport_kit import send_nowait, views_of
 
-from . import wire
+from . import busypoll, wire
 from .tls_stream import handshake
 
 #: Request ids: unique per process, so a reply can never match another connection's request.
 next_id = itertools.count(1).__next__
 _DISCARD = bytearray(256 << 10)  # payloads of aborted reads land here and are thrown away
+#: How long the reader leaves a new request to the result() caller expected to drive it, and
+#: how long a connection whose replies a driver read stays in that mode without requests.
+HANDOFF = 0.001
+STICKY_IDLE = 0.01
+_DRIVE_SLICE = 0.05  # a driver rechecks its request at least this often (another thread may report it)
+_DRIVE_MAX = 256 << 10  # replies larger than this are left to the reader thread
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
 QUEUED, SENDING, SENT, RECEIVING, DONE = range(5)
 
@@ -60,7 +76,7 @@ class Piece:
     """One request frame on one connection (a stripe of an op, or a batch frame)."""
 
     __slots__ = ("conn", "req_id", "read", "views", "dests", "state", "aborted", "report", "count", "unconfirmed",
-                 "size")
+                 "size", "born")
 
     def __init__(self, req_id: int, read: bool, views: list[memoryview], dests: list[memoryview], report: Any,
                  count: int, size: int) -> None:
@@ -76,6 +92,7 @@ class Piece:
         self.report = report
         self.count = count  # descriptors in a batch frame, 0 for a single request
         self.size = size  # payload bytes (for load balancing)
+        self.born = 0.0  # when it was submitted to its connection
 
 
 class Conn:
@@ -93,6 +110,15 @@ class Conn:
         self.hard_closed = False
         self.current: Piece | None = None  # the piece whose reply the reader is receiving
         self.last_used = time.monotonic()
+        # Who reads replies: the reader thread, or a result() caller driving its own
+        # request (drive()); never both. The reader waits on rcv for its turn.
+        self.rcv = threading.Condition(self.lock)
+        self.reading = False  # the reader thread is reading (or blocked reading) a reply
+        self.driving = False  # a caller is reading replies in drive()
+        #: The last replies were read by a driver: the reader leaves new requests to
+        #: the driver expected next, and takes them over after HANDOFF.
+        self.sticky = False
+        self.driven = 0  # replies a driver read (diagnostics and tests)
         threading.Thread(target=self._writer, name=f"mpcomm-tcp-w-{pool.where}", daemon=True).start()
 
     # -- the posting side ----------------------------------------------------------------
@@ -102,10 +128,15 @@ class Conn:
         with self.lock:
             if self.broken:
                 return False
+            if (not (self.pending or self.reading or self.driving) and self.ready and self.pool.tls is None
+                    and not self._alive()):
+                return False  # closed by the target while idle (nobody reads an idle connection)
             piece.conn = self
             self.pending[piece.req_id] = piece
             self.load += piece.size
-            self.last_used = time.monotonic()
+            piece.born = self.last_used = time.monotonic()
+            if not self.sticky:
+                self.rcv.notify()  # the reader's turn (a no-op unless it waits for one)
             if inline and self.ready and not self.queue and not self.writer_busy:
                 try:
                     rest = send_nowait(self.sock, piece.views)  # type: ignore[arg-type]
@@ -121,6 +152,20 @@ class Conn:
             self.queue.append(piece)
             self.cv.notify()
         return True
+
+    def _alive(self) -> bool:
+        """An idle connection's check before reuse (lock held): False if it ended or carries garbage."""
+        try:
+            if self.sock is not None and self.sock.recv(1, _PEEK):
+                self.pool.log.warning("tcp: %s sent bytes nobody asked for; closing the data connection",
+                                      self.pool.where)
+            self._shut(socket.SHUT_RDWR)  # the reader meets the end (or reads the garbage) and reports
+            return False
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            self._shut(socket.SHUT_RDWR)
+            return False
 
     def abort(self, piece: Piece) -> None:
         """Stop ``piece`` where it stands (see the module docstring); never blocks."""
@@ -159,6 +204,7 @@ class Conn:
 
     def _shut(self, how: int) -> None:
         self.broken = True
+        self.rcv.notify_all()  # a parked reader goes to meet the end and report
         if self.sock is not None:
             try:
                 self.sock.shutdown(how)
@@ -263,25 +309,15 @@ class Conn:
         err: MpcommError | None = None
         try:
             while True:
-                if not self._recv_exact(sock, hv, at_boundary=True):
-                    err = PeerConnectionError(f"{self.pool.where} closed the data connection")
-                    break
-                magic, status, _flags, count, rid, length = wire.RESP.unpack(head)
-                if magic != wire.RESP_MAGIC:
-                    raise ProtocolError(f"bad reply magic from {self.pool.where}")
-                with self.lock:
-                    piece = self.pending.pop(rid, None)
-                    # SENDING too: the reply can overtake the writer's bookkeeping.
-                    if piece is None or piece.state not in (SENDING, SENT, DONE):
-                        raise ProtocolError(f"reply for a request {rid} that is not awaiting one")
-                    discard = piece.state == DONE
-                    if not discard:
-                        piece.state = RECEIVING
-                        self.current = piece  # _fail_all reports it if the reply breaks off
-                    self.load -= piece.size
-                self._reply(sock, piece, status, count, length, discard)
-                self.current = None
-                self.last_used = time.monotonic()
+                self._wait_turn()
+                try:
+                    if not self._recv_exact(sock, hv, at_boundary=True):
+                        err = PeerConnectionError(f"{self.pool.where} closed the data connection")
+                        break
+                    self._one_reply(sock, head)
+                finally:
+                    with self.lock:
+                        self.reading = False
         except ProtocolError as exc:
             err = exc
             self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
@@ -289,6 +325,134 @@ class Conn:
             err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
                 f"data connection to {self.pool.where} failed: {exc}")
         self._fail_all(err or PeerConnectionError("connection closed"), reader_started=True)
+
+    def _wait_turn(self) -> None:
+        """Reader: wait until replies are due and no driver reads them (or the connection ended)."""
+        with self.lock:
+            while not self.broken:
+                if self.driving:
+                    # Timed: a driver that ends sticky does not wake this thread.
+                    self.rcv.wait(HANDOFF)
+                    continue
+                if not self.sticky:
+                    if self.pending:
+                        break
+                    self.rcv.wait()
+                    continue
+                # A driver read the last replies: new requests are left to the next driver
+                # for HANDOFF (submit does not wake this thread then), and the connection
+                # stops being sticky once no request came for STICKY_IDLE.
+                now = time.monotonic()
+                if self.pending:
+                    oldest = next(iter(self.pending.values())).born
+                    if now - oldest >= HANDOFF:
+                        self.sticky = False  # nobody drove it: requests nobody waits on are read at once again
+                        break
+                    self.rcv.wait(oldest + HANDOFF - now)
+                    continue
+                if now - self.last_used >= STICKY_IDLE:
+                    self.sticky = False
+                    continue
+                self.rcv.wait(HANDOFF)
+            self.reading = True
+
+    def _one_reply(self, sock: socket.socket, head: bytearray) -> None:
+        """Handle the reply whose header is in ``head`` (its body is read from ``sock``)."""
+        magic, status, _flags, count, rid, length = wire.RESP.unpack(head)
+        if magic != wire.RESP_MAGIC:
+            raise ProtocolError(f"bad reply magic from {self.pool.where}")
+        with self.lock:
+            piece = self.pending.pop(rid, None)
+            # SENDING too: the reply can overtake the writer's bookkeeping.
+            if piece is None or piece.state not in (SENDING, SENT, DONE):
+                raise ProtocolError(f"reply for a request {rid} that is not awaiting one")
+            discard = piece.state == DONE
+            if not discard:
+                piece.state = RECEIVING
+                self.current = piece  # _fail_all reports it if the reply breaks off
+            self.load -= piece.size
+        self._reply(sock, piece, status, count, length, discard)
+        self.current = None
+        self.last_used = time.monotonic()
+
+    # -- a result() caller reading its own reply ----------------------------------------------
+
+    def drive(self, piece: Piece, until: float) -> None:
+        """Read replies on this thread until ``piece`` is reported (see Transport.drive).
+
+        Only whole replies that already sit in the socket buffer are taken, so
+        this thread never blocks inside a frame: anything else (a reply still
+        arriving after a short poll, a partial status, the end of the
+        connection, a malformed header) is left to the reader thread, which
+        takes over when this returns.
+        """
+        with self.lock:
+            sock = self.sock
+            if (sock is None or self.broken or not self.ready or self.driving or self.reading
+                    or piece.state == DONE or piece.conn is not self or self.pool.tls is not None):
+                return
+            self.driving = True
+        try:
+            self._drive(sock, piece, until)
+        except (OSError, MpcommError) as exc:
+            # Mid-frame: the stream can no longer be trusted; end the connection here.
+            if isinstance(exc, ProtocolError):
+                self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
+            err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
+                f"data connection to {self.pool.where} failed: {exc}")
+            with self.lock:
+                self._shut(socket.SHUT_RDWR)
+            self._fail_all(err, reader_started=True)
+        finally:
+            with self.lock:
+                self.driving = False
+                self.sticky = not self.pending and not self.broken
+                if not self.sticky:
+                    self.rcv.notify()
+
+    def _drive(self, sock: socket.socket, piece: Piece, until: float) -> None:
+        fd = sock.fileno()
+        head = bytearray(wire.RESP.size)
+        hv = memoryview(head)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        spin = self.pool.busy_ns
+        short = None  # since when a reply has been only partly there
+        while piece.state != DONE:
+            now = time.monotonic()
+            if now >= until:
+                return
+            if not busypoll.wait_readable(fd, spin) and not poller.poll(
+                    math.ceil(min(until - now, _DRIVE_SLICE) * 1000)):
+                continue
+            try:
+                got = sock.recv_into(hv, wire.RESP.size, _PEEK)
+            except BlockingIOError:
+                continue
+            if got == 0:
+                return  # the end of the connection: the reader meets it and reports
+            whole = got == wire.RESP.size and self._whole(fd, head)
+            if whole is None:
+                return  # not a reply this thread takes: the reader does
+            if not whole:
+                short = now if short is None else short
+                if now - short > spin / 1e9:
+                    return  # still arriving: the reader blocks for the rest, this thread need not
+                continue
+            short = None
+            self._recv_exact(sock, hv)  # all of it is in the buffer: none of these calls block
+            self._one_reply(sock, head)
+            self.driven += 1
+
+    def _whole(self, fd: int, head: bytearray) -> bool | None:
+        """Whether the reply whose header is ``head`` sits whole in the socket buffer; None: not for a driver."""
+        magic, status, _flags, _count, _rid, length = wire.RESP.unpack(head)
+        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR) or length > _DRIVE_MAX:
+            return None
+        if length == 0:
+            return True
+        avail = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        return avail >= wire.RESP.size + length
 
     def _recv_exact(self, sock: socket.socket, view: memoryview, at_boundary: bool = False) -> bool:
         got, n = 0, view.nbytes
@@ -430,6 +594,7 @@ class Pool:
         self.copy_mode = ctx.mode == "copy"
         self.bounce_size = int(o["bounce_size"])
         self.socket_buffer = int(o["socket_buffer"])
+        self.busy_ns = int(o["busy_poll_us"]) * 1000
         # Close our idle connections well before the target's idle timeout would.
         self.idle_close = max(0.05, min(idle_ms, int(o["idle_timeout_ms"])) / 2000)
         self._conns: list[Conn] = []

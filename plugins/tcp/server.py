@@ -15,6 +15,10 @@ Everything a peer could make this side hold has a limit and a deadline:
   the region's lease is released at that deadline, and what is left of the
   frame must then drain within ``runtime.abort_grace_ms`` or the connection is
   closed;
+* after answering a request the thread polls for the next one for up to
+  ``busy_poll_us`` before it blocks (:mod:`.busypoll`: outside the GIL, a
+  bounded number of threads per process), which saves the wake-up of a
+  sleeping thread per request of a busy initiator;
 * a header that does not parse (magic, version, op, a NaN/inf/negative
   deadline, more than ``max_batch`` descriptors) closes that connection only.
 """
@@ -34,7 +38,7 @@ from mpcomm.errors import MpcommError, OutOfBoundsError, PeerConnectionError, Pr
 from mpcomm.peer import format_endpoint
 from mpcomm.transport_kit import recv_into_by, recv_some_by, sendmsg_by
 
-from . import wire
+from . import busypoll, wire
 from .tls_stream import handshake
 
 _DISCARD = bytearray(256 << 10)  # shared by every connection: what lands here is thrown away
@@ -77,6 +81,8 @@ class Server:
         self.chunk = int(o["chunk"])
         self.bounce_size = int(o["bounce_size"])
         self.tls = transport.tls_server  # an ssl.SSLContext when data connections run TLS
+        # TLS keeps decrypted bytes of its own that the socket's readiness does not show.
+        self.busy_ns = 0 if self.tls is not None else int(o["busy_poll_us"]) * 1000
 
     # -- one connection --------------------------------------------------------------
 
@@ -122,6 +128,8 @@ class Server:
         return initiator.rstrip(b"\0").decode("ascii", "replace")
 
     def _one(self, sock: socket.socket, head: memoryview) -> None:
+        if self.busy_ns:  # the next request of a busy initiator comes soon: poll for it before sleeping
+            busypoll.wait_readable(sock.fileno(), self.busy_ns)
         try:
             got = sock.recv_into(head, wire.REQ.size)  # blocking, up to SO_RCVTIMEO = idle_timeout_ms
         except (BlockingIOError, TimeoutError):

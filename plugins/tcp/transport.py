@@ -9,7 +9,11 @@ Layout: :mod:`.wire` (the frames), :mod:`.server` (the target side),
   ``transport.handshake_timeout_ms``); a small one is sent at once with
   ``MSG_DONTWAIT`` when the connection is idle, anything else by the
   connection's writer. Replies are read and reported by the connection's
-  reader thread. Many requests are in flight per connection.
+  reader thread, or by the ``result()`` caller itself (:meth:`drive`: one
+  thread wake-up less per request waited on). Many requests are in flight
+  per connection.
+* Both sides poll briefly for a frame due soon before they sleep
+  (``busy_poll_us``, :mod:`.busypoll`).
 * ``post_many``: one frame per connection carrying the descriptor list and
   the gathered payload (``sendmsg`` of the local slices); one reply per frame
   with per-index status; reads scatter with ``recv_into`` straight into the
@@ -60,6 +64,7 @@ OPTION_RANGES: dict[str, tuple[float, float]] = {
     "idle_timeout_ms": (100, 7 * 24 * 3600 * 1000),
     "max_request_ms": (1, 7 * 24 * 3600 * 1000),
     "max_batch": (1, 1 << 16),
+    "busy_poll_us": (0, 100_000),
     "tls": ["auto", "off"],
 }
 
@@ -94,6 +99,7 @@ class TcpTransport(Transport):
         "idle_timeout_ms": 60_000,  # target: close a data connection idle this long
         "max_request_ms": 600_000,  # target: serve one request at most this long, whatever its deadline says
         "max_batch": 4096,  # descriptors per batch frame
+        "busy_poll_us": 100,  # poll this long for a frame due soon before sleeping (0: never; see busypoll.py)
         "tls": "auto",  # "auto": data connections run TLS whenever transport.tls does; "off": never
     }
 
@@ -120,7 +126,10 @@ class TcpTransport(Transport):
 
     @classmethod
     def availability(cls) -> Availability:
-        return Availability.yes("pure Python; always available")
+        from . import busypoll
+
+        busypoll.load()
+        return Availability.yes(f"pure Python; always available (busy-polling: {busypoll.reason})")
 
     # -- target side -------------------------------------------------------------
 
@@ -280,6 +289,15 @@ class TcpTransport(Transport):
             group.fail(err, indices=bad, confirmed=confirmed)
 
         return report
+
+    def drive(self, op: Any, until: float) -> None:
+        """Read the reply of a one-frame request on the ``result()`` caller's thread (see Conn.drive)."""
+        plist = op.state
+        if plist is not None and len(plist) == 1:
+            piece = plist[0]
+            conn = piece.conn
+            if conn is not None:
+                conn.drive(piece, until)
 
     def abort(self, op: Any) -> None:
         for piece in list(op.state or ()):

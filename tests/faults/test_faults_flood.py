@@ -5,10 +5,6 @@ connected before the attack, is served during it (a write, verified); the
 target process lives; and once the attackers are gone (or cut by the target)
 its VmRSS, threads and open descriptors (``/proc/<pid>/status``,
 ``/proc/<pid>/fd``) return to their baseline within a generous bound.
-
-Cases the current tcp plugin fails are marked xfail(strict=True) with the
-reason; they pass once the data port gets a per-peer limit, an idle deadline
-and request deadlines on its socket calls (issue 11).
 """
 
 from __future__ import annotations

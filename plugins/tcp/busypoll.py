@@ -1,0 +1,91 @@
+"""Bounded busy-polling of a socket, for the round trips of small requests.
+
+A thread blocked in ``recv`` that the peer's next frame wakes pays the
+scheduler's cross-CPU wake-up; on the virtual machines we measured that is
+25-30 µs per wake, more than a whole round trip between two threads that poll.
+So the tcp transport polls, briefly, where a frame is due soon:
+
+* the **target**, after it answered a request, for the connection's next
+  request (``busy_poll_us``);
+* the **initiator**'s ``result()`` caller, for the reply it waits for.
+
+The poll runs in a small compiled helper (``_busypoll.c``, built once by
+:mod:`mpcomm.native_helper`) called through ctypes, which releases the GIL:
+the other threads of the process run meanwhile. At most ``limit()`` threads
+of a process poll at a time (a semaphore taken without waiting); the others
+block as before. Without a C compiler, or with ``MPCOMM_TCP_BUSY_POLL=0``,
+nobody polls: everything works, each wait simply blocks (:data:`reason`
+says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+from mpcomm import native_helper
+
+log = logging.getLogger("mpcomm.transport.tcp")
+
+ABI = 1
+SOURCE = Path(__file__).with_name("_busypoll.c")
+_ENV = "MPCOMM_TCP_BUSY_POLL"
+
+_lock = threading.Lock()
+_spin: Callable[[int, int], int] | None = None
+_tried = False
+#: Why busy-polling is or is not available (shown in the transport's availability).
+reason = "not loaded yet"
+
+
+def limit() -> int:
+    """How many threads of this process may poll at the same time: half its CPUs, at least one."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+_slots = threading.BoundedSemaphore(limit())
+
+
+def load() -> Callable[[int, int], int] | None:
+    """The compiled ``spin_readable(fd, budget_ns)``, or None (see :data:`reason`)."""
+    global _spin, _tried, reason
+    with _lock:
+        if _tried:
+            return _spin
+        _tried = True
+        if os.environ.get(_ENV, "1") == "0":
+            reason = f"disabled by {_ENV}=0"
+            return None
+        try:
+            h = native_helper.load(SOURCE, "tcp", "busypoll", ABI, "mpcomm_tcp_abi", "_mpcomm_busypoll", None)
+        except Exception as exc:  # noqa: BLE001 - optional: without it every wait blocks
+            h = f"loading the helper failed ({exc})"
+        if isinstance(h, str):
+            reason = h
+            log.debug("tcp: busy-polling not available: %s", reason)
+            return None
+        f = h.lib.mpcomm_tcp_spin_readable
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_int, ctypes.c_longlong]
+        _spin = f
+        reason = f"compiled helper ({h.path})"
+        return _spin
+
+
+def wait_readable(fd: int, budget_ns: int) -> bool:
+    """Poll ``fd`` for up to ``budget_ns`` without sleeping: True once readable (or closed).
+
+    False when nothing came, when busy-polling is unavailable, or when
+    :func:`limit` threads already poll: the caller then blocks as it would have.
+    """
+    spin = _spin if _tried else load()
+    if spin is None or budget_ns <= 0 or not _slots.acquire(False):
+        return False
+    try:
+        return spin(fd, budget_ns) == 1
+    finally:
+        _slots.release()
