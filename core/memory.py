@@ -263,9 +263,14 @@ class Region:
         #: Per-transport registration info, sent to peers inside RemoteRegion.
         self.transport_info: dict[str, dict[str, Any]] = {}
         self._owner = owner
-        self._leases = 0
+        # One entry per lease. list.append/pop are atomic under the GIL, so a lease takes
+        # no lock: acquire appends, then looks at _refusing; close sets _refusing, then
+        # looks at the list (so one of the two always sees the other). Refusing first is
+        # what lets close() finish while other threads keep taking leases. The Condition
+        # is only waited on by close().
+        self._held: list[None] = []
+        self._refusing = False
         self._closed = False
-        # Leases take a C-level lock; the Condition is only waited on by close().
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._closers = 0
@@ -298,7 +303,7 @@ class Region:
     @property
     def leases(self) -> int:
         """Number of requests currently holding this region."""
-        return self._leases
+        return len(self._held)
 
     def check_alignment(self, alignment: int) -> None:
         if alignment > 1 and self.address % alignment:
@@ -310,39 +315,53 @@ class Region:
 
     def acquire(self) -> None:
         """Take a lease; raises RegionClosedError if the region is gone."""
-        with self._lock:
-            if self._closed:
-                raise RegionClosedError(f"region {self.name!r} is unregistered", region=self.name)
-            self._leases += 1
+        held = self._held
+        held.append(None)
+        if self._refusing:
+            held.pop()
+            self._wake_closers()
+            state = "is unregistered" if self._closed else "is being unregistered"
+            raise RegionClosedError(f"region {self.name!r} {state}", region=self.name)
 
     def release(self) -> None:
-        with self._lock:
-            self._leases -= 1
-            if self._leases == 0 and self._closers:
-                self._cond.notify_all()
+        held = self._held
+        held.pop()
+        if not held and self._closers:
+            self._wake_closers()
+
+    def _wake_closers(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self, timeout: float | None = None) -> None:
         """Mark unregistered once no lease is held (see Engine.unregister)."""
         with self._cond:
             if self._closed:
                 return
-            if self._leases and timeout is None:
+            held = self._held
+            if held and timeout is None:
                 raise RegionBusyError(
-                    f"region {self.name!r} has {self._leases} transfer(s) in flight; wait for them "
+                    f"region {self.name!r} has {len(held)} transfer(s) in flight; wait for them "
                     "or pass a timeout to unregister()",
                     region=self.name,
                 )
             deadline = time.monotonic() + (timeout or 0)
             self._closers += 1
+            self._refusing = True  # from here on no new lease; a timed-out close lifts it again
             try:
-                while self._leases:
+                while held:
                     left = deadline - time.monotonic()
                     if left <= 0:
+                        if self._closers == 1:  # another close still waiting keeps refusing
+                            self._refusing = False
+                        waited = f" after {timeout}s" if timeout else ""
                         raise RegionBusyError(
-                            f"region {self.name!r} still has {self._leases} transfer(s) in flight after {timeout}s",
+                            f"region {self.name!r} still has {len(held)} transfer(s) in flight{waited}",
                             region=self.name,
                         )
-                    self._cond.wait(left)
+                    # Timed slices: a release that popped the last lease just before we
+                    # waited notifies nobody, so we look again rather than trust a wake-up.
+                    self._cond.wait(min(left, 0.05))
             finally:
                 self._closers -= 1
             self._closed = True

@@ -394,7 +394,10 @@ class Engine:
     def unregister(self, region: Region, timeout: float | None = None) -> None:
         """Unregister ``region``; refused (RegionBusyError) while a transfer holds it.
 
-        With ``timeout`` it waits up to that many seconds for the leases to end.
+        With ``timeout`` it waits up to that many seconds for the leases to end;
+        while it waits the region grants no new lease (a new request on it fails
+        with RegionClosedError), and if the wait times out (RegionBusyError) the
+        region is open again, as it was.
         When it returns, no peer can read or write the region through any
         transport (each transport's ``unregister`` guarantees it on return) and
         the caller's buffer is released. A second call is a no-op.

@@ -4,7 +4,7 @@ many threads race to use a lazily registered region).
 
 Revocation: ``unregister`` first marks the region closed (no new lease, no
 new peer access: :meth:`RegionTable.serve` refuses it), waits for the leases
-to end, then unregisters it from every transport, each of which guarantees on
+to end (a wait that times out reopens the region), then unregisters it from every transport, each of which guarantees on
 return that no peer can reach it through that transport any more. Only then
 does ``unregister`` return and the caller's buffer is released.
 """
