@@ -113,14 +113,20 @@ def _target_sockets(engine: mpcomm.Engine) -> list[socket.socket]:
         return list(acc._open)
 
 
-def test_a_connection_the_target_closed_while_idle_is_not_reused(make_engine: Any) -> None:
-    """Nobody reads an idle connection; the next request checks it first and dials anew."""
+def _one_used_connection(make_engine: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """A target with region "kv", an initiator limited to one connection that has carried one write."""
     tgt = make_engine()
     region = tgt.allocate(1 << 20, name="kv")
     ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
     remote = ini.open(tgt.address, "kv")
     ini.write(b"a" * 4096, remote, 0).result(10)
     (old,) = _conns(ini)
+    return tgt, region, ini, remote, old
+
+
+def test_a_connection_the_target_closed_while_idle_is_not_reused(make_engine: Any) -> None:
+    """Nobody reads an idle connection; the next request checks it first and dials anew."""
+    tgt, region, ini, remote, old = _one_used_connection(make_engine)
     for s in _target_sockets(tgt):
         s.shutdown(socket.SHUT_RDWR)  # the target ends it, as its idle timeout or a restart would
     assert wait_for(lambda: not _target_sockets(tgt), 5)
@@ -131,12 +137,7 @@ def test_a_connection_the_target_closed_while_idle_is_not_reused(make_engine: An
 
 def test_bytes_nobody_asked_for_close_an_idle_connection_not_the_next_request(
         make_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
-    tgt = make_engine()
-    region = tgt.allocate(1 << 20, name="kv")
-    ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
-    remote = ini.open(tgt.address, "kv")
-    ini.write(b"a" * 4096, remote, 0).result(10)
-    (old,) = _conns(ini)
+    tgt, region, ini, remote, old = _one_used_connection(make_engine)
     (s,) = _target_sockets(tgt)
     s.sendall(wire.RESP.pack(wire.RESP_MAGIC, wire.ST_OK, 0, 0, 12345, 0))  # a reply to nothing
     time.sleep(0.05)
