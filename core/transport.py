@@ -642,7 +642,9 @@ class Transport:
         region goes away. Calls come as for :meth:`post_inline` (caller's
         thread, checked, the local region leased) and follow its contract: the
         callable must itself notice a revocation of the remote memory on every
-        call and decline then, since the engine does not ask again. None (the
+        call and decline then. A move may also go stale for good (its
+        transport shut it): when it declines a request that
+        :meth:`post_inline` then lands, the engine asks again. None (the
         default when :meth:`post_inline` is not overridden): no fast lane. The
         default binds :meth:`post_inline`; a transport overrides this to
         resolve what it looks up per call (its mapping of the remote region)

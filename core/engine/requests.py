@@ -338,7 +338,7 @@ class Pipeline:
                 if landed is not None:
                     return landed
             if isinstance(buf, Region):
-                landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout)
+                landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout, fast)
                 if landed is not None:
                     return landed
         hint = self._hint(route)
@@ -356,7 +356,7 @@ class Pipeline:
         return op.transfer
 
     def _inline_lane(self, kind: str, local: Region, remote: RemoteRegion, ro: int, length: int | None, lo: int,
-                     timeout: float | None) -> Transfer | None:
+                     timeout: float | None, declined: _FastPath | None = None) -> Transfer | None:
         """A small request its transport finishes on this thread: no Operation, slot, deadline or table.
 
         Taken only when nothing but the copy is left to do: the peer is
@@ -368,7 +368,9 @@ class Pipeline:
         the same errors. The request holds the local region's lease for the
         call, as a posted one does; it takes no ``queue_depth`` slot, since
         it is never in flight once ``write()`` returns. None: take the full
-        path (which redoes the request whole).
+        path (which redoes the request whole). ``declined``: the pair's bound
+        move declined this request; if the lane lands it anyway, that move is
+        stale (a transport may shut a bound move for good) and is bound anew.
         """
         if local.closed:
             return None
@@ -393,7 +395,7 @@ class Pipeline:
         t0 = time.monotonic()
         if not _leased_call(local, transport.name, transport.post_inline, kind, local, lo, remote, ro, length):
             return None
-        if (id(local), id(remote), kind) not in self._fast:  # bound pairs get here with what their move declines
+        if declined is not None or (id(local), id(remote), kind) not in self._fast:
             self._bind_fast(kind, local, remote, transport, link, entry)
         return _Landed(length, transport.name, entry[2], entry[1], self.dispatch,
                        (kind, local, remote, ro, length, lo), t0)

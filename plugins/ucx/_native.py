@@ -25,7 +25,7 @@ from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.ucx")
 
-ABI = 3
+ABI = 4
 SOURCE = Path(__file__).with_name("_ucxloop.c")
 
 _lock = threading.Lock()
@@ -75,7 +75,9 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
     g.restype = C.c_int64
     g.argtypes = [C.c_void_p] * 7 + [C.c_int64, C.c_int64, C.c_int64, C.c_void_p, C.c_void_p, C.c_void_p,
                                      C.c_int64, C.c_void_p]
-    mod = h.module if h.module is not None and h.module.CALL_SIZE == C.sizeof(RmaCall) else None
+    mod = h.module
+    if mod is not None and (mod.CALL_SIZE != C.sizeof(RmaCall) or mod.LANE_SIZE != C.sizeof(Lane)):
+        mod = None
     return lib, mod, f"compiled helper ({h.path}{', extension module' if mod is not None else ''})"
 
 
@@ -85,3 +87,17 @@ class RmaCall(C.Structure):
     _fields_ = [("fn", C.c_void_p), ("check", C.c_void_p), ("rfree", C.c_void_p), ("progress", C.c_void_p),
                 ("flush", C.c_void_p), ("ep", C.c_void_p), ("worker", C.c_void_p), ("rkey", C.c_void_p),
                 ("param", C.c_void_p), ("fparam", C.c_void_p), ("write", C.c_int64), ("pending", C.c_void_p)]
+
+
+class Lane(C.Structure):
+    """struct mp_lane of _ucxloop.c: a bound lane, issued without the transport's lock (see there)."""
+
+    _fields_ = [("call", RmaCall), ("ep_gate", C.c_void_p), ("att_gate", C.c_void_p), ("laddr", C.c_int64),
+                ("lsize", C.c_int64), ("rbase", C.c_int64), ("rsize", C.c_int64), ("limit", C.c_int64)]
+
+
+def gate() -> C.Array:
+    """A new open gate: int64 [open, in flight] (see struct mp_lane)."""
+    g = (C.c_int64 * 2)()
+    g[0] = 1
+    return g

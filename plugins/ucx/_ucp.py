@@ -544,6 +544,43 @@ class Endpoint:
         run.keep = keep  # type: ignore[attr-defined]
         return run
 
+    def rma_lane(self, write: bool, rkey: "RemoteKey", memh: MemHandle | None, gates: tuple, local: tuple,
+                 remote: tuple, limit: int, active: set, signal, on_pending):
+        """A bound lane: ``move(lo, ro, n) -> bool`` for small requests, issued without any lock.
+
+        ``gates`` is (this endpoint's gate, the attachment's gate) from :func:`_native.gate`;
+        ``local``/``remote`` are (address, size) of the two regions; requests over ``limit``
+        bytes, or outside either region, are declined. The caller's promise: before it closes
+        this endpoint or destroys ``rkey`` (or revokes what the lane reaches) it shuts a
+        gate and waits until the endpoint gate's in-flight count is 0. ``on_pending(request)``
+        (a :class:`Request` the helper left in flight) decides the call's answer; ``signal()``
+        is called after a success while ``active`` is not empty. None without the extension
+        module (or an endpoint or rkey already closed).
+        """
+        nat = _native_module()
+        if nat is None or self._h is None or rkey._h is None:
+            return None
+        mod, _ = nat
+        Lane = _native_state[1].Lane
+        p = self._param(memh)
+        fns = _fn_pointers(self._lib)
+        lane = Lane()
+        c = lane.call
+        c.fn, c.check, c.rfree, c.progress, c.flush = fns[0] if write else fns[1], fns[4], fns[2], fns[3], fns[5]
+        c.ep, c.worker, c.rkey = self._h.value, self.worker._h.value, rkey._h.value
+        c.param, c.fparam, c.write = C.addressof(p), C.addressof(self._flush_param), int(write)
+        lane.ep_gate, lane.att_gate = C.addressof(gates[0]), C.addressof(gates[1])
+        lane.laddr, lane.lsize = local
+        lane.rbase, lane.rsize = remote
+        lane.limit = limit
+        worker = self.worker
+
+        def pending(code: int, ptr: int) -> bool:
+            return bool(on_pending(_left_in_flight(worker, code, ptr, write)))
+
+        # what the lane's pointers point into stays alive with the callable
+        return mod.lane(C.addressof(lane), active, signal, pending, (lane, p, rkey, gates, self))
+
     def rma_many(self, write: bool, local_addrs, remote_addrs, lengths, rkey: "RemoteKey",
                  memh: MemHandle | None = None) -> dict:
         """Issue N puts/gets (sequences of addresses and lengths) without tracking each request.

@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <stddef.h>
 
-#define MP_ABI 3
+#define MP_ABI 4
 
 int mpcomm_ucx_abi(void) { return MP_ABI; }
 
@@ -145,8 +145,104 @@ static PyObject *py_rma_one(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLongLong((long long)r);
 }
 
+/* A bound lane: one (endpoint, rkey, local region, remote attachment, direction) whose
+ * small requests are issued without the transport's lock. What the lock used to
+ * guarantee -- that the endpoint, the rkey and the attachment stay valid while a put is
+ * issued -- comes from two gates instead: the endpoint's and the attachment's, words the
+ * transport shuts (open = 0) before it closes, destroys or revokes anything, after which
+ * it waits until the endpoint gate's in-flight count is 0. The count goes up before the
+ * gates are read, so a closer that saw it at 0 after shutting knows no call can still be
+ * issuing. Nothing in a lane call takes a Python lock: a closer may wait while holding
+ * the transport's. */
+struct mp_lane {
+    struct mp_rma_call call;  /* its `pending` is unused: concurrent calls keep their own */
+    int64_t *ep_gate;         /* [open, in flight] of the endpoint's generation */
+    int64_t *att_gate;        /* [open] of the attachment's current state */
+    int64_t laddr, lsize, rbase, rsize, limit;
+};
+
+/* move(lo, ro, n) -> True once the bytes landed (and, for a write, were flushed); False
+ * to decline (out of the lane's bounds, a gate shut, refused by UCX). A request UCX left
+ * in flight goes to on_pending(code, address), whose answer is returned; after a success
+ * signal() is called while the `active` set is not empty (our progress calls may have
+ * completed the progress thread's work). self: (lane address, active, signal, on_pending,
+ * what the lane's pointers point into). */
+static PyObject *py_lane_move(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "move(lo, ro, n) takes 3 arguments");
+        return NULL;
+    }
+    struct mp_lane *l = PyLong_AsVoidPtr(PyTuple_GET_ITEM(self, 0));
+    long long lo = PyLong_AsLongLong(args[0]);
+    long long ro = PyLong_AsLongLong(args[1]);
+    long long n = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (l == NULL || n <= 0 || n > l->limit || lo < 0 || ro < 0 || lo > l->lsize - n || ro > l->rsize - n)
+        Py_RETURN_FALSE;
+    __atomic_add_fetch(&l->ep_gate[1], 1, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&l->ep_gate[0], __ATOMIC_SEQ_CST) || !__atomic_load_n(&l->att_gate[0], __ATOMIC_SEQ_CST)) {
+        __atomic_sub_fetch(&l->ep_gate[1], 1, __ATOMIC_SEQ_CST);
+        Py_RETURN_FALSE;
+    }
+    struct mp_rma_call *c = &l->call;
+    void *pending = NULL;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = mpcomm_ucx_rma_one(c->fn, c->check, c->rfree, c->progress, c->flush, c->ep, c->worker, l->laddr + lo, n,
+                           l->rbase + ro, c->rkey, c->param, c->fparam, c->write, &pending);
+    Py_END_ALLOW_THREADS
+    PyObject *res;
+    if (r == 0) {
+        res = Py_True;
+        Py_INCREF(res);
+        if (PySet_GET_SIZE(PyTuple_GET_ITEM(self, 1)) > 0) {
+            PyObject *x = PyObject_CallNoArgs(PyTuple_GET_ITEM(self, 2));
+            if (x == NULL) {
+                Py_DECREF(res);
+                res = NULL;
+            } else {
+                Py_DECREF(x);
+            }
+        }
+    } else if (r > 0) {
+        res = PyObject_CallFunction(PyTuple_GET_ITEM(self, 3), "LK", (long long)r,
+                                    (unsigned long long)(uintptr_t)pending);
+    } else {
+        res = Py_False;
+        Py_INCREF(res);
+    }
+    /* Only now: a pending request is registered (on_pending) before a closer can go on. */
+    __atomic_sub_fetch(&l->ep_gate[1], 1, __ATOMIC_SEQ_CST);
+    return res;
+}
+
+static PyMethodDef lane_def = {"move", (PyCFunction)(void (*)(void))py_lane_move, METH_FASTCALL,
+                               "move(lo, ro, n): one small request on a bound lane"};
+
+/* lane(address, active, signal, on_pending, keep) -> the lane's move callable */
+static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5 || !PyLong_Check(args[0]) || !PyAnySet_Check(args[1]) || !PyCallable_Check(args[2])
+        || !PyCallable_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "lane(address, active set, signal, on_pending, keep)");
+        return NULL;
+    }
+    PyObject *t = PyTuple_New(5);
+    if (t == NULL)
+        return NULL;
+    for (int i = 0; i < 5; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(t, i, args[i]);
+    }
+    PyObject *f = PyCFunction_New(&lane_def, t);
+    Py_DECREF(t);
+    return f;
+}
+
 static PyMethodDef mp_methods[] = {
     {"rma_one", (PyCFunction)(void (*)(void))py_rma_one, METH_FASTCALL, "one put (+ flush) or get, settled locally"},
+    {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound lane's move callable"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -156,7 +252,8 @@ static struct PyModuleDef mp_module = {PyModuleDef_HEAD_INIT, "_mpcomm_ucxloop",
 PyMODINIT_FUNC PyInit__mpcomm_ucxloop(void) {
     PyObject *m = PyModule_Create(&mp_module);
     if (m != NULL && (PyModule_AddIntConstant(m, "ABI", MP_ABI) < 0 ||
-                      PyModule_AddIntConstant(m, "CALL_SIZE", (long)sizeof(struct mp_rma_call)) < 0)) {
+                      PyModule_AddIntConstant(m, "CALL_SIZE", (long)sizeof(struct mp_rma_call)) < 0 ||
+                      PyModule_AddIntConstant(m, "LANE_SIZE", (long)sizeof(struct mp_lane)) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

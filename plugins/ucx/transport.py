@@ -88,6 +88,8 @@ from mpcomm.errors import (
 )
 from mpcomm.peer import PeerInfo
 
+from . import _native
+
 if TYPE_CHECKING:
     from mpcomm import Region
 
@@ -176,13 +178,15 @@ class _Peer:
         self.connector: threading.Thread | None = None
         #: (generation, whether its RMA lanes are local copies): may reads take the inline lane.
         self.local_rma: tuple[int, bool] = (-1, False)
+        #: The current endpoint's gate for bound lanes (_native.gate); shut before it is closed.
+        self.gate: Any = None
 
 
 class _Attach:
     """Initiator side: one remote region as the target described it over the control channel."""
 
     __slots__ = ("key", "peer", "info", "state", "error", "rkey_hex", "rkey", "generation", "base", "size",
-                 "access", "waiting", "works", "ok_remote", "orphans", "calls")
+                 "access", "waiting", "works", "ok_remote", "orphans", "calls", "gate", "lanes")
 
     def __init__(self, key: tuple[int, str, int], peer: _Peer, info: PeerInfo) -> None:
         self.key = key  # (region_id, epoch, token)
@@ -203,6 +207,10 @@ class _Attach:
         self.orphans: list[Any] = []
         #: (write, local region id) -> (endpoint, rkey, packed call): post()'s hot path (bounded).
         self.calls: dict[tuple[bool, int], tuple[Any, Any, Any]] = {}
+        #: The gate of the bound lanes made while it is usable as it is (shut on any change).
+        self.gate: Any = None
+        #: (write, local region id, local address, size) -> (endpoint gate, attachment gate, move).
+        self.lanes: dict[tuple[bool, int, int, int], tuple[Any, Any, Any]] = {}
 
 
 class _Work:
@@ -303,6 +311,9 @@ class UcxTransport(Transport):
         self._by_info: dict[int, tuple[PeerInfo, _Peer]] = {}  # id(op.peer) -> (that PeerInfo, its peer)
         self._active: set[_Work] = set()
         self._orphaned: set[_Attach] = set()  # attachments with inline-lane requests still in flight
+        # Guards att.orphans and _orphaned: bound lanes register what they leave in flight
+        # without the transport lock, which a closer may hold while it waits for them.
+        self._orphan_lock = threading.Lock()
         self._waits: list[tuple[Any, threading.Event]] = []  # connector threads waiting for a wire-up flush
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -383,6 +394,9 @@ class UcxTransport(Transport):
         # (the worker may be gone), and the thread would sleep out its join timeout.
         self._signal()
         self._closed = True
+        with self._lock:
+            for p in self._peers.values():
+                self._shut_lanes(p)
         if self._thread is not None:
             self._thread.join(5.0)
         with self._lock:
@@ -399,7 +413,7 @@ class UcxTransport(Transport):
         err = EngineClosedError("the ucx transport was closed")
         for w in set(works):
             self._release_requests(w)
-        with self._lock:
+        with self._lock, self._orphan_lock:
             for att in self._orphaned:
                 for r in att.orphans:
                     r.free()  # UCX reclaims a request freed before it completes
@@ -568,6 +582,7 @@ class UcxTransport(Transport):
             waiting: list[_Work] = []
             for a in atts:
                 a.state, a.error = "revoked", err
+                self._shut_lane(a, wait=True)  # a lane's put left in flight is an orphan after this
                 waiting.extend(a.waiting)
                 a.waiting = []
                 for w in a.works:
@@ -621,10 +636,12 @@ class UcxTransport(Transport):
         if peer.ep is None:
             assert self._worker is not None
             peer.failed = None
+            gate = peer.gate = _native.gate()
 
-            def on_error(_ep: Any, exc: Any, peer: _Peer = peer) -> None:
-                # Runs inside ucp_worker_progress: bookkeeping only.
+            def on_error(_ep: Any, exc: Any, peer: _Peer = peer, gate: Any = gate) -> None:
+                # Runs inside ucp_worker_progress: bookkeeping only (no lock).
                 peer.failed = exc.status
+                gate[0] = 0  # no bound lane issues on a failed endpoint
 
             peer.ep = self._worker.connect(peer.address, error_handling=self.error_handling, on_error=on_error)
             peer.generation += 1
@@ -639,6 +656,7 @@ class UcxTransport(Transport):
         return att.rkey
 
     def _drop_rkey(self, att: _Attach) -> None:
+        self._shut_lane(att, wait=True)
         rk, att.rkey = att.rkey, None
         att.calls.clear()  # packed with that rkey
         if rk is None:
@@ -657,6 +675,7 @@ class UcxTransport(Transport):
 
         timeout 0 (the progress thread): the close finishes in later progress calls."""
         with self._lock:
+            self._shut_lanes(peer)
             ep, peer.ep = peer.ep, None
             for att in peer.attached.values():
                 att.rkey = None  # destroyed with the endpoint
@@ -676,6 +695,7 @@ class UcxTransport(Transport):
             for p in gone:
                 del self._peers[p.key]
                 for att in p.attached.values():
+                    self._shut_lane(att)
                     att.state = "revoked"
                     att.error = PeerConnectionError(f"peer {p.name} is gone", peer=p.name)
                     waiting.extend(att.waiting)
@@ -907,8 +927,14 @@ class UcxTransport(Transport):
         it. Reads only where every RMA lane of the endpoint is a local copy (cma, knem, xpmem):
         a get left in flight on a network lane could land in the local buffer after the redone
         read had completed, while a local-copy get is finished here (local work, never a wait
-        on the peer). Each call rechecks, under the lock, what a revocation, a failed or
-        restarted endpoint or a close changes.
+        on the peer).
+
+        With the helper's extension module the move is a bound lane (:meth:`Endpoint.rma_lane`):
+        one native call that takes no lock; whatever would make the request unsafe -- a
+        revocation, a failed, closed or replaced endpoint, a dropped rkey, a close -- shuts its
+        gates first (:meth:`_shut_lane`, :meth:`_shut_lanes`) and waits for the calls in
+        flight, so a shut lane only declines (the engine then binds a new one). Without the
+        module, each call rechecks under the lock what those change.
         """
         if self._closed:
             return None
@@ -919,6 +945,9 @@ class UcxTransport(Transport):
                           if key in p.attached and p.attached[key].ok_remote is remote), None)
             if found is None or not (write or self._local_rma(found[0])):
                 return None
+            lane = self._lane(found[0], found[1], remote, write, local)
+        if lane is not None:
+            return lane
         peer, att = found
         laddr, lid = local.address, local.id
         limit = min(self._chunk, self._inline_threshold)
@@ -939,12 +968,7 @@ class UcxTransport(Transport):
                     c = last[0] = self._packed(att, ep, write, lid)
                 st = c[2](laddr + lo, n, att.base + ro)
                 if not isinstance(st, int):
-                    if write:
-                        att.orphans.append(st)
-                        self._orphaned.add(att)
-                        self._signal()
-                        return False
-                    st = self._finish_local(st)  # a get on a local-copy lane: local work, finish it
+                    return self._lane_pending(att, write, st)
                 if st == 0:
                     if self._active:
                         self._signal()  # the progress calls may have completed handed-off work
@@ -952,6 +976,69 @@ class UcxTransport(Transport):
                 return False
 
         return move
+
+    def _lane(self, peer: _Peer, att: _Attach, remote: Any, write: bool, local: Region) -> Any:
+        """The attachment's bound lane for (direction, local region), made if need be; None without one (lock held)."""
+        ep = self._hot_ep(peer, att, remote, 0, 0)
+        if ep is None or peer.gate is None or not peer.gate[0] or self._closed:
+            return None
+        if att.gate is None:
+            att.gate = _native.gate()
+        key = (write, local.id, local.address, local.size)
+        c = att.lanes.get(key)
+        if c is not None and c[0] is peer.gate and c[1] is att.gate:
+            return c[2]
+        if len(att.lanes) >= 16:
+            att.lanes.clear()  # bounded: the pairs in use bind again
+        move = ep.rma_lane(write, att.rkey, self._memh.get(local.id), (peer.gate, att.gate),
+                           (local.address, local.size), (att.base, att.size),
+                           min(self._chunk, self._inline_threshold), self._active, self._signal,
+                           lambda r, att=att, write=write: self._lane_pending(att, write, r))
+        if move is not None:
+            att.lanes[key] = (peer.gate, att.gate, move)
+        return move
+
+    def _lane_pending(self, att: _Attach, write: bool, r: Any) -> bool:
+        """A bound lane's request left in flight (any thread, no transport lock): its call's answer.
+
+        A put (or its flush) becomes an orphan the progress thread reaps and a revocation waits
+        for; the write is declined, and the full path's flush covers it. A get on a local-copy
+        lane is finished here: local work, never a wait on the peer."""
+        if write:
+            with self._orphan_lock:
+                att.orphans.append(r)
+                self._orphaned.add(att)
+            self._signal()
+            return False
+        return self._finish_local(r) == 0
+
+    def _shut_lane(self, att: _Attach, wait: bool = False) -> None:
+        """Shut the attachment's bound lanes (lock held); ``wait``: until none of its endpoint's is in flight.
+
+        Waiting under the lock is safe: a lane call takes no Python lock but the orphan lock."""
+        g, att.gate = att.gate, None
+        att.lanes.clear()
+        if g is not None:
+            g[0] = 0
+            if wait and att.peer.gate is not None:
+                self._quiesce(att.peer.gate)
+
+    def _shut_lanes(self, peer: _Peer) -> None:
+        """Shut every bound lane on the peer's endpoint and wait for the calls in flight (lock held)."""
+        g = peer.gate
+        if g is None:
+            return
+        g[0] = 0
+        for att in peer.attached.values():
+            att.lanes.clear()
+        self._quiesce(g)
+
+    def _quiesce(self, gate: Any) -> None:
+        """Wait until no lane call is in flight on ``gate``'s endpoint: local work, microseconds."""
+        spins = 0
+        while gate[1]:
+            spins += 1
+            time.sleep(0 if spins < 1000 else 0.0001)
 
     def _local_rma(self, peer: _Peer) -> bool:
         """Whether the peer's current endpoint does RMA as a local copy (lock held; cached per generation)."""
@@ -990,17 +1077,18 @@ class UcxTransport(Transport):
 
     def _reap_orphans(self) -> None:
         """Free the inline lane's requests that finished (progress thread, lock held)."""
-        for att in list(self._orphaned):
-            left = []
-            for r in att.orphans:
-                if r.status() == 1:
-                    left.append(r)
-                else:
-                    r.free()
-            att.orphans = left
-            if not left:
-                self._orphaned.discard(att)
-                self._drained.notify_all()
+        with self._orphan_lock:
+            for att in list(self._orphaned):
+                left = []
+                for r in att.orphans:
+                    if r.status() == 1:
+                        left.append(r)
+                    else:
+                        r.free()
+                att.orphans = left
+                if not left:
+                    self._orphaned.discard(att)
+                    self._drained.notify_all()
 
     def post_many(self, group: Any) -> None:
         """N puts or gets and one flush; each index reported (see the module docstring)."""
@@ -1060,6 +1148,8 @@ class UcxTransport(Transport):
             if exc is not None:
                 return exc
             if not w.group:
+                if att.ok_remote is not None:
+                    self._shut_lane(att)  # the lanes were bound to the descriptor checked before
                 att.ok_remote = r  # this descriptor matches the target's word; bounds per request below
         elif w.group:
             offs, lens = op.remote_offsets, op.lengths

@@ -76,7 +76,11 @@ class _Pending:
 
 
 def test_a_declined_write_left_in_flight_holds_revocation(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A put the lane leaves in flight is kept, reaped once done, and waited for by a revocation."""
+    """A put the lane leaves in flight is kept, reaped once done, and waited for by a revocation.
+
+    This drives the lane without the extension module (the move under the lock); the bound
+    lane's own pending branch is driven with stand-in UCX functions in test_ucx_native.py,
+    and both register through UcxTransport._lane_pending."""
     target, ini, kv, remote, src = bound
     ucx = ini.transports["ucx"]
     pend = _Pending()
@@ -102,8 +106,10 @@ def test_a_declined_write_left_in_flight_holds_revocation(bound: Any, monkeypatc
 
     monkeypatch.setattr(type(peer.ep), "rma_flush_now", once_pending)
     monkeypatch.setattr(type(peer.ep), "rma_caller", caller)
+    monkeypatch.setattr(type(peer.ep), "rma_lane", lambda *a, **k: None)
     for a in peer.attached.values():
         a.calls.clear()  # the packed calls are made again, through the patched ones,
+        a.lanes.clear()
     ini._pipeline.forget_fast()  # and the pair binds again
     assert ini.write(src, remote, 0, 64).result(10) == 64  # the lane declined; the full path carried it
     att = next(a for a in peer.attached.values() if a.orphans)
@@ -182,7 +188,8 @@ def test_post_hot_path_uses_the_packed_call_for_reads(bound: Any, monkeypatch: p
     assert ini.read(src, remote, 0, 4096, local_offset=8192).result(10) == 4096
     assert bytes(src.view[8192:12288]) == b"\x6f" * 4096
     att = next(iter(next(iter(ini.transports["ucx"]._peers.values())).attached.values()))
-    assert (False, src.id) in att.calls and len(att.calls) <= 16
+    # the read went through a bound lane (the extension module's), never the ctypes call
+    assert any(k[:2] == (False, src.id) for k in att.lanes) and len(att.lanes) <= 16
 
 
 def test_writers_on_the_lane_survive_a_peer_dying_under_them() -> None:
@@ -287,3 +294,66 @@ def test_revocation_reaches_a_bound_read_pair(bound: Any) -> None:
     with pytest.raises(mpcomm.MpcommError):
         t.result(10)
     assert t.status is not mpcomm.TransferStatus.COMPLETED and bytes(src.view[8192:8256]) == b"\x00" * 64
+
+
+def test_a_shut_lane_is_bound_anew_and_stays_inline(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shutting the lanes (what a revocation, a dropped rkey or a new endpoint do) makes the engine bind again."""
+    from mpcomm.plugins.ucx import _native
+
+    if _native.module() is None:
+        pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
+    target, ini, kv, remote, src = bound
+    ucx = ini.transports["ucx"]
+    pipe = ini._pipeline
+    key = next(k for k in pipe._fast if k[2] == "write")
+    old = pipe._fast[key].move
+    peer = next(iter(ucx._peers.values()))
+    with ucx._lock:
+        ucx._shut_lane(peer.attached[next(iter(peer.attached))], wait=True)
+    assert old(0, 0, 64) is False  # shut for good
+    posted: list[Any] = []
+    monkeypatch.setattr(ucx, "post", lambda op: posted.append(op) or UcxTransport.post(ucx, op))
+    src.view[:4096] = b"\x5a" * 4096
+    t = ini.write(src, remote, 0, 4096)  # the stale move declines, post_inline lands it and rebinds
+    assert t.done() and t.result(0) == 4096 and posted == []
+    assert pipe._fast[key].move is not old
+    src.view[:4096] = b"\x5b" * 4096
+    assert ini.write(src, remote, 0, 4096).done() and posted == []
+    assert bytes(kv.view[:4096]) == b"\x5b" * 4096
+
+
+def test_unregister_under_writers_on_the_lane_leaves_the_memory_untouched(bound: Any) -> None:
+    """Threads write through the bound lane while the target unregisters: once it returns, no byte lands."""
+    import threading
+    import time
+
+    target, ini, kv, remote, src = bound
+    buf = kv.buf
+    stop = threading.Event()
+    ends: list[str] = []
+
+    def pump(seed: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            src.view[seed * 4096:(seed + 1) * 4096] = bytes([(seed * 31 + n) % 251 + 1]) * 4096
+            try:
+                ini.write(src, remote, seed * 4096, 4096, local_offset=seed * 4096, timeout=5).result(10)
+            except mpcomm.MpcommError as exc:
+                ends.append(type(exc).__name__)
+                return
+        ends.append("stopped")
+
+    threads = [threading.Thread(target=pump, args=(i,), daemon=True) for i in range(3)]
+    for th in threads:
+        th.start()
+    time.sleep(0.2)
+    target.unregister(kv)
+    after = bytes(buf[: 3 * 4096])
+    time.sleep(0.2)
+    stop.set()
+    for th in threads:
+        th.join(15)
+    assert not any(th.is_alive() for th in threads)
+    assert bytes(buf[: 3 * 4096]) == after, "a write landed after unregister returned"
+    assert len(ends) == 3 and all(e != "stopped" for e in ends), ends  # each writer met the revocation

@@ -111,3 +111,76 @@ def test_rma_one_reads_a_failed_request_status_as_the_signed_byte_it_is(lib: Any
     st = lib.mpcomm_ucx_rma_one(fn, check, rfree, progress, flush, None, None, 0x2000, 64, 0x3000, None, None,
                                 None, int(write), C.byref(pending))
     assert st == ERR_IO and freed == [0x1000] and pending.value is None
+
+
+class _StandInLane:
+    """A bound lane (struct mp_lane) over stand-in UCX functions: what it issued, what it reported."""
+
+    def __init__(self, check_status: int = 0, *, limit: int = 1 << 16) -> None:
+        mod = _native.module()
+        if mod is None:
+            pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
+        self.issued: list[tuple[int, int, int]] = []
+        self.in_flight_seen: list[int] = []
+        self.pending: list[tuple[int, int]] = []
+        self.signals = 0
+        self.active: set[Any] = set()
+        self.ep_gate, self.att_gate = _native.gate(), _native.gate()
+
+        def rma(ep: int, laddr: int, n: int, raddr: int, rkey: int, param: int) -> int:
+            self.issued.append((laddr, n, raddr))
+            self.in_flight_seen.append(self.ep_gate[1])
+            return 0x1000  # a request: check_status decides whether it is done
+
+        self.keep = (RMA(rma), CHECK_BYTE(lambda r: check_status), FREE(lambda r: None), PROGRESS(lambda w: 0),
+                     FLUSH(lambda ep, p: 0))
+        lane = self.lane = _native.Lane()
+        c = lane.call
+        c.fn, c.check, c.rfree, c.progress, c.flush = (C.cast(k, C.c_void_p).value for k in self.keep)
+        c.write = 1
+        lane.ep_gate, lane.att_gate = C.addressof(self.ep_gate), C.addressof(self.att_gate)
+        lane.laddr, lane.lsize, lane.rbase, lane.rsize, lane.limit = 0x10000, 8192, 0x80000, 4096, limit
+
+        def signal() -> None:
+            self.signals += 1
+
+        def on_pending(code: int, ptr: int) -> bool:
+            self.pending.append((code, ptr))
+            return False
+
+        self.move = mod.lane(C.addressof(lane), self.active, signal, on_pending, (lane, self.keep))
+
+
+def test_a_bound_lane_issues_within_its_bounds_only() -> None:
+    s = _StandInLane(limit=2048)
+    assert s.move(100, 200, 64) is True
+    assert s.issued == [(0x10000 + 100, 64, 0x80000 + 200)] and s.in_flight_seen == [1]
+    for lo, ro, n in ((0, 0, 0), (0, 0, -1), (0, 0, 4096), (0, 3000, 2000), (-1, 0, 8), (0, -1, 8),
+                      (8190, 0, 8), (1 << 62, 0, 1 << 62)):
+        assert s.move(lo, ro, n) is False, (lo, ro, n)  # over the limit, or outside a region
+    assert len(s.issued) == 1 and s.ep_gate[1] == 0
+    with pytest.raises(TypeError):
+        s.move(0, 0)
+
+
+def test_a_shut_gate_stops_the_lane_before_it_issues() -> None:
+    s = _StandInLane()
+    s.att_gate[0] = 0
+    assert s.move(0, 0, 64) is False
+    s.att_gate[0] = 1
+    s.ep_gate[0] = 0
+    assert s.move(0, 0, 64) is False
+    assert s.issued == [] and s.ep_gate[1] == 0  # nothing issued, nothing counted in flight
+
+
+def test_a_lane_request_left_in_flight_goes_to_on_pending() -> None:
+    s = _StandInLane(check_status=1)  # still in flight after local progress
+    assert s.move(0, 0, 64) is False  # on_pending's answer
+    assert s.pending == [(1, 0x1000)] and s.ep_gate[1] == 0
+
+
+def test_a_lane_signals_the_progress_thread_only_while_it_has_work() -> None:
+    s = _StandInLane()
+    assert s.move(0, 0, 64) is True and s.signals == 0
+    s.active.add("work")
+    assert s.move(0, 0, 64) is True and s.signals == 1
