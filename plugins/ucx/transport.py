@@ -464,6 +464,12 @@ class UcxTransport(Transport):
         with self._lock:
             served = self._served.pop(region.id, None)
             self._memh.pop(region.id, None)
+            # Calls packed with its memh go too (ids are never reused; this frees what they hold).
+            for p in self._peers.values():
+                for a in p.attached.values():
+                    for cache in (a.lanes, a.calls):
+                        for k in [k for k in cache if k[1] == region.id]:
+                            del cache[k]
         if served is not None:
             self._retire(served)
 

@@ -357,3 +357,11 @@ def test_unregister_under_writers_on_the_lane_leaves_the_memory_untouched(bound:
     assert not any(th.is_alive() for th in threads)
     assert bytes(buf[: 3 * 4096]) == after, "a write landed after unregister returned"
     assert len(ends) == 3 and all(e != "stopped" for e in ends), ends  # each writer met the revocation
+
+
+def test_unregistering_the_local_region_drops_its_lanes(bound: Any) -> None:
+    target, ini, kv, remote, src = bound
+    att = next(iter(next(iter(ini.transports["ucx"]._peers.values())).attached.values()))
+    assert any(k[1] == src.id for k in list(att.lanes) + list(att.calls))
+    ini.unregister(src)
+    assert not any(k[1] == src.id for k in list(att.lanes) + list(att.calls))
