@@ -262,7 +262,9 @@ def test_only_local_copy_rma_lanes_let_reads_take_the_lane() -> None:
     assert not _rma_is_local_copy("")
 
 
-def test_reads_keep_the_full_path_off_local_copy_lanes(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reads_and_writes_keep_the_full_path_off_local_copy_lanes(bound: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a network RMA lane the lane is never tried: a write there would be put twice (lane, then post)."""
     from mpcomm.plugins.ucx import transport as ucx_transport
 
     target, ini, kv, remote, src = bound
@@ -277,6 +279,13 @@ def test_reads_keep_the_full_path_off_local_copy_lanes(bound: Any, monkeypatch: 
     for _ in range(3):
         assert ini.read(src, remote, 0, 4096).result(10) == 4096
     assert len(posted) == 3 and bytes(src.view[:4096]) == b"\x3d" * 4096
+    lanes_tried: list[Any] = []
+    real_lane = type(ucx)._lane
+    monkeypatch.setattr(type(ucx), "_lane", lambda self, *a: lanes_tried.append(a) or real_lane(self, *a))
+    src.view[8192:12288] = b"\x3e" * 4096
+    for _ in range(3):
+        assert ini.write(src, remote, 4096, 4096, local_offset=8192).result(10) == 4096
+    assert len(posted) == 6 and lanes_tried == [] and bytes(kv.view[4096:8192]) == b"\x3e" * 4096
 
 
 def test_revocation_reaches_a_bound_read_pair(bound: Any) -> None:
