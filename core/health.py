@@ -210,6 +210,11 @@ class HealthTracker:
         """False while no path has failed: the request path then skips admission."""
         return bool(self._paths or self._peers)
 
+    def failure_tables(self) -> tuple[dict[Any, Any], dict[Any, Any]]:
+        """The two tables :meth:`any_failures` looks at (kept for the tracker's life, never
+        replaced), for the engine's C inline lane to test for emptiness without a call."""
+        return self._paths, self._peers
+
     def quarantined(self, peer: str) -> bool:
         now = self.clock.now()
         with self._lock:

@@ -267,7 +267,8 @@ class Region:
         # no lock: acquire appends, then looks at _refusing; close sets _refusing, then
         # looks at the list (so one of the two always sees the other). Refusing first is
         # what lets close() finish while other threads keep taking leases. The Condition
-        # is only waited on by close().
+        # is only waited on by close(). The engine's C inline lane (engine/_fastlane.c) takes
+        # and releases leases by this same protocol.
         self._held: list[None] = []
         self._refusing = False
         self._closed = False

@@ -395,6 +395,15 @@ class Transfer(Future):  # type: ignore[type-arg]
 _materialising = threading.Lock()
 
 
+class LandedOrigin:
+    """What carried the requests of one inline lane: shared by every :class:`_Landed` handle it made."""
+
+    __slots__ = ("transport", "route", "rule", "dispatch")
+
+    def __init__(self, transport: str, route: tuple[str, ...], rule: str, dispatch: _Dispatch) -> None:
+        self.transport, self.route, self.rule, self.dispatch = transport, route, rule, dispatch
+
+
 class _Landed(Transfer):
     """A handle born COMPLETED: the engine's inline lane, a request that landed inside ``write()``.
 
@@ -417,16 +426,25 @@ class _Landed(Transfer):
     _left_to_waiter = False
     _wake = _OPEN
 
-    def __init__(self, nbytes: int, transport: str, route: tuple[str, ...], rule: str, dispatch: _Dispatch,
-                 request: tuple[Any, ...], submitted_at: float) -> None:  # noqa: D107 - no Future.__init__ on purpose
-        """``request`` holds the arguments of the :class:`Request` it stands for, built only if asked for."""
+    def __init__(self, nbytes: int, origin: LandedOrigin, request: tuple[Any, ...],
+                 submitted_at: float) -> None:  # noqa: D107 - no Future.__init__ on purpose
+        """``origin`` says what carried it (shared by every handle of its lane); ``request`` holds
+        the arguments of the :class:`Request` it stands for, built only if asked for. Five stores
+        and a clock read: this runs once per request on the fastest path there is.
+        engine/_fastlane.c makes these handles too, setting the same five attributes without
+        this frame: keep the two in step (tests/core/test_fastlane.py compares them)."""
         self.bytes_moved = nbytes
-        self.transport, self.route, self.route_rule = transport, route, rule
-        self._dispatch = dispatch
+        self._origin = origin
         self._request_args = request
         self.submitted_at = submitted_at
         self.finished_at = time.monotonic()
-        self._outcome = (None, nbytes)
+
+    # What carried it, read from its origin: attributes the handle itself never stores.
+    transport = property(lambda self: self._origin.transport)
+    route = property(lambda self: self._origin.route)
+    route_rule = property(lambda self: self._origin.rule)
+    _dispatch = property(lambda self: self._origin.dispatch)
+    _outcome = property(lambda self: (None, self.bytes_moved))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_future_built" in self.__dict__:

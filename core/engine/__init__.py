@@ -66,6 +66,7 @@ from .deadlines import DeadlineTimer
 from .notify import MAX_NOTIFY, Notification, Notifications
 from .peers import PeerTable
 from .regions import RegionTable, release_view
+from . import fastlane
 from .requests import Pipeline, PreparedBatch
 
 __all__ = ["CompletionQueue", "Engine", "MAX_NOTIFY", "Notification", "PreparedBatch", "TransportStatus"]
@@ -158,6 +159,7 @@ class Engine:
         self._notifications = Notifications(cfg.limits.max_queued_notifications, cfg.limits.max_queued_notify_bytes)
         self.telemetry = Telemetry(cfg)
         self._pipeline = Pipeline(self)
+        self._fast = self._pipeline._fast  # the bound inline moves write()/read() try first
         self.telemetry.watch_health(self.node_id, self._health_snapshot)
         self._peers = PeerTable(
             config=cfg,
@@ -583,6 +585,12 @@ class Engine:
         in that order and the handle's ``route_rule`` is ``"hint"``. Naming a
         transport that is not installed raises MpcommError.
         """
+        if notify is None and completion_queue is None and route is None:
+            run = self._fast.get((id(src), id(remote), "write"))  # a bound pair: requests._FastPath
+            if run is not None:
+                landed = run(local_offset, remote_offset, length, timeout)
+                if landed is not None:
+                    return landed
         return self._pipeline.single("write", src, remote, remote_offset, length, local_offset, notify, timeout,
                                      completion_queue, route)
 
@@ -590,6 +598,12 @@ class Engine:
              local_offset: int = 0, notify: bytes | None = None, timeout: float | None = None,
              completion_queue: CompletionQueue | None = None, route: Sequence[str] | str | None = None) -> Transfer:
         """Read ``length`` bytes of ``remote`` into ``dst`` (a Region or a writable buffer); ``route`` as for :meth:`write`."""
+        if notify is None and completion_queue is None and route is None:
+            run = self._fast.get((id(dst), id(remote), "read"))
+            if run is not None:
+                landed = run(local_offset, remote_offset, length, timeout)
+                if landed is not None:
+                    return landed
         return self._pipeline.single("read", dst, remote, remote_offset, length, local_offset, notify, timeout,
                                      completion_queue, route)
 
@@ -716,9 +730,12 @@ class Engine:
         transport, now), ``connections`` (live control connections per peer,
         now) and ``failover_paths`` — also exported as OpenTelemetry metrics
         (``mpcomm.peer.*``, ``mpcomm.queue.backlog``) with ``observability.metrics``.
+        ``inline_lane``: whether small requests of a bound pair run through the
+        C lane (``"in use"``) or, and why, through the same checks in Python.
         """
         return {
             "requests_held": self._pipeline.slots.in_use,
+            "inline_lane": fastlane.status(),
             "queue_depth": self._pipeline.slots.capacity,
             "notifications_queued": len(self._notifications),
             "peers": len(self._peers.links()),

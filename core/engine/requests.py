@@ -28,6 +28,7 @@ can neither double-post nor lose a request.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -54,9 +55,10 @@ from ..health import is_retryable
 from ..memory import Region, as_byte_view
 from ..peer import same_host
 from ..remote import RemoteRegion
-from ..transfer import Batch, Request, Transfer, TransferStatus, _Dispatch, _Landed, _resolve_members
+from ..transfer import Batch, LandedOrigin, Request, Transfer, TransferStatus, _Dispatch, _Landed, _resolve_members
 from ..routing import Route, RouteQuery, SplitPlan
 from ..transport import FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, _int64, timeout_error
+from . import fastlane
 from .completions import CompletionQueue
 from .notify import MAX_NOTIFY
 from .regions import release_view
@@ -140,7 +142,11 @@ def _leased_call(local: Region, transport: str, fn: Any, *args: Any) -> bool:
         local.release()
 
 
-class _FastPath:
+def _move_failed(transport: str, exc: BaseException) -> None:
+    log.error("transport %s failed in its inline_path move", transport, exc_info=exc)
+
+
+class _FastPath(LandedOrigin):
     """One (local region, remote region, kind) whose requests land inline: what is left to check per request.
 
     Bound after the inline lane landed a request of the pair, with every
@@ -149,41 +155,64 @@ class _FastPath:
     engine's health and state. Revocation of the remote memory is the
     transport's ``move`` to notice. Anything unusual returns None and the
     request takes the slower lanes, which raise the proper errors.
+
+    ``Engine.write``/``read`` call :meth:`run` themselves, before anything
+    else: this is the hottest path there is, so what it reads per request is
+    bound here once (the engine, its health check, the table it sits in), and
+    it is the origin of the handles it makes.
     """
 
-    __slots__ = ("kind", "local", "remote", "move", "link", "transport", "route", "rule", "lsize", "rsize")
+    __slots__ = ("kind", "local", "remote", "move", "link", "lsize", "rsize", "engine", "failing", "table")
 
     def __init__(self, kind: str, local: Region, remote: RemoteRegion, move: Any, link: PeerLink,
-                 transport: str, route: tuple[str, ...], rule: str) -> None:
+                 transport: str, route: tuple[str, ...], rule: str, pipe: Pipeline) -> None:
+        super().__init__(transport, route, rule, pipe.dispatch)
         self.kind, self.local, self.remote, self.move, self.link = kind, local, remote, move, link
-        self.transport, self.route, self.rule = transport, route, rule
         self.lsize, self.rsize = local.size, remote.size
+        self.engine, self.failing, self.table = pipe.e, pipe.e.health.any_failures, pipe._fast
 
-    def run(self, pipe: Pipeline, lo: int, ro: int, length: int | None, timeout: float | None) -> Transfer | None:
-        local = self.local
+    def runner(self) -> Any:
+        """``run(lo, ro, length, timeout) -> handle | None`` for the engine's table: the C lane
+        (engine/_fastlane.c) where it is built, else :meth:`_run`.
+
+        Nothing this returns is kept on this object, and the C lane is bound to
+        what it needs, not to this object: either way round would be a cycle
+        that keeps both regions alive, after the table let go of them, until
+        the garbage collector runs.
+        """
+        key = (id(self.local), id(self.remote), self.kind)
+        paths, peers = self.engine.health.failure_tables()
+        return fastlane.lane(self.local, self.local._held, self.move, self.link, self.engine, paths, peers, _Landed,
+                             LandedOrigin(self.transport, self.route, self.rule, self.dispatch), self.kind,
+                             self.remote, self.lsize, self.rsize, functools.partial(self.table.pop, key, None),
+                             functools.partial(_move_failed, self.transport)) or self._run
+
+    def _run(self, lo: int, ro: int, length: int | None, timeout: float | None) -> Transfer | None:
+        if type(lo) is not int or type(ro) is not int:
+            return None
         if length is None:
             length = self.lsize - lo
-        if (type(lo) is not int or type(ro) is not int or type(length) is not int
+        if (type(length) is not int
                 or lo < 0 or ro < 0 or length < 0 or lo + length > self.lsize or ro + length > self.rsize
                 or not (timeout is None or (type(timeout) in _NUM and 0 < timeout < _INF))
-                or not self.link.alive or pipe.e._closed or pipe.e.health.any_failures()):
+                or not self.link.alive or self.engine._closed or self.failing()):
             return None
+        local = self.local
         t0 = time.monotonic()
         try:
             local.acquire()
         except RegionClosedError:
-            pipe._fast.pop((id(local), id(self.remote), self.kind), None)
+            self.table.pop((id(local), id(self.remote), self.kind), None)
             return None
-        try:  # _leased_call, inlined: this is the hottest path there is
+        try:  # _leased_call, inlined
             if not self.move(lo, ro, length):
                 return None
-        except Exception:  # noqa: BLE001 - a plugin bug declines; the full path reports what post() says
-            log.exception("transport %s failed in its inline_path move", self.transport)
+        except Exception as exc:  # noqa: BLE001 - a plugin bug declines; the full path reports what post() says
+            _move_failed(self.transport, exc)
             return None
         finally:
             local.release()
-        return _Landed(length, self.transport, self.route, self.rule, pipe.dispatch,
-                       (self.kind, local, self.remote, ro, length, lo), t0)
+        return _Landed(length, self, (self.kind, local, self.remote, ro, length, lo), t0)
 
 
 class Pipeline:
@@ -209,8 +238,8 @@ class Pipeline:
         self._notify_lock = threading.Lock()
         self._notify_per_peer = max(1, cfg.runtime.worker_threads // 4)
         self.dispatch = _Dispatch(engine._completions.push, engine._completions.on_thread, self.cancel)
-        #: The inline lane's bound moves, per (id(local), id(remote), kind): see _FastPath.
-        self._fast: dict[tuple[int, int, str], _FastPath] = {}
+        #: The inline lane's bound pairs, per (id(local), id(remote), kind): _FastPath.runner()'s.
+        self._fast: dict[tuple[int, int, str], Any] = {}
         #: Nothing but the copy may be left to do for the inline lane to apply (set by policy_ready).
         self._inline_ok = False
 
@@ -332,13 +361,10 @@ class Pipeline:
         if self.e._closed:
             raise EngineClosedError("the engine is closed")
         if self._inline_ok and notify is None and route is None and cq is None:
-            fast = self._fast.get((id(buf), id(remote), kind))
-            if fast is not None:
-                landed = fast.run(self, lo, ro, length, timeout)
-                if landed is not None:
-                    return landed
             if isinstance(buf, Region):
-                landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout, fast)
+                # Engine.write/read already tried the pair's bound run: if there is one, it declined.
+                landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout,
+                                           (id(buf), id(remote), kind) in self._fast)
                 if landed is not None:
                     return landed
         hint = self._hint(route)
@@ -356,7 +382,7 @@ class Pipeline:
         return op.transfer
 
     def _inline_lane(self, kind: str, local: Region, remote: RemoteRegion, ro: int, length: int | None, lo: int,
-                     timeout: float | None, declined: _FastPath | None = None) -> Transfer | None:
+                     timeout: float | None, declined: bool = False) -> Transfer | None:
         """A small request its transport finishes on this thread: no Operation, slot, deadline or table.
 
         Taken only when nothing but the copy is left to do: the peer is
@@ -395,25 +421,27 @@ class Pipeline:
         t0 = time.monotonic()
         if not _leased_call(local, transport.name, transport.post_inline, kind, local, lo, remote, ro, length):
             return None
-        if declined is not None or (id(local), id(remote), kind) not in self._fast:
-            self._bind_fast(kind, local, remote, transport, link, entry)
-        return _Landed(length, transport.name, entry[2], entry[1], self.dispatch,
-                       (kind, local, remote, ro, length, lo), t0)
+        fast = None
+        if declined or (id(local), id(remote), kind) not in self._fast:
+            fast = self._bind_fast(kind, local, remote, transport, link, entry)
+        origin = fast if fast is not None else LandedOrigin(transport.name, entry[2], entry[1], self.dispatch)
+        return _Landed(length, origin, (kind, local, remote, ro, length, lo), t0)
 
     def _bind_fast(self, kind: str, local: Region, remote: RemoteRegion, transport: Transport, link: PeerLink,
-                   entry: tuple[tuple[Transport, ...], str, tuple[str, ...]]) -> None:
+                   entry: tuple[tuple[Transport, ...], str, tuple[str, ...]]) -> _FastPath | None:
         """After a request of this pair landed inline: keep the transport's bound move for the next ones."""
         try:
             move = transport.inline_path(kind, local, remote)
         except Exception:  # noqa: BLE001 - a plugin bug: the slower lanes still work
             log.exception("transport %s failed in inline_path", transport.name)
-            return
+            return None
         if move is None:
-            return
+            return None
         if len(self._fast) >= _FAST_MAX:
             self._fast.clear()  # bounded; the pairs in use bind again on their next request
-        self._fast[(id(local), id(remote), kind)] = _FastPath(kind, local, remote, move, link, transport.name,
-                                                              entry[2], entry[1])
+        fast = _FastPath(kind, local, remote, move, link, transport.name, entry[2], entry[1], self)
+        self._fast[(id(local), id(remote), kind)] = fast.runner()
+        return fast
 
     def forget_fast(self) -> None:
         """Drop every bound inline move (routes, health or regions changed): the next request rebinds."""

@@ -125,6 +125,7 @@ def test_wheel_ships_the_license_and_metadata(tmp_path: Path) -> None:
     assert "mpcomm/cli/records.py" in names and "mpcomm/records.py" not in names
     # The optional helpers' sources: without them an installed copy runs the Python fallbacks only.
     assert "mpcomm/plugins/shm/_copyloop.c" in names and "mpcomm/plugins/ucx/_ucxloop.c" in names
+    assert "mpcomm/engine/_fastlane.c" in names
     assert "mpcomm/plugins/tcp/_busypoll.c" in names
     print("\n".join(sorted(n for n in names if "dist-info" in n)))
 

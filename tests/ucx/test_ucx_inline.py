@@ -315,17 +315,18 @@ def test_a_shut_lane_is_bound_anew_and_stays_inline(bound: Any, monkeypatch: pyt
     ucx = ini.transports["ucx"]
     pipe = ini._pipeline
     key = next(k for k in pipe._fast if k[2] == "write")
-    old = pipe._fast[key].move
+    old = pipe._fast[key]  # the pair's bound run(lo, ro, length, timeout)
+    assert old(0, 0, 64, None) is not None  # open: it lands
     peer = next(iter(ucx._peers.values()))
     with ucx._lock:
         ucx._shut_lane(peer.attached[next(iter(peer.attached))], wait=True)
-    assert old(0, 0, 64) is False  # shut for good
+    assert old(0, 0, 64, None) is None  # shut for good: the binding declines
     posted: list[Any] = []
     monkeypatch.setattr(ucx, "post", lambda op: posted.append(op) or UcxTransport.post(ucx, op))
     src.view[:4096] = b"\x5a" * 4096
     t = ini.write(src, remote, 0, 4096)  # the stale move declines, post_inline lands it and rebinds
     assert t.done() and t.result(0) == 4096 and posted == []
-    assert pipe._fast[key].move is not old
+    assert pipe._fast[key] is not old
     src.view[:4096] = b"\x5b" * 4096
     assert ini.write(src, remote, 0, 4096).done() and posted == []
     assert bytes(kv.view[:4096]) == b"\x5b" * 4096

@@ -1,0 +1,301 @@
+/* The engine's bound inline lane, per request, outside the interpreter's frames.
+ *
+ * Built at first use by core/engine/fastlane.py (through mpcomm.native_helper)
+ * as the extension module _mpcomm_fastlane, where a C compiler and Python.h
+ * exist; elsewhere _FastPath._run (core/engine/requests.py) does the same in
+ * Python. Both must decide alike: tests/core/test_fastlane.py drives the two
+ * with the same arguments.
+ *
+ * Why C: once a (local region, remote region, kind) pair is bound, a small
+ * request is a handful of checks, a lease, the transport's move (itself
+ * native for shm and ucx) and a handle born done. In Python that costs about
+ * as much as the UCX put and flush themselves (1.2-1.4 us here); this is the
+ * same sequence without a Python frame. It calls the same Python objects the
+ * Python version calls (Region.acquire/release, the health check, the move,
+ * the handle's class), so the lease protocol and the handle stay defined in
+ * one place each.
+ */
+#define MP_ABI 1
+
+int mpcomm_fastlane_abi(void) { return MP_ABI; }
+
+#ifdef MP_PYMODULE  /* the plain build (no Python.h) has nothing else: the Python lane serves */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <time.h>
+
+/* What lane(...) binds, in this order (a tuple: the callable's self). */
+enum {
+    S_LOCAL,      /* the local Region: its lease list and flags (see lease() below) */
+    S_HELD,       /* local._held: one entry per lease */
+    S_MOVE,       /* the transport's move(lo, ro, n) -> truthy once landed */
+    S_LINK,       /* the PeerLink: .alive */
+    S_ENGINE,     /* the Engine: ._closed */
+    S_FAILED_PATHS, /* the health tracker's failure tables (HealthTracker.failure_tables()): */
+    S_FAILED_PEERS, /* while both are empty nothing has failed and admission is skipped */
+    S_LANDED,     /* the handle class, _Landed: made here with the attributes its __init__ sets */
+    S_ORIGIN,     /* what the handles name as their transport and route */
+    S_KIND,       /* "write" / "read" */
+    S_REMOTE,     /* the RemoteRegion */
+    S_LSIZE,      /* int: local region size */
+    S_RSIZE,      /* int: remote region size */
+    S_UNBIND,     /* unbind(): drop this pair from the engine's table */
+    S_MOVE_FAILED,/* move_failed(exc): a plugin bug, logged; the request declines */
+    S_COUNT
+};
+
+static PyObject *s_refusing, *s_closers, *s_wake, *s_alive, *s_closed, *s_empty;
+static PyObject *s_bytes_moved, *s_origin, *s_request_args, *s_submitted_at, *s_finished_at;
+
+static double monotonic(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);  /* the clock of time.monotonic() on Linux */
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* An exact int that fits in 63 bits, else -1 (and no error set): bool, float, huge -> decline. */
+static long long exact_int(PyObject *o) {
+    if (!PyLong_CheckExact(o))
+        return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    return v;
+}
+
+/* 1 true, 0 false, -1 error (set) */
+static int attr_true(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* The lease protocol of Region.acquire/release (core/memory.py), without the two method
+ * calls: append one entry, then look at _refusing (close() sets _refusing, then looks at the
+ * list, so one of the two always sees the other); release pops it and wakes a waiting close()
+ * once the list is empty. Both run under the GIL, as list.append/pop do there. */
+static int wake_closers(PyObject *local) {
+    PyObject *x = PyObject_CallMethodNoArgs(local, s_wake);
+    if (x == NULL)
+        return -1;
+    Py_DECREF(x);
+    return 0;
+}
+
+/* 1 leased, 0 refused (the region is being unregistered; nothing held), -1 error */
+static int lease(PyObject *local, PyObject *held) {
+    if (PyList_Append(held, Py_None) < 0)
+        return -1;
+    int refusing = attr_true(local, s_refusing);
+    if (refusing == 0)
+        return 1;
+    Py_ssize_t n = PyList_GET_SIZE(held);
+    if (PyList_SetSlice(held, n - 1, n, NULL) < 0 || wake_closers(local) < 0)
+        return -1;
+    return refusing < 0 ? -1 : 0;
+}
+
+static int unlease(PyObject *local, PyObject *held) {
+    Py_ssize_t n = PyList_GET_SIZE(held);
+    if (n > 0 && PyList_SetSlice(held, n - 1, n, NULL) < 0)
+        return -1;
+    if (PyList_GET_SIZE(held) == 0) {
+        int closers = attr_true(local, s_closers);
+        if (closers < 0 || (closers && wake_closers(local) < 0))
+            return -1;
+    }
+    return 0;
+}
+
+/* A handle born COMPLETED: _Landed.__init__'s five attributes, set here without its frame
+ * (tests/core/test_fastlane.py checks both make the same handle). */
+static PyObject *landed(PyObject *const *s, PyObject *nobj, PyObject *req, double t0) {
+    PyTypeObject *tp = (PyTypeObject *)s[S_LANDED];
+    PyObject *h = tp->tp_new(tp, s_empty, NULL);
+    if (h == NULL)
+        return NULL;
+    PyObject *t0obj = PyFloat_FromDouble(t0), *t1obj = PyFloat_FromDouble(monotonic());
+    if (t0obj == NULL || t1obj == NULL || PyObject_SetAttr(h, s_bytes_moved, nobj) < 0
+        || PyObject_SetAttr(h, s_origin, s[S_ORIGIN]) < 0 || PyObject_SetAttr(h, s_request_args, req) < 0
+        || PyObject_SetAttr(h, s_submitted_at, t0obj) < 0 || PyObject_SetAttr(h, s_finished_at, t1obj) < 0)
+        Py_CLEAR(h);
+    Py_XDECREF(t0obj);
+    Py_XDECREF(t1obj);
+    return h;
+}
+
+/* run(lo, ro, length, timeout) -> a handle born COMPLETED, or None: take the slower lanes. */
+static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "run(lo, ro, length, timeout) takes 4 arguments");
+        return NULL;
+    }
+    PyObject *const *s = &PyTuple_GET_ITEM(self, 0);
+    long long lsize = PyLong_AsLongLong(s[S_LSIZE]), rsize = PyLong_AsLongLong(s[S_RSIZE]);
+    if (PyErr_Occurred())
+        return NULL;
+    long long lo = exact_int(args[0]), ro = exact_int(args[1]), n;
+    if (lo < 0 || ro < 0)
+        Py_RETURN_NONE;
+    PyObject *length = args[2];
+    if (length == Py_None) {
+        n = lsize - lo;
+        if (n < 0)
+            Py_RETURN_NONE;
+    } else if ((n = exact_int(length)) < 0) {
+        Py_RETURN_NONE;
+    }
+    if (lo + n > lsize || ro + n > rsize)
+        Py_RETURN_NONE;
+    PyObject *timeout = args[3];
+    if (timeout != Py_None) {
+        double t;
+        if (PyFloat_CheckExact(timeout)) {
+            t = PyFloat_AS_DOUBLE(timeout);
+        } else if (PyLong_CheckExact(timeout)) {
+            t = PyLong_AsDouble(timeout);
+            if (t == -1.0 && PyErr_Occurred()) {
+                PyErr_Clear();
+                Py_RETURN_NONE;
+            }
+        } else {
+            Py_RETURN_NONE;
+        }
+        if (!(t > 0 && t < INFINITY))  /* NaN fails too */
+            Py_RETURN_NONE;
+    }
+    if (PyDict_GET_SIZE(s[S_FAILED_PATHS]) || PyDict_GET_SIZE(s[S_FAILED_PEERS]))
+        Py_RETURN_NONE;
+    int r = attr_true(s[S_LINK], s_alive);
+    if (r <= 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+    r = attr_true(s[S_ENGINE], s_closed);
+    if (r != 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+
+    double t0 = monotonic();
+    PyObject *local = s[S_LOCAL], *held = s[S_HELD], *x;
+    r = lease(local, held);
+    if (r <= 0) {
+        if (r < 0)
+            return NULL;
+        x = PyObject_CallNoArgs(s[S_UNBIND]);  /* unregistered: the table lets go of the pair */
+        if (x == NULL)
+            return NULL;
+        Py_DECREF(x);
+        Py_RETURN_NONE;
+    }
+
+    PyObject *nobj = PyLong_FromLongLong(n);
+    if (nobj == NULL)
+        goto release_fail;
+    PyObject *margs[3] = {args[0], args[1], nobj};
+    PyObject *moved = PyObject_Vectorcall(s[S_MOVE], margs, 3, NULL);
+    int done = 0;
+    if (moved != NULL) {
+        done = PyObject_IsTrue(moved);
+        Py_DECREF(moved);
+    }
+    if (moved == NULL || done < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            goto release_fail_n;  /* KeyboardInterrupt and the like go on up, the lease released */
+        /* A plugin bug declines; the full path reports what post() says. */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyErr_NormalizeException(&et, &ev, &tb);
+        if (tb != NULL && ev != NULL)
+            PyException_SetTraceback(ev, tb);
+        x = PyObject_CallOneArg(s[S_MOVE_FAILED], ev != NULL ? ev : Py_None);
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        if (x == NULL)
+            goto release_fail_n;
+        Py_DECREF(x);
+        done = 0;
+    }
+    if (unlease(local, held) < 0) {
+        Py_DECREF(nobj);
+        return NULL;
+    }
+    if (!done) {
+        Py_DECREF(nobj);
+        Py_RETURN_NONE;
+    }
+    PyObject *req = PyTuple_Pack(6, s[S_KIND], local, s[S_REMOTE], args[1], nobj, args[0]);
+    PyObject *h = req == NULL ? NULL : landed(s, nobj, req, t0);
+    Py_XDECREF(req);
+    Py_DECREF(nobj);
+    return h;
+
+release_fail_n:
+    Py_DECREF(nobj);
+release_fail: {
+        /* Release the lease with the pending exception kept aside. */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        if (unlease(local, held) < 0) {
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
+}
+
+static PyMethodDef run_def = {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
+                              "run(lo, ro, length, timeout): one request on a bound pair, or None"};
+
+/* lane(local, held, move, link, engine, failed_paths, failed_peers, landed, origin, kind, remote,
+ *      lsize, rsize, unbind, move_failed) -> the pair's run callable */
+static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != S_COUNT || !PyLong_CheckExact(args[S_LSIZE]) || !PyLong_CheckExact(args[S_RSIZE])
+        || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
+        || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])) {
+        PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);
+        return NULL;
+    }
+    PyObject *t = PyTuple_New(S_COUNT);
+    if (t == NULL)
+        return NULL;
+    for (int i = 0; i < S_COUNT; i++)
+        PyTuple_SET_ITEM(t, i, Py_NewRef(args[i]));
+    PyObject *f = PyCFunction_New(&run_def, t);
+    Py_DECREF(t);
+    return f;
+}
+
+static PyMethodDef mp_methods[] = {
+    {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound pair's run callable"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef mp_module = {PyModuleDef_HEAD_INIT, "_mpcomm_fastlane", NULL, -1, mp_methods,
+                                       NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__mpcomm_fastlane(void) {
+#define INTERN(var, text) ((var = PyUnicode_InternFromString(text)) != NULL)
+    if (!(INTERN(s_refusing, "_refusing") && INTERN(s_closers, "_closers") && INTERN(s_wake, "_wake_closers")
+          && INTERN(s_alive, "alive") && INTERN(s_closed, "_closed") && INTERN(s_bytes_moved, "bytes_moved")
+          && INTERN(s_origin, "_origin") && INTERN(s_request_args, "_request_args")
+          && INTERN(s_submitted_at, "submitted_at") && INTERN(s_finished_at, "finished_at")
+          && (s_empty = PyTuple_New(0)) != NULL))
+        return NULL;
+    PyObject *m = PyModule_Create(&mp_module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI", MP_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
+#endif

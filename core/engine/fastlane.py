@@ -1,0 +1,70 @@
+"""The bound inline lane in C: ``_fastlane.c``, built once where a compiler and Python.h exist.
+
+:class:`~mpcomm.engine.requests._FastPath` runs each request of a bound pair
+through :func:`lane`'s callable when this module is available, and through
+its own ``_run`` (the same checks in Python) otherwise. Built by
+:mod:`mpcomm.native_helper` into the private cache like the plugins'
+helpers. ``MPCOMM_FASTLANE=0`` turns it off (read at each binding, so a
+test or an operator can compare the two lanes in one process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .. import native_helper
+
+log = logging.getLogger("mpcomm.engine")
+
+ABI = 1
+SOURCE = Path(__file__).with_name("_fastlane.c")
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_tried = False
+#: Why the C lane is or is not in use, in words (see :func:`status`).
+reason = "not loaded yet"
+
+
+def module() -> ModuleType | None:
+    """The extension module, or None (disabled, no compiler or Python.h, or it failed to build)."""
+    global _module, _tried, reason
+    if os.environ.get("MPCOMM_FASTLANE", "1") == "0":
+        reason = "disabled by MPCOMM_FASTLANE=0"
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                h = native_helper.load(SOURCE, "engine", "fastlane", ABI, "mpcomm_fastlane_abi",
+                                       "_mpcomm_fastlane", native_helper.python_include())
+            except Exception as exc:  # noqa: BLE001 - optional: any failure leaves the Python lane
+                h = f"loading it failed ({exc})"
+            if isinstance(h, str):
+                reason = h
+            elif h.module is None:
+                reason = "built without Python.h: the Python lane serves"
+            else:
+                _module, reason = h.module, "in use"
+            if _module is None:
+                log.debug("engine: C inline lane not used: %s", reason)
+        elif _module is not None:
+            reason = "in use"
+        return _module
+
+
+def status() -> str:
+    """``"in use"``, or why not (loads the module first): what ``Engine.stats()["inline_lane"]`` shows."""
+    module()
+    return reason
+
+
+def lane(*bound: Any) -> Any:
+    """The pair's ``run(lo, ro, length, timeout)`` in C, or None; ``bound`` as listed in ``_fastlane.c``."""
+    mod = module()
+    return None if mod is None else mod.lane(*bound)

@@ -1,0 +1,270 @@
+"""The engine's bound inline lane in C (core/engine/_fastlane.c) against its Python twin (_FastPath._run).
+
+Both are driven with the same pair and the same arguments: they must decline
+(None) or land alike, make the same handle, hold the local region's lease only
+while the move runs, and leave nothing behind (no reference, no lease). The
+engine-level tests show a real pair lands through each of them.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import mpcomm
+from mpcomm.engine import fastlane
+from mpcomm.engine.requests import _FastPath
+from mpcomm.health import HealthTracker
+from mpcomm.memory import Region
+from mpcomm.remote import RemoteRegion
+from mpcomm.transfer import COMPLETED, _Dispatch, _Landed
+
+LSIZE, RSIZE = 1 << 16, 1 << 15
+
+
+def _native() -> Any:
+    mod = fastlane.module()
+    if mod is None:
+        pytest.skip(f"the C inline lane is not built here: {fastlane.reason}")
+    return mod
+
+
+class Pair:
+    """A bound pair with stand-ins only for what is not under test: the peer link, the move."""
+
+    def __init__(self, native: bool) -> None:
+        self.local = Region(memoryview(bytearray(LSIZE)), name="src", access="rw")
+        self.remote = RemoteRegion("127.0.0.1:1", "n", "e", "kv", 7, RSIZE, 0, "rw", 1)
+        self.link = SimpleNamespace(alive=True)
+        self.engine = SimpleNamespace(_closed=False, health=HealthTracker())
+        self.table: dict[Any, Any] = {}
+        self.moves: list[tuple[Any, ...]] = []
+        self.answer: Any = True
+        self.leases_seen: list[int] = []
+        self.pushed: list[Any] = []
+        pipe = SimpleNamespace(e=self.engine, dispatch=_Dispatch(self.pushed.append, lambda: False, lambda t: None),
+                               _fast=self.table)
+        self.fast = _FastPath("write", self.local, self.remote, self.move, self.link, "shm", ("shm", "tcp"),
+                              "default", pipe)
+        self.key = (id(self.local), id(self.remote), "write")
+        if native:
+            _native()
+            self.run = self.fast.runner()
+            assert type(self.run).__name__ == "builtin_function_or_method"
+        else:
+            self.run = self.fast._run
+        self.table[self.key] = self.run
+
+    def move(self, lo: int, ro: int, n: int) -> Any:
+        self.moves.append((lo, ro, n))
+        self.leases_seen.append(self.local.leases)
+        a = self.answer
+        if isinstance(a, BaseException):
+            raise a
+        return a(lo, ro, n) if callable(a) else a
+
+
+ARGS = [
+    (0, 0, None, None), (0, 0, 16, None), (16, 32, 4096, 5), (0, 0, 16, 0.5), (LSIZE - 8, 0, None, None),
+    (0, RSIZE - 8, 8, None), (0, 0, 0, None), (LSIZE, 0, None, None),
+    # declined: the full path raises the proper error for each
+    (-1, 0, 16, None), (0, -1, 16, None), (0, 0, -1, None), (0, 0, RSIZE + 1, None), (0, 0, None, None),
+    (LSIZE - 8, 0, 16, None), (0, RSIZE - 8, 16, None), (LSIZE + 1, 0, None, None),
+    (True, 0, 16, None), (0, False, 16, None), (0, 0, 16.0, None), (1.0, 0, 16, None), ("0", 0, 16, None),
+    (0, 0, 10**30, None), (10**30, 0, 16, None), (0, 0, 16, 0), (0, 0, 16, -1), (0, 0, 16, math.nan),
+    (0, 0, 16, math.inf), (0, 0, 16, True), (0, 0, 16, "1"), (0, 0, 16, 1e-9),
+]
+
+
+def _outcome(pair: Pair, args: tuple[Any, ...]) -> Any:
+    h = pair.run(*args)
+    if h is None:
+        return None
+    r = h.request
+    assert r.local is pair.local and r.remote is pair.remote
+    return (h.bytes_moved, h.transport, h.route, h.route_rule, (r.op, r.remote_offset, r.length, r.local_offset),
+            sorted(vars(h)), h.status)
+
+
+@pytest.mark.parametrize("args", ARGS, ids=repr)
+def test_c_and_python_lanes_decide_alike(args: tuple[Any, ...]) -> None:
+    # RSIZE < LSIZE: a whole-region write (length None) does not fit the remote one.
+    c, py = Pair(native=True), Pair(native=False)
+    got_c, got_py = _outcome(c, args), _outcome(py, args)
+    assert got_c == got_py
+    assert c.moves == py.moves
+    assert c.local.leases == py.local.leases == 0
+
+
+def test_a_landed_handle_is_whole_and_born_done() -> None:
+    p = Pair(native=True)
+    before = time.monotonic()
+    h = p.run(16, 32, 4096, None)
+    assert isinstance(h, _Landed) and h.status is COMPLETED and h.done() and h.result(0) == 4096
+    assert before <= h.submitted_at <= h.finished_at <= time.monotonic() and h.elapsed >= 0
+    assert (h.transport, h.route, h.route_rule) == ("shm", ("shm", "tcp"), "default")
+    r = h.request
+    assert (r.op, r.local, r.remote, r.remote_offset, r.length, r.local_offset) == (
+        "write", p.local, p.remote, 32, 4096, 16)
+    assert p.leases_seen == [1] and p.local.leases == 0
+    got: list[Any] = []
+    h.add_done_callback(got.append)
+    assert got == [h]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_what_changes_after_binding_makes_the_lane_decline(native: bool) -> None:
+    p = Pair(native)
+    p.link.alive = False
+    assert p.run(0, 0, 16, None) is None
+    p.link.alive = True
+    p.engine._closed = True
+    assert p.run(0, 0, 16, None) is None
+    p.engine._closed = False
+    paths, peers = p.engine.health.failure_tables()
+    peers["127.0.0.1:1"] = object()
+    assert p.run(0, 0, 16, None) is None
+    peers.clear()
+    paths[("127.0.0.1:1", "shm")] = object()
+    assert p.run(0, 0, 16, None) is None
+    paths.clear()
+    p.answer = False  # the transport's move declines (a shut gate, a revoked region)
+    assert p.run(0, 0, 16, None) is None
+    assert p.moves == [(0, 0, 16)] and p.local.leases == 0
+    p.answer = True
+    assert p.run(0, 0, 16, None) is not None and p.key in p.table
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_an_unregistering_region_unbinds_the_pair_and_holds_no_lease(native: bool) -> None:
+    p = Pair(native)
+    p.local._refusing = True  # what close() sets first
+    assert p.run(0, 0, 16, None) is None
+    assert p.moves == [] and p.local.leases == 0 and p.key not in p.table
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_move_that_raises_is_logged_and_declines(native: bool, caplog: pytest.LogCaptureFixture) -> None:
+    p = Pair(native)
+    p.answer = ValueError("plugin bug")
+    with caplog.at_level(logging.ERROR, logger="mpcomm.engine"):
+        assert p.run(0, 0, 16, None) is None
+    rec = [r for r in caplog.records if "inline_path move" in r.getMessage()]
+    assert rec and rec[0].exc_info and rec[0].exc_info[1] is p.answer
+    assert "test_fastlane.py" in caplog.text  # the traceback reaches the log
+    assert p.local.leases == 0
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_an_interrupt_in_the_move_goes_up_with_the_lease_released(native: bool) -> None:
+    p = Pair(native)
+    p.answer = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        p.run(0, 0, 16, None)
+    assert p.local.leases == 0
+
+    def bad(lo: int, ro: int, n: int) -> Any:
+        class Bool:
+            def __bool__(self) -> bool:
+                raise RuntimeError("no truth")
+        return Bool()
+
+    p.answer = bad  # a truthiness that raises is a plugin bug too: declined
+    assert p.run(0, 0, 16, None) is None and p.local.leases == 0
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_unregister_waits_for_a_request_inside_the_move(native: bool) -> None:
+    """close() waits while the lane's lease is held, and is woken when the lane lets go."""
+    p = Pair(native)
+    inside, go = threading.Event(), threading.Event()
+
+    def slow(lo: int, ro: int, n: int) -> bool:
+        inside.set()
+        assert go.wait(5)
+        return True
+
+    p.answer = slow
+    out: list[Any] = []
+    w = threading.Thread(target=lambda: out.append(p.run(0, 0, 16, None)))
+    w.start()
+    assert inside.wait(5)
+    closed = threading.Thread(target=p.local.close, kwargs={"timeout": 5})
+    closed.start()
+    time.sleep(0.1)
+    assert closed.is_alive() and not p.local.closed  # held by the move
+    go.set()
+    w.join(5)
+    closed.join(5)
+    assert p.local.closed and out and out[0] is not None
+    assert p.run(0, 0, 16, None) is None and p.key not in p.table  # refused from now on
+
+
+def test_the_c_lane_keeps_no_reference() -> None:
+    p = Pair(native=True)
+    watched = [p.local, p.remote, p.link, p.engine, p.fast]
+    for _ in range(50):
+        p.run(0, 0, 16, None)
+    gc.collect()
+    before = [sys.getrefcount(o) for o in watched]
+    for _ in range(2000):
+        h = p.run(0, 0, 16, None)
+        h.request  # builds the Request once
+        p.run(-1, 0, 16, None)
+    del h
+    p.answer = ValueError("x")
+    logging.getLogger("mpcomm.engine").disabled = True
+    try:
+        for _ in range(200):
+            p.run(0, 0, 16, None)
+    finally:
+        logging.getLogger("mpcomm.engine").disabled = False
+    gc.collect()
+    assert [sys.getrefcount(o) for o in watched] == before
+    del p.table[p.key]
+    run = p.run
+    del p.run
+    assert sys.getrefcount(run) == 2  # nothing but this name holds it: no cycle through the pair
+
+
+# -- through a real engine --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if native:
+        _native()
+    else:
+        monkeypatch.setenv("MPCOMM_FASTLANE", "0")
+    with mpcomm.Engine(transports=["shm"]) as target, mpcomm.Engine(transports=["shm"]) as ini:
+        kv = target.allocate(1 << 20, name="kv")
+        remote = ini.open(target.address, "kv")
+        src = ini.allocate(1 << 16, name="src")
+        src.view[:4096] = b"\x11" * 4096
+        for _ in range(2):  # the first connects and caches the route; the second lands inline and binds
+            assert ini.write(src, remote, 0, 4096).result(5) == 4096
+        runs = list(ini._fast.values())
+        assert runs, "the pair should be bound after an inline write"
+        assert (type(runs[0]).__name__ == "builtin_function_or_method") is native
+        for i in range(1, 64):
+            src.view[:4096] = bytes([i]) * 4096
+            t = ini.write(src, remote, i * 4096, 4096)
+            assert t.done() and t.transport == "shm" and t.result(0) == 4096
+        assert all(bytes(kv.view[i * 4096:(i + 1) * 4096]) == bytes([i]) * 4096 for i in range(1, 64))
+        dst = ini.allocate(1 << 16, name="dst")
+        assert ini.read(dst, remote, 5 * 4096, 4096).result(5) == 4096
+        assert bytes(dst.view[:4096]) == b"\x05" * 4096
+        with pytest.raises(mpcomm.OutOfBoundsError):
+            ini.write(src, remote, (1 << 20) - 8, 4096)
+        ini.unregister(src)
+        with pytest.raises(mpcomm.errors.RegionClosedError):
+            ini.write(src, remote, 0, 4096)
+        assert not ini._fast
