@@ -43,7 +43,7 @@ from . import _native
 
 log = logging.getLogger("mpcomm.transport.shm")
 
-ABI = 1
+ABI = 2
 SOURCE = Path(__file__).with_name("_copyloop.c")
 _ENV = "MPCOMM_SHM_NATIVE"
 
@@ -79,6 +79,12 @@ class CopyLoop:
     def copy(self, dst: int, src: int, n: int, pidfd: int) -> int:
         _native.memcpy(dst, src, n)
         return self.alive(pidfd)
+
+    def share(self, min_bytes: int, spin_us: int) -> int:
+        """Copies of at least ``min_bytes`` (0: none) are shared with a helper thread, which
+        looks for the next one ``spin_us`` before it sleeps; per process. Returns the
+        threshold in force: 0 here (one thread copies), or with fewer than two CPUs."""
+        return 0
 
     @staticmethod
     def check(offs: Any, lens: Any, n: int, size: int) -> tuple[int, int]:
@@ -177,10 +183,14 @@ class NativeLoop(CopyLoop):
         self._check2 = fn("mp_check2", vp, vp, vp, i64, i64, i64)
         self._copy_many = fn("mp_copy_many", vp, vp, vp, vp, vp, i64, i64, i64, ci)
         self._cma_many = fn("mp_cma_many", ci, ci, vp, vp, vp, vp, vp, i64, i64, i64, ci)
+        self._share = fn("mp_share_config", i64, i64)
         if module is not None:
             # The same C functions without ctypes' argument conversion: the single-request path.
             self.copy = module.copy  # type: ignore[method-assign]
             self.cma = module.cma  # type: ignore[method-assign]
+
+    def share(self, min_bytes: int, spin_us: int) -> int:  # type: ignore[override]
+        return int(self._share(max(int(min_bytes), 0), max(int(spin_us), 0) * 1000))
 
     def check(self, offs: Any, lens: Any, n: int, size: int) -> tuple[int, int]:  # type: ignore[override]
         r = self._check(_addr(offs), _addr(lens), n, size)

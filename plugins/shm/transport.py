@@ -254,7 +254,12 @@ class ShmTransport(Transport):
         "chunk": 4 << 20,  # abort-check granularity of a long copy (and of a batch)
         "bounce_size": 1 << 20,  # copy mode's per-thread staging buffer
         "revoke_timeout": 2.0,  # seconds a target waits for an initiator to drop a region
+        # Contiguous copies of at least this many bytes are shared with a helper thread of the
+        # compiled copy loop (0: one thread copies); it looks for the next one this long first.
+        "copy_helper_min": 1 << 20,
+        "copy_helper_spin_us": 50,
     }
+    option_ranges: ClassVar[dict[str, Any]] = {"copy_helper_min": (0, None), "copy_helper_spin_us": (0, 10_000)}
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
@@ -270,6 +275,8 @@ class ShmTransport(Transport):
         self._use_cma = bool(o["cma"]) and not _native.cma_available()
         self._loop = _copyloop.get() if o["native"] else _copyloop.fallback()
         self._copy1, self._cma1 = self._loop.copy, self._loop.cma  # bound once: the small-request path
+        # Per process (the helper thread is the copy loop's): the last transport started sets it.
+        self._helper_min = self._loop.share(int(o["copy_helper_min"]), int(o["copy_helper_spin_us"]))
         self._serve_cma = False
         self._serve_cma_reason = ""
         self._closed = False
@@ -339,6 +346,7 @@ class ShmTransport(Transport):
             "probe": ctypes.addressof(self._cookie),
             "cookie": self._cookie.value,
             "copy_loop": "native" if self._loop.native else "python",
+            "copy_helper_min": self._helper_min,
         }
 
     def allocate(self, size: int, alignment: int) -> tuple[memoryview, Any] | None:
