@@ -61,12 +61,12 @@ from ..telemetry import Telemetry
 from ..topology import discover as discover_topology
 from ..transfer import Batch, Request, Transfer
 from ..transport import Availability, Transport, TransportContext
+from . import fastlane
 from .completions import CompletionQueue, CompletionThread
 from .deadlines import DeadlineTimer
 from .notify import MAX_NOTIFY, Notification, Notifications
 from .peers import PeerTable
 from .regions import RegionTable, release_view
-from . import fastlane
 from .requests import Pipeline, PreparedBatch
 
 __all__ = ["CompletionQueue", "Engine", "MAX_NOTIFY", "Notification", "PreparedBatch", "TransportStatus"]

@@ -156,10 +156,11 @@ class _FastPath(LandedOrigin):
     transport's ``move`` to notice. Anything unusual returns None and the
     request takes the slower lanes, which raise the proper errors.
 
-    ``Engine.write``/``read`` call :meth:`run` themselves, before anything
-    else: this is the hottest path there is, so what it reads per request is
-    bound here once (the engine, its health check, the table it sits in), and
-    it is the origin of the handles it makes.
+    The engine's table holds :meth:`runner`'s callable, which ``Engine.write``
+    and ``read`` call before anything else: this is the hottest path there
+    is, so what it reads per request is bound once (the engine, its health
+    tables, the table it sits in). It is the origin of the handles the Python
+    lane makes.
     """
 
     __slots__ = ("kind", "local", "remote", "move", "link", "lsize", "rsize", "engine", "failing", "table")
