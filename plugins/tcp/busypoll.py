@@ -10,9 +10,10 @@ So the tcp transport polls, briefly, where a frame is due soon:
 * the **initiator**'s ``result()`` caller, for the reply it waits for.
 
 The poll runs in a small compiled helper (``_busypoll.c``, built once by
-:mod:`mpcomm.native_helper`) called through ctypes, which releases the GIL:
+:mod:`mpcomm.native_helper`; an extension module where Python.h is installed,
+else called through ctypes), which releases the GIL:
 the other threads of the process run meanwhile. At most ``limit()`` threads
-of a process poll at a time (a semaphore taken without waiting); the others
+of a process poll at a time (one of ``limit()`` locks taken without waiting); the others
 block as before. Without a C compiler, or with ``MPCOMM_TCP_BUSY_POLL=0``,
 nobody polls: everything works, each wait simply blocks (:data:`reason`
 says why).
@@ -47,7 +48,9 @@ def limit() -> int:
     return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
-_slots = threading.BoundedSemaphore(limit())
+# One plain lock per thread allowed to poll, taken without waiting: a C-level acquire and
+# release per wait (a BoundedSemaphore is a Python Condition: about 3 µs a wait here).
+_slots = tuple(threading.Lock() for _ in range(limit()))
 
 
 def load() -> Callable[[int, int], int] | None:
@@ -61,18 +64,22 @@ def load() -> Callable[[int, int], int] | None:
             reason = f"disabled by {_ENV}=0"
             return None
         try:
-            h = native_helper.load(SOURCE, "tcp", "busypoll", ABI, "mpcomm_tcp_abi", "_mpcomm_busypoll", None)
+            h = native_helper.load(SOURCE, "tcp", "busypoll", ABI, "mpcomm_tcp_abi", "_mpcomm_busypoll",
+                                   native_helper.python_include())
         except Exception as exc:  # noqa: BLE001 - optional: without it every wait blocks
             h = f"loading the helper failed ({exc})"
         if isinstance(h, str):
             reason = h
             log.debug("tcp: busy-polling not available: %s", reason)
             return None
-        f = h.lib.mpcomm_tcp_spin_readable
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_int, ctypes.c_longlong]
-        _spin = f
-        reason = f"compiled helper ({h.path})"
+        if h.module is not None:  # no ctypes conversion per call (see _busypoll.c)
+            _spin = h.module.spin_readable
+        else:
+            f = h.lib.mpcomm_tcp_spin_readable
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_int, ctypes.c_longlong]
+            _spin = f
+        reason = f"compiled helper ({h.path}{', extension module' if h.module is not None else ''})"
         return _spin
 
 
@@ -83,9 +90,12 @@ def wait_readable(fd: int, budget_ns: int) -> bool:
     :func:`limit` threads already poll: the caller then blocks as it would have.
     """
     spin = _spin if _tried else load()
-    if spin is None or budget_ns <= 0 or not _slots.acquire(False):
+    if spin is None or budget_ns <= 0:
         return False
-    try:
-        return spin(fd, budget_ns) == 1
-    finally:
-        _slots.release()
+    for slot in _slots:
+        if slot.acquire(False):
+            try:
+                return spin(fd, budget_ns) == 1
+            finally:
+                slot.release()
+    return False

@@ -35,14 +35,15 @@ def test_it_gives_up_after_its_budget_and_on_a_closed_peer_says_readable() -> No
 def test_at_most_limit_threads_poll_at_once() -> None:
     a, b = socket.socketpair()
     with a, b:
-        taken = [busypoll._slots.acquire(False) for _ in range(busypoll.limit())]
+        assert len(busypoll._slots) == busypoll.limit()
+        taken = [slot.acquire(False) for slot in busypoll._slots]
         try:
             assert all(taken)
             b.send(b"x")
             assert not busypoll.wait_readable(a.fileno(), 1_000_000_000)  # no slot: the caller blocks instead
         finally:
-            for _ in taken:
-                busypoll._slots.release()
+            for slot in busypoll._slots:
+                slot.release()
         assert busypoll.wait_readable(a.fileno(), 1_000_000_000)
 
 
