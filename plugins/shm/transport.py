@@ -346,7 +346,6 @@ class ShmTransport(Transport):
             "probe": ctypes.addressof(self._cookie),
             "cookie": self._cookie.value,
             "copy_loop": "native" if self._loop.native else "python",
-            "copy_helper_min": self._helper_min,
         }
 
     def allocate(self, size: int, alignment: int) -> tuple[memoryview, Any] | None:

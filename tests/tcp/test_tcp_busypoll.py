@@ -54,3 +54,26 @@ def test_busy_polling_off_still_serves(spawn, make_engine) -> None:  # type: ign
     for i in range(20):
         assert ini.write(bytes([i]) * 4096, remote, 0).result(10) == 4096
     assert sum(c.driven for p in ini.transports["tcp"]._pools.values() for c in p._conns) > 0
+
+
+def test_the_module_and_the_plain_library_answer_alike(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where Python.h is installed the poll is a module function; without it, the same C through ctypes."""
+    import ctypes
+
+    from mpcomm import native_helper
+
+    if native_helper.python_include() is not None:
+        assert "extension module" in busypoll.reason
+    monkeypatch.setenv("MPCOMM_CACHE_DIR", str(tmp_path))
+    h = native_helper.load(busypoll.SOURCE, "tcp", "busypoll", busypoll.ABI, "mpcomm_tcp_abi", "_mpcomm_busypoll",
+                           None)  # no Python.h: the plain library
+    assert not isinstance(h, str) and h.module is None, h
+    plain = h.lib.mpcomm_tcp_spin_readable
+    plain.restype, plain.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_longlong]
+    a, b = socket.socketpair()
+    with a, b:
+        for spin in (plain, busypoll._spin):
+            assert spin(a.fileno(), 1_000_000) == 0  # nothing within 1 ms
+        b.send(b"x")
+        for spin in (plain, busypoll._spin):
+            assert spin(a.fileno(), 1_000_000) == 1
