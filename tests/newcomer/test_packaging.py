@@ -103,12 +103,21 @@ def test_ucx_extra_is_the_libraries_wheel_only() -> None:
     assert ucx == ["libucx-cu12"]
 
 
-def test_wheel_ships_the_license_and_metadata(tmp_path: Path) -> None:
-    if shutil.which("git") is None and not (ROOT / "pyproject.toml").exists():
+def _source_copy(dest: Path) -> Path:
+    """The source tree copied to ``dest``, without build outputs: a test that installs or builds
+    from it writes nothing into this checkout (an editable install would build the native
+    provider into core/lib, embedding an interpreter that is gone once the test ends)."""
+    if not (ROOT / "pyproject.toml").exists():
         pytest.skip("no source tree")
-    src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info",
-                                                             "__pycache__", ".pytest_cache"))
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "native-status.json"))
+    for out in ("core/lib", "core/include"):  # the provider's build outputs (git-ignored)
+        shutil.rmtree(dest / out, ignore_errors=True)
+    return dest
+
+
+def test_wheel_ships_the_license_and_metadata(tmp_path: Path) -> None:
+    src = _source_copy(tmp_path / "src")
     proc = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(src)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -149,14 +158,19 @@ def test_ci_runs_the_test_command_in_a_fresh_venv(tmp_path: Path) -> None:
     if os.environ.get("MPCOMM_CI_NESTED"):
         pytest.skip("already inside .ci/run")
     venv = tmp_path / "venv"
+    src = _source_copy(tmp_path / "src")  # its editable install must not build into this checkout
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if not p.startswith(str(Path(sys.executable).parent)))
     env.update(MPCOMM_CI_VENV=str(venv), MPCOMM_CI_NESTED="1")
     probe = "tests/newcomer/test_packaging.py::test_every_import_in_the_tests_comes_from_the_test_extra"
-    proc = subprocess.run(["bash", str(ROOT / ".ci" / "run"), probe, "-p", "no:randomly"], cwd=ROOT, env=env,
+    lib = ROOT / "core" / "lib"
+    before = {p.name: p.stat().st_mtime_ns for p in lib.iterdir()} if lib.is_dir() else {}
+    proc = subprocess.run(["bash", str(src / ".ci" / "run"), probe, "-p", "no:randomly"], cwd=src, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"ci: fresh venv {venv}" in proc.stderr
     assert "1 passed" in proc.stdout
     assert (venv / "bin" / "mpcomm").exists() and (venv / "bin" / "pytest").exists()
+    after = {p.name: p.stat().st_mtime_ns for p in lib.iterdir()} if lib.is_dir() else {}
+    assert after == before, "the nested install built into this checkout's core/lib"
