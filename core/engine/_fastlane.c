@@ -10,10 +10,11 @@
  * request is a handful of checks, a lease, the transport's move (itself
  * native for shm and ucx) and a handle born done. In Python that costs about
  * as much as the UCX put and flush themselves (1.2-1.4 us here); this is the
- * same sequence without a Python frame. It calls the same Python objects the
- * Python version calls (Region.acquire/release, the health check, the move,
- * the handle's class), so the lease protocol and the handle stay defined in
- * one place each.
+ * same sequence without a Python frame. Two things are written here a second
+ * time, for speed, and must stay in step with their Python definitions: the
+ * lease protocol of Region.acquire/release (core/memory.py, see lease()) and
+ * the five attributes _Landed.__init__ sets (core/transfer.py, see landed());
+ * each of those places names this file, and the tests compare the two lanes.
  */
 #define MP_ABI 1
 

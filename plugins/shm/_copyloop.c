@@ -2,8 +2,9 @@
  *
  * Compiled at first use by plugins/shm/_copyloop.py with the system `cc` into a
  * per-user cache and loaded with ctypes.CDLL, which releases the GIL for the
- * whole call. Nothing here allocates, keeps state or calls back into Python;
- * the Python fallback in _copyloop.py implements the same functions.
+ * whole call. Nothing here allocates or calls back into Python; the only state
+ * is the helper thread of large copies (copy_shared below). The Python fallback
+ * in _copyloop.py implements the same functions, with one thread.
  *
  * Liveness: `pidfd` (or -1) is a pidfd of the process owning the target memory.
  * A pidfd polls readable once that process has exited, so a copy that returns
