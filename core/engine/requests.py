@@ -216,6 +216,61 @@ class _FastPath(LandedOrigin):
         return _Landed(length, self, (self.kind, local, self.remote, ro, length, lo), t0)
 
 
+class _PostPath:
+    """One (local region, remote region, kind) whose requests a transport answers later (tcp, ucx, rdma).
+
+    The full path's decisions that hold for every request of the pair -- the
+    access check, the route and its transport, the peer link -- are made
+    once, by the request that bound it (:meth:`Pipeline._bind_posted`). Per
+    request it redoes what can change: the bounds and the timeout, the
+    engine's state and health, the link, the local region's lease and a
+    ``queue_depth`` slot. The request is then an ordinary Operation, posted,
+    tracked, timed and settled as on the full path. Anything unusual (a
+    closing region, no free slot, a failing path) returns None and the full
+    path takes the request whole, raising what it raises.
+
+    It sits in the same table as the inline lane's runners, and is dropped
+    with them (region unregistered, peer restarted or lost).
+    """
+
+    __slots__ = ("kind", "local", "remote", "link", "transport", "cands", "rule", "names", "lsize", "rsize",
+                 "pipe", "engine", "failing")
+
+    def __init__(self, kind: str, local: Region, remote: RemoteRegion, link: PeerLink, transport: Transport,
+                 cands: tuple[Transport, ...], rule: str, names: tuple[str, ...], pipe: Pipeline) -> None:
+        self.kind, self.local, self.remote, self.link = kind, local, remote, link
+        self.transport, self.cands, self.rule, self.names = transport, cands, rule, names
+        self.lsize, self.rsize = local.size, remote.size
+        self.pipe, self.engine, self.failing = pipe, pipe.e, pipe.e.health.any_failures
+
+    def run(self, lo: int, ro: int, length: int | None, timeout: float | None) -> Transfer | None:
+        if type(lo) is not int or type(ro) is not int:
+            return None
+        if length is None:
+            length = self.lsize - lo
+        if (type(length) is not int
+                or lo < 0 or ro < 0 or length < 0 or lo + length > self.lsize or ro + length > self.rsize
+                or not (timeout is None or (type(timeout) in _NUM and 0 < timeout < _INF))
+                or not self.link.alive or self.engine._closed or self.failing()):
+            return None
+        pipe = self.pipe
+        local = self.local
+        try:
+            local.acquire()
+        except RegionClosedError:
+            return None
+        if not pipe.slots.acquire(blocking=False):
+            local.release()  # full: the full path waits for a slot or raises, as configured
+            return None
+        op = pipe._op(self.kind, local, lo, self.remote, ro, length,
+                      pipe._default_timeout if timeout is None else timeout, pipe.dispatch)
+        op._slot = True
+        op._stage = POSTED  # nobody else can see it yet: no claim to race
+        op._attempt = 0
+        pipe._posted(op, self.link, self.transport, self.cands, self.rule, self.names, True)
+        return op.transfer
+
+
 class Pipeline:
     """Every request of one engine goes through here (see the module docstring)."""
 
@@ -445,6 +500,28 @@ class Pipeline:
         fast = _FastPath(kind, local, remote, move, link, transport.name, entry[2], entry[1], self)
         self._fast[(id(local), id(remote), kind)] = fast.runner()
         return fast
+
+    def _bind_posted(self, op: Operation, link: PeerLink, transport: Transport, cands: tuple[Transport, ...],
+                     rule: str, names: tuple[str, ...]) -> None:
+        """After a plain request of a pair was routed to a transport that answers later: bind the routing.
+
+        Only for what the inline lane never takes (the transport has no
+        ``post_inline``: tcp, ucx, rdma) and only when nothing but the route
+        decided the request: no hint, notification, completion queue, size
+        rule, lazy or ephemeral registration, and a transport whose post()
+        never waits on the peer.
+        """
+        if (op._hint is not None or op._notify is not None or op._ephemeral
+                or op.transfer._dispatch is not self.dispatch or self.e.route_policy.size_rules
+                or type(transport).post_inline is not Transport.post_inline
+                or getattr(transport, "post_may_block", False) or self.e.health.any_failures()):
+            return
+        key = (id(op.local), id(op.remote), op.kind)
+        if key in self._fast:
+            return
+        if len(self._fast) >= _FAST_MAX:
+            self._fast.clear()  # bounded; the pairs in use bind again on their next request
+        self._fast[key] = _PostPath(op.kind, op.local, op.remote, link, transport, cands, rule, names, self).run
 
     def forget_fast(self) -> None:
         """Drop every bound inline move (routes, health or regions changed): the next request rebinds."""
@@ -776,6 +853,13 @@ class Pipeline:
             if plan is not None:
                 self._post_split(unit, link, plan, cands, rule, names, inline)
                 return
+        if inline and self._inline_ok and unit._batch is None and isinstance(unit, Operation):
+            self._bind_posted(unit, link, transport, cands, rule, names)
+        self._posted(unit, link, transport, cands, rule, names, inline)
+
+    def _posted(self, unit: Any, link: PeerLink, transport: Transport, cands: tuple[Transport, ...], rule: str,
+                names: tuple[str, ...], inline: bool) -> None:
+        """Hand a routed, claimed unit to ``transport``; settle it here if it finished inside post()."""
         unit.peer = link.info
         unit.transport = transport
         unit._cands = cands

@@ -129,7 +129,7 @@ class Conn:
             if self.broken:
                 return False
             if (not (self.pending or self.reading or self.driving) and self.ready and self.pool.tls is None
-                    and not self._alive()):
+                    and self._idle_poll.poll(0) and not self._alive()):
                 return False  # closed by the target while idle (nobody reads an idle connection)
             piece.conn = self
             self.pending[piece.req_id] = piece
@@ -154,7 +154,8 @@ class Conn:
         return True
 
     def _alive(self) -> bool:
-        """An idle connection's check before reuse (lock held): False if it ended or carries garbage."""
+        """An idle connection's check before reuse (lock held), once poll says something happened on
+        it: False if it ended or carries garbage."""
         try:
             if self.sock is not None and self.sock.recv(1, _PEEK):
                 self.pool.log.warning("tcp: %s sent bytes nobody asked for; closing the data connection",
@@ -232,6 +233,12 @@ class Conn:
             except BaseException:
                 sock.close()
                 raise
+        idle_poll = select.poll()  # submit's look at an idle connection: readable, ended or failed
+        idle_poll.register(sock.fileno(), select.POLLIN)
+        self._idle_poll = idle_poll
+        drive_poll = select.poll()  # a driver's wait for its reply (one driver at a time)
+        drive_poll.register(sock.fileno(), select.POLLIN)
+        self._drive_poll = drive_poll
         with self.lock:
             self.sock = sock
             if self.broken:  # closed while we dialled
@@ -414,8 +421,7 @@ class Conn:
         fd = sock.fileno()
         head = bytearray(wire.RESP.size)
         hv = memoryview(head)
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
+        poller = self._drive_poll
         spin = self.pool.busy_ns
         short = None  # since when a reply has been only partly there
         while piece.state != DONE:

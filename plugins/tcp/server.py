@@ -53,6 +53,7 @@ def _reset(sock: socket.socket) -> None:
 
 
 _BIG = 256 << 10  # payloads from this size use kernel-bounded blocking calls
+_NOWAIT = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 def _timeval(seconds: float) -> bytes:
@@ -81,6 +82,7 @@ class Server:
         self.chunk = int(o["chunk"])
         self.bounce_size = int(o["bounce_size"])
         self.tls = transport.tls_server  # an ssl.SSLContext when data connections run TLS
+        self.plain = self.tls is None and not self.copy_mode  # plain sockets, payloads straight to the region
         # TLS keeps decrypted bytes of its own that the socket's readiness does not show.
         self.busy_ns = 0 if self.tls is not None else int(o["busy_poll_us"]) * 1000
 
@@ -162,6 +164,14 @@ class Server:
     def _reply(self, sock: socket.socket, status: int, req_id: int, length: int, *body: Any, count: int = 0,
                end: float) -> None:
         head = wire.RESP.pack(wire.RESP_MAGIC, status, 0, count, req_id, length)
+        if self.plain and not body:
+            try:  # a bare header: the socket buffer takes it at once unless the initiator stopped reading
+                sent = sock.send(head, _NOWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            if sent == len(head):
+                return
+            head = head[sent:]
         sendmsg_by(sock, [memoryview(head), *map(memoryview, body)], max(end, time.monotonic()) + self.grace,
                    "tcp reply")
 
@@ -215,6 +225,17 @@ class Server:
         pos, n = 0, dest.nbytes
         if n >= _BIG and not self.copy_mode:
             return self._recv_big(sock, dest, end)
+        if self.plain and 0 < n <= self.chunk:
+            # A small payload usually came with its header: one call, no poll.
+            try:
+                pos = sock.recv_into(dest, n, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                pos = 0
+            else:
+                if pos == n:
+                    return n
+                if pos == 0:
+                    raise PeerConnectionError(f"connection closed after 0 of {n} payload bytes")
         bounce = bytearray(min(self.bounce_size, n)) if self.copy_mode and n else None
         while pos < n:
             k = min(self.chunk, n - pos)
