@@ -117,6 +117,8 @@ class _Dispatch:
 
 
 _depth = threading.local()
+#: What Future.__init__ sets: reading one of them builds a handle's Future base.
+_FUTURE_FIELDS = frozenset(vars(Future()))
 _MAX_INLINE_DEPTH = 16
 _OPEN = threading.Lock()  # the wake lock of handles born done: never held, never waited on
 
@@ -134,33 +136,40 @@ class Transfer(Future):  # type: ignore[type-arg]
         submitted_at, finished_at: ``time.monotonic()`` stamps.
     """
 
-    def __init__(self, request: Request | None = None, *, _dispatch: _Dispatch | None = None) -> None:
-        super().__init__()
+    # Fields that start at a default are class attributes: a handle stores them only once they
+    # change, which keeps building one (once per request) cheap.
+    status = PENDING
+    transport: str | None = None
+    #: The ordered transport list the route policy chose, and the name of the
+    #: rule that chose it ("default", "hint" or a [[route]] name).
+    route: tuple[str, ...] = ()
+    route_rule: str | None = None
+    #: For a request the route policy split (a rule's ``split_min``): one
+    #: ``(offset, length, transport)`` per stripe, offsets relative to the
+    #: request, transport the one that finally carried it; ``transport`` is
+    #: then those names joined with "+". Empty for a request sent whole.
+    stripes: tuple[tuple[int, int, str], ...] = ()
+    bytes_moved = 0
+    finished_at: float | None = None
+    #: The engine's request behind this handle (Operation or group); engine-private.
+    _op: Any = None
+    _outcome: tuple[BaseException | None, int] | None = None
+    _settled = False
+    _cbs_ran = False
+    _waiters_n = 0  # threads blocked in result()/exception() (under _lock)
+    _left_to_waiter = False  # the engine left settling to a waiter (no completion-thread push)
+    # The Future base (its Condition and fields) is built only when something asks for it
+    # (see _future): result(), done() and the rest answer from the outcome without it.
+    _built = False  # the Future base exists
+    _applied = False  # the outcome is applied (status, bytes_moved): the handle is done
+
+    def __init__(self, request: Request | None = None, *, _dispatch: _Dispatch | None = None) -> None:  # noqa: D107
+        # No Future.__init__ here: see _future.
         self._request = request
-        self.status = PENDING
-        self.transport: str | None = None
-        #: The ordered transport list the route policy chose, and the name of the
-        #: rule that chose it ("default", "hint" or a [[route]] name).
-        self.route: tuple[str, ...] = ()
-        self.route_rule: str | None = None
-        #: For a request the route policy split (a rule's ``split_min``): one
-        #: ``(offset, length, transport)`` per stripe, offsets relative to the
-        #: request, transport the one that finally carried it; ``transport`` is
-        #: then those names joined with "+". Empty for a request sent whole.
-        self.stripes: tuple[tuple[int, int, str], ...] = ()
-        self.bytes_moved = 0
         self.submitted_at = time.monotonic()
-        self.finished_at: float | None = None
-        #: The engine's request behind this handle (Operation or group); engine-private.
-        self._op: Any = None
         self._dispatch = _dispatch
-        self._outcome: tuple[BaseException | None, int] | None = None
-        self._settled = False
-        self._cbs_ran = False
         self._callbacks: list[Callable[[Transfer], Any]] = []
         self._lock = threading.Lock()
-        self._waiters_n = 0  # threads blocked in result()/exception() (under _lock)
-        self._left_to_waiter = False  # the engine left settling to a waiter (no completion-thread push)
         # Released by whoever records the outcome: result() waiters wake on it
         # directly, without waiting for the completion thread.
         self._wake = threading.Lock()
@@ -189,20 +198,65 @@ class Transfer(Future):  # type: ignore[type-arg]
 
     # -- observing -----------------------------------------------------------------
 
+    # -- the Future base, built on demand ---------------------------------------------
+    #
+    # Most handles are waited on with result() or a callback and never need the
+    # Future machinery (a Condition, its fields, set_result's notify): building
+    # and resolving it cost about 2 µs per request. So it is built on first
+    # access to one of the Future's own fields (concurrent.futures.wait and
+    # as_completed read them directly, a handle no engine owns is resolved
+    # through them) and, if the outcome is already applied, resolved at once;
+    # an outcome applied later resolves it in _settle. Both steps look at
+    # _built/_applied under _lock, so exactly one of them resolves it. Nothing
+    # of the Future's internals is named here: it is built by Future.__init__
+    # and resolved by Future's own methods.
+
+    def __getattr__(self, name: str) -> Any:
+        if self._built or name not in _FUTURE_FIELDS:
+            raise AttributeError(name)
+        self._future()
+        return object.__getattribute__(self, name)
+
+    def _future(self) -> None:
+        """Build the Future base (any thread; once)."""
+        with self._lock:
+            if self._built:
+                return
+            Future.__init__(self)
+            self._built = True
+            replay = self._applied
+        if replay:
+            self._to_future()
+
+    def _to_future(self) -> None:
+        """Resolve the built Future base with the applied outcome."""
+        error, nbytes = self._outcome  # type: ignore[misc]
+        if isinstance(error, CancelledError):
+            Future.cancel(self)  # never RUNNING: the Future is PENDING until settled
+            Future.set_running_or_notify_cancel(self)  # tell concurrent.futures.wait()
+        elif error is None:
+            Future.set_result(self, nbytes)
+        else:
+            Future.set_exception(self, error)
+
     def _sync(self) -> None:
         if not self._settled and self._outcome is not None:
             self._settle()
 
     def done(self) -> bool:
         self._sync()
-        return super().done()
+        if self._applied:
+            return True
+        return self._built and Future.done(self)
 
     def running(self) -> bool:
         return self.status is POSTED and not self.done()
 
     def cancelled(self) -> bool:
         self._sync()
-        return super().cancelled()
+        if self._applied:
+            return self.status is CANCELLED
+        return self._built and Future.cancelled(self)
 
     def _await_outcome(self, timeout: float | None) -> float | None:
         """Wait for the report (not for the completion thread); returns what is left of ``timeout``."""
@@ -257,10 +311,33 @@ class Transfer(Future):  # type: ignore[type-arg]
             return self._left_to_waiter
 
     def result(self, timeout: float | None = None) -> Any:
-        return super().result(self._await_outcome(timeout))
+        left = self._await_outcome(timeout)
+        if not self._applied:
+            if self._outcome is not None:
+                self._settle()  # applied by now, here or by the thread that holds the lock
+            if not self._applied:
+                # Not done in time, or a handle resolved through the Future itself.
+                return Future.result(self, left)
+        error = self._outcome[0]  # type: ignore[index]
+        if error is None:
+            return self.bytes_moved
+        try:
+            raise error
+        finally:
+            error = None  # as Future.result: no cycle through the traceback's frame
+            del self
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return super().exception(self._await_outcome(timeout))
+        left = self._await_outcome(timeout)
+        if not self._applied:
+            if self._outcome is not None:
+                self._settle()
+            if not self._applied:
+                return Future.exception(self, left)
+        error = self._outcome[0]  # type: ignore[index]
+        if isinstance(error, CancelledError):
+            raise error
+        return error
 
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:  # type: ignore[override]
         """Run ``fn(transfer)`` once done: on the engine's completion thread, or
@@ -342,28 +419,33 @@ class Transfer(Future):  # type: ignore[type-arg]
         return True
 
     def _settle(self) -> bool:
-        """Apply the recorded outcome (caller's or completion thread); True if this call did."""
+        """Apply the recorded outcome (caller's or completion thread); True if this call did.
+
+        Whoever returns from it, True or False, finds the handle done: the
+        outcome is applied under the same lock that marks it settled.
+        """
         with self._lock:
             if self._settled:
                 return False
             self._settled = True
-        self._apply()
+            self._apply()
+            built = self._built
+        if built:
+            self._to_future()
         return True
 
     def _apply(self) -> None:
+        """Set status and byte count from the recorded outcome (``_lock`` held)."""
         error, nbytes = self._outcome  # type: ignore[misc]
         self.finished_at = time.monotonic()
-        if isinstance(error, CancelledError):
-            self.status = CANCELLED
-            Future.cancel(self)  # never RUNNING: the Future is PENDING until settled
-            Future.set_running_or_notify_cancel(self)  # tell concurrent.futures.wait()
-        elif error is None:
+        if error is None:
             self.bytes_moved = nbytes
             self.status = COMPLETED
-            Future.set_result(self, nbytes)
+        elif isinstance(error, CancelledError):
+            self.status = CANCELLED
         else:
             self.status = TransferStatus.TIMED_OUT if isinstance(error, TimeoutError) else TransferStatus.FAILED
-            Future.set_exception(self, error)
+        self._applied = True
 
     def _run_callbacks(self) -> None:
         while True:
@@ -382,12 +464,17 @@ class Transfer(Future):  # type: ignore[type-arg]
             # list in one step (the common path of a request finished in write()).
             with self._lock:
                 if self._callbacks or self._settled:
-                    pass
+                    mine = False
                 else:
                     self._settled = True
                     self._cbs_ran = True
                     self._apply()
-                    return
+                    mine = True
+                    built = self._built
+            if mine:
+                if built:
+                    self._to_future()
+                return
         self._settle()
         self._run_callbacks()
 
@@ -418,6 +505,7 @@ class _Landed(Transfer):
 
     status = COMPLETED
     stripes: tuple[tuple[int, int, str], ...] = ()
+    _applied = True
     _op = None
     _request = None
     _settled = True

@@ -28,7 +28,10 @@ class DeadlineTimer:
         self._heap: list[list[Any]] = []
         self._dead = 0
         self._seq = itertools.count()
-        self._cond = threading.Condition()
+        # schedule()/cancel() run once per request: they take the plain lock under the
+        # condition directly (a C call), not the Condition's Python-level __enter__.
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._closed = False
         self._name = name
         self._thread: threading.Thread | None = None
@@ -36,7 +39,7 @@ class DeadlineTimer:
     def schedule(self, when: float, fn: Callable[[], None]) -> list[Any]:
         """Run ``fn`` at monotonic time ``when``; returns a handle for :meth:`cancel`."""
         entry = [when, next(self._seq), fn]
-        with self._cond:
+        with self._mutex:
             if self._closed:
                 return entry
             heapq.heappush(self._heap, entry)
@@ -49,7 +52,7 @@ class DeadlineTimer:
 
     def cancel(self, entry: list[Any]) -> None:
         """Forget a scheduled call (no-op if it already ran or was cancelled)."""
-        with self._cond:
+        with self._mutex:
             if entry[2] is None:
                 return
             entry[2] = None

@@ -612,7 +612,10 @@ class Pool:
         with self._lock:
             if self.closed:
                 raise PeerConnectionError(f"connections to {self.where} were closed")
-            conns = sorted(self._conns, key=lambda c: c.load)
+            conns = self._conns
+            if n == 1 and len(conns) == 1 and (conns[0].load < self.BUSY or self.size == 1):
+                return conns[:]  # the common case: one connection, not busy
+            conns = sorted(conns, key=lambda c: c.load)
             if n == 1:
                 if conns and (conns[0].load < self.BUSY or len(conns) >= self.size):
                     return conns[:1]

@@ -51,6 +51,53 @@ def test_wait_and_as_completed(kv: Any) -> None:
         assert buf[i * 4096 : (i + 1) * 4096] == bytes([i]) * 4096
 
 
+def test_the_future_base_is_built_only_when_asked_for(kv: Any) -> None:
+    """result() and callbacks answer without the Future machinery; concurrent.futures and a
+    Future method called directly get a Future resolved exactly as the handle is."""
+    _, initiator, _buf, remote = kv
+    t = initiator.write(b"a" * 4096, remote)
+    assert t.result(10) == 4096 and t.done() and not t.cancelled() and t.exception() is None
+    assert "_condition" not in vars(t)  # nobody asked for it
+    assert cf.Future.result(t, 0) == 4096  # Future's own method: built and resolved on demand
+    assert "_condition" in vars(t)
+    # Built while pending (wait() installs its waiter), resolved when the outcome lands.
+    for _ in range(20):
+        pending = [initiator.write(b"b" * 4096, remote, 4096 * i) for i in range(4)]
+        done, not_done = cf.wait(pending, timeout=10)
+        assert not not_done and all(cf.Future.result(h, 0) == 4096 for h in done)
+    # A cancellation (or, if the read won the race, its result) reaches the Future base too.
+    slow = initiator.read(bytearray(1 << 16), remote, 0)
+    slow.cancel()
+    done, _ = cf.wait([slow], timeout=10)
+    assert slow in done
+    if slow.cancelled():
+        assert cf.Future.cancelled(slow)
+        with pytest.raises(cf.CancelledError):
+            slow.result(0)
+    else:
+        assert cf.Future.result(slow, 0) == slow.result(0) == 1 << 16
+    # A failure the target reports: the same exception from the handle and from its Future base.
+    target = kv[0]
+    (region,) = [r for r in target.regions() if r.name == "kv"]
+    target.unregister(region)
+    failed = initiator.write(b"e" * 16, remote)
+    done, _ = cf.wait([failed], timeout=10)
+    err = failed.exception(0)
+    assert failed in done and isinstance(err, mpcomm.errors.MpcommError)
+    assert cf.Future.exception(failed, 0) is err and failed.status is TransferStatus.FAILED
+
+
+def test_result_right_after_another_thread_settled_sees_it_done(kv: Any) -> None:
+    """A waiter that finds the outcome recorded while another thread applies it never times out."""
+    _, initiator, _buf, remote = kv
+    for i in range(300):
+        t = initiator.write(b"d" * 64, remote, 64 * (i % 64))
+        if i % 2:
+            t.add_done_callback(lambda _t: None)  # the completion thread settles these
+        assert t.result(0 if t.done() else 10) == 64
+        assert t.status is TransferStatus.COMPLETED and t.bytes_moved == 64
+
+
 def test_await_in_asyncio(kv: Any) -> None:
     _, initiator, buf, remote = kv
 
