@@ -12,7 +12,7 @@
 #include <sched.h>
 #include <time.h>
 
-int mpcomm_tcp_abi(void) { return 1; }
+int mpcomm_tcp_abi(void) { return 2; }
 
 static long long now_ns(void) {
     struct timespec t;
@@ -45,31 +45,184 @@ int mpcomm_tcp_spin_readable(int fd, long long budget_ns) {
 /* The same function as a CPython extension module: a ctypes call converts its two
  * arguments and releases the GIL in about 1 us here, twice per small request (the
  * target's wait for the next request, the caller's for its reply). The GIL is
- * released around the poll, as ctypes does. Built only where Python.h is found. */
+ * released around the poll, as ctypes does. Built only where Python.h is found.
+ *
+ * The module also counts its pollers itself (at most set_spin_limit()'s number
+ * poll at once; busypoll.py's locks do that for the ctypes library), and has the
+ * two waits of a small request whole, each one call instead of a handful of
+ * Python-level ones: next_request (target: poll, then receive a request header)
+ * and next_reply (initiator: poll, then take a reply header only if the whole
+ * reply already sits in the socket buffer). Their Python twins stay in
+ * server.py and client.py for the library without the module. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
 
-/* spin_readable(fd, budget_ns) -> mpcomm_tcp_spin_readable's result */
+static int spin_limit = 1;
+static int spinners = 0;
+
+/* mpcomm_tcp_spin_readable for at most spin_limit threads at once; 0 (not polled) for the rest. */
+static int counted_spin(int fd, long long budget_ns) {
+    if (budget_ns <= 0)
+        return 0;
+    if (__atomic_add_fetch(&spinners, 1, __ATOMIC_ACQ_REL) > spin_limit) {
+        __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
+        return 0;
+    }
+    int r = mpcomm_tcp_spin_readable(fd, budget_ns);
+    __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
+    return r;
+}
+
+static int int_args(PyObject *const *args, Py_ssize_t n, long long *out) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+/* set_spin_limit(n): how many threads of this process may poll at once (n >= 0). */
+static PyObject *py_set_spin_limit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long n;
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "set_spin_limit(n) takes 1 argument");
+        return NULL;
+    }
+    if (int_args(args, 1, &n) < 0)
+        return NULL;
+    __atomic_store_n(&spin_limit, n < 0 ? 0 : (n > 1 << 20 ? 1 << 20 : (int)n), __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+/* spin_readable(fd, budget_ns) -> 1 readable (or closed), 0 nothing (or no poller slot), -errno */
 static PyObject *py_spin_readable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
+    long long a[2];
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "spin_readable(fd, budget_ns) takes 2 arguments");
         return NULL;
     }
-    int fd = (int)PyLong_AsLong(args[0]);
-    long long budget = PyLong_AsLongLong(args[1]);
-    if (PyErr_Occurred())
+    if (int_args(args, 2, a) < 0)
         return NULL;
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = mpcomm_tcp_spin_readable(fd, budget);
+    r = counted_spin((int)a[0], a[1]);
     Py_END_ALLOW_THREADS
+    return PyLong_FromLong(r);
+}
+
+static int writable(PyObject *obj, Py_buffer *view, Py_ssize_t need) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len < need) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "header buffer of %zd bytes, %zd needed", view->len, need);
+        return -1;
+    }
+    return 0;
+}
+
+/* next_request(fd, spin_ns, head) -> bytes received (0: the end), or -errno
+ *
+ * Polls up to spin_ns for the next request (when a poller slot is free), then
+ * receives up to len(head) bytes with one blocking recv (the socket's
+ * SO_RCVTIMEO bounds it: -EAGAIN when it ran out). */
+static PyObject *py_next_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long a[2];
+    Py_buffer head;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "next_request(fd, spin_ns, head) takes 3 arguments");
+        return NULL;
+    }
+    if (int_args(args, 2, a) < 0 || writable(args[2], &head, 1) < 0)
+        return NULL;
+    ssize_t got;
+    Py_BEGIN_ALLOW_THREADS
+    counted_spin((int)a[0], a[1]);
+    do
+        got = recv((int)a[0], head.buf, (size_t)head.len, 0);
+    while (got < 0 && errno == EINTR);
+    if (got < 0)
+        got = -errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&head);
+    return PyLong_FromSsize_t(got);
+}
+
+#define RESP_SIZE 24 /* wire.RESP: "MR" status flags count(4) id(8) length(8), big-endian */
+
+static uint64_t be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* next_reply(fd, spin_ns, wait_ms, max_len, head) -> 1 a reply header is in head (consumed; its
+ * body, if any, is whole in the socket buffer), 0 nothing yet, 2 a reply only partly there,
+ * 3 not for a driver: the end of the connection, an error, or a header that is not a whole
+ * OK/ERR reply of at most max_len body bytes (the reader thread deals with it).
+ *
+ * Waits by polling up to spin_ns (when a poller slot is free), else up to wait_ms in poll(). */
+static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long a[4];
+    Py_buffer head;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "next_reply(fd, spin_ns, wait_ms, max_len, head) takes 5 arguments");
+        return NULL;
+    }
+    if (int_args(args, 4, a) < 0 || writable(args[4], &head, RESP_SIZE) < 0)
+        return NULL;
+    int fd = (int)a[0], r;
+    unsigned char *h = head.buf;
+    Py_BEGIN_ALLOW_THREADS
+    r = counted_spin(fd, a[1]);
+    if (r == 0) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        r = poll(&p, 1, a[2] < 0 ? 0 : (a[2] > 1 << 30 ? 1 << 30 : (int)a[2]));
+    }
+    if (r < 0)
+        r = errno == EINTR ? 0 : 3;
+    else if (r > 0) {
+        ssize_t got = recv(fd, h, RESP_SIZE, MSG_PEEK | MSG_DONTWAIT);
+        if (got < 0)
+            r = (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : 3;
+        else if (got == 0)
+            r = 3;
+        else if (got < RESP_SIZE)
+            r = 2;
+        else if (h[0] != 'M' || h[1] != 'R' || h[2] > 1 || be64(h + 16) > (uint64_t)a[3])
+            r = 3;
+        else {
+            uint64_t length = be64(h + 16);
+            int avail = 0;
+            if (length > 0 && (ioctl(fd, FIONREAD, &avail) < 0 || (uint64_t)avail < RESP_SIZE + length))
+                r = 2;
+            else
+                r = recv(fd, h, RESP_SIZE, MSG_DONTWAIT) == RESP_SIZE ? 1 : 3;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&head);
     return PyLong_FromLong(r);
 }
 
 static PyMethodDef mp_methods[] = {
     {"spin_readable", (PyCFunction)(void (*)(void))py_spin_readable, METH_FASTCALL,
      "poll fd for readability without sleeping, up to budget_ns"},
+    {"set_spin_limit", (PyCFunction)(void (*)(void))py_set_spin_limit, METH_FASTCALL,
+     "how many threads may poll at once"},
+    {"next_request", (PyCFunction)(void (*)(void))py_next_request, METH_FASTCALL,
+     "poll, then receive a request header"},
+    {"next_reply", (PyCFunction)(void (*)(void))py_next_reply, METH_FASTCALL,
+     "poll, then take a whole reply's header"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -78,7 +231,7 @@ static struct PyModuleDef mp_module = {PyModuleDef_HEAD_INIT, "_mpcomm_busypoll"
 
 PyMODINIT_FUNC PyInit__mpcomm_busypoll(void) {
     PyObject *m = PyModule_Create(&mp_module);
-    if (m != NULL && PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -13,10 +13,16 @@ The poll runs in a small compiled helper (``_busypoll.c``, built once by
 :mod:`mpcomm.native_helper`; an extension module where Python.h is installed,
 else called through ctypes), which releases the GIL:
 the other threads of the process run meanwhile. At most ``limit()`` threads
-of a process poll at a time (one of ``limit()`` locks taken without waiting); the others
-block as before. Without a C compiler, or with ``MPCOMM_TCP_BUSY_POLL=0``,
-nobody polls: everything works, each wait simply blocks (:data:`reason`
-says why).
+of a process poll at a time (counted by the module, or one of ``limit()``
+locks taken without waiting for the ctypes library); the others block as
+before. Without a C compiler, or with ``MPCOMM_TCP_BUSY_POLL=0``, nobody
+polls: everything works, each wait simply blocks (:data:`reason` says why).
+
+The extension module also has the two waits of a small request whole
+(:data:`next_request` for the target, :data:`next_reply` for the initiator's
+driver; None without the module): one call each instead of a handful of
+Python-level ones. server.py and client.py keep their Python twins for the
+library without the module, or with ``MPCOMM_TCP_NATIVE_WAITS=0``.
 """
 
 from __future__ import annotations
@@ -26,19 +32,29 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.tcp")
 
-ABI = 1
+ABI = 2
 SOURCE = Path(__file__).with_name("_busypoll.c")
 _ENV = "MPCOMM_TCP_BUSY_POLL"
+_ENV_WAITS = "MPCOMM_TCP_NATIVE_WAITS"  # 0: the Python twins of next_request/next_reply (diagnostics, tests)
 
 _lock = threading.Lock()
 _spin: Callable[[int, int], int] | None = None
+_counted = False  # the module counts its pollers itself
+_module: Any = None  # the extension module, where it loaded
 _tried = False
+#: ``next_request(fd, spin_ns, head) -> bytes received | -errno`` (see _busypoll.c), or None.
+next_request: Callable[[int, int, bytearray], int] | None = None
+#: ``next_reply(fd, spin_ns, wait_ms, max_len, head) -> REPLY_*`` (see _busypoll.c), or None.
+next_reply: Callable[[int, int, int, int, bytearray], int] | None = None
+#: next_reply's answers: nothing yet, a whole reply's header in ``head``, a reply partly there,
+#: not one for a driver (the reader thread takes it).
+REPLY_NONE, REPLY_GOT, REPLY_SHORT, REPLY_LEAVE = 0, 1, 2, 3
 #: Why busy-polling is or is not available (shown in the transport's availability).
 reason = "not loaded yet"
 
@@ -55,7 +71,7 @@ _slots = tuple(threading.Lock() for _ in range(limit()))
 
 def load() -> Callable[[int, int], int] | None:
     """The compiled ``spin_readable(fd, budget_ns)``, or None (see :data:`reason`)."""
-    global _spin, _tried, reason
+    global _spin, _tried, reason, _counted, _module, next_request, next_reply
     with _lock:
         if _tried:
             return _spin
@@ -73,7 +89,12 @@ def load() -> Callable[[int, int], int] | None:
             log.debug("tcp: busy-polling not available: %s", reason)
             return None
         if h.module is not None:  # no ctypes conversion per call (see _busypoll.c)
+            h.module.set_spin_limit(limit())
+            _module = h.module
             _spin = h.module.spin_readable
+            _counted = True
+            if os.environ.get(_ENV_WAITS, "1") != "0":
+                next_request, next_reply = h.module.next_request, h.module.next_reply
         else:
             f = h.lib.mpcomm_tcp_spin_readable
             f.restype = ctypes.c_int
@@ -92,6 +113,8 @@ def wait_readable(fd: int, budget_ns: int) -> bool:
     spin = _spin if _tried else load()
     if spin is None or budget_ns <= 0:
         return False
+    if _counted:
+        return spin(fd, budget_ns) == 1
     for slot in _slots:
         if slot.acquire(False):
             try:

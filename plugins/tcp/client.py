@@ -424,10 +424,24 @@ class Conn:
         poller = self._drive_poll
         spin = self.pool.busy_ns
         short = None  # since when a reply has been only partly there
+        nxt = busypoll.next_reply
         while piece.state != DONE:
             now = time.monotonic()
             if now >= until:
                 return
+            if nxt is not None:  # the steps below, in one call (busypoll.py)
+                r = nxt(fd, spin, math.ceil(min(until - now, _DRIVE_SLICE) * 1000), _DRIVE_MAX, head)
+                if r == busypoll.REPLY_GOT:
+                    short = None
+                    self._one_reply(sock, head)
+                    self.driven += 1
+                elif r == busypoll.REPLY_SHORT:
+                    short = now if short is None else short
+                    if now - short > spin / 1e9:
+                        return  # still arriving: the reader blocks for the rest, this thread need not
+                elif r != busypoll.REPLY_NONE:
+                    return  # not a reply this thread takes: the reader does
+                continue
             if not busypoll.wait_readable(fd, spin) and not poller.poll(
                     math.ceil(min(until - now, _DRIVE_SLICE) * 1000)):
                 continue

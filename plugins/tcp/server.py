@@ -130,12 +130,16 @@ class Server:
         return initiator.rstrip(b"\0").decode("ascii", "replace")
 
     def _one(self, sock: socket.socket, head: memoryview) -> None:
-        if self.busy_ns:  # the next request of a busy initiator comes soon: poll for it before sleeping
-            busypoll.wait_readable(sock.fileno(), self.busy_ns)
-        try:
-            got = sock.recv_into(head, wire.REQ.size)  # blocking, up to SO_RCVTIMEO = idle_timeout_ms
-        except (BlockingIOError, TimeoutError):
-            got = 0
+        nxt = busypoll.next_request if self.tls is None else None
+        if nxt is not None:  # the poll and the receive below, in one call (busypoll.py)
+            got = nxt(sock.fileno(), self.busy_ns, head)  # -errno: EAGAIN when SO_RCVTIMEO ran out
+        else:
+            if self.busy_ns:  # the next request of a busy initiator comes soon: poll for it before sleeping
+                busypoll.wait_readable(sock.fileno(), self.busy_ns)
+            try:
+                got = sock.recv_into(head, wire.REQ.size)  # blocking, up to SO_RCVTIMEO = idle_timeout_ms
+            except (BlockingIOError, TimeoutError):
+                got = 0
         if got <= 0:
             raise _Closed()  # closed by the initiator, or idle for idle_timeout_ms (it dials again when needed)
         if got < wire.REQ.size:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import socket
+import struct
 import threading
 import time
 
 import pytest
 
-from mpcomm.plugins.tcp import busypoll
+from mpcomm.plugins.tcp import busypoll, wire
 
 pytestmark = pytest.mark.skipif(busypoll.load() is None, reason=f"busy-polling unavailable: {busypoll.reason}")
 
@@ -35,16 +37,87 @@ def test_it_gives_up_after_its_budget_and_on_a_closed_peer_says_readable() -> No
 def test_at_most_limit_threads_poll_at_once() -> None:
     a, b = socket.socketpair()
     with a, b:
-        assert len(busypoll._slots) == busypoll.limit()
-        taken = [slot.acquire(False) for slot in busypoll._slots]
-        try:
-            assert all(taken)
-            b.send(b"x")
-            assert not busypoll.wait_readable(a.fileno(), 1_000_000_000)  # no slot: the caller blocks instead
-        finally:
-            for slot in busypoll._slots:
-                slot.release()
+        b.send(b"x")
+        if busypoll._counted:  # the extension module counts its pollers: a limit of 0 is "all taken"
+            busypoll._module.set_spin_limit(0)
+            try:
+                assert not busypoll.wait_readable(a.fileno(), 1_000_000_000)  # no slot: the caller blocks instead
+                assert busypoll.next_reply is not None
+                head = bytearray(wire.RESP.size)
+                assert busypoll.next_reply(a.fileno(), 10**9, 0, 1 << 20, head) != busypoll.REPLY_NONE  # poll() saw it
+            finally:
+                busypoll._module.set_spin_limit(busypoll.limit())
+        else:
+            assert len(busypoll._slots) == busypoll.limit()
+            taken = [slot.acquire(False) for slot in busypoll._slots]
+            try:
+                assert all(taken)
+                assert not busypoll.wait_readable(a.fileno(), 1_000_000_000)  # no slot: the caller blocks instead
+            finally:
+                for slot in busypoll._slots:
+                    slot.release()
         assert busypoll.wait_readable(a.fileno(), 1_000_000_000)
+
+
+needs_module = pytest.mark.skipif(busypoll.next_reply is None,
+                                  reason="the busy-poll helper did not build as an extension module (no Python.h)")
+
+
+def _reply(status: int, rid: int, body: bytes = b"") -> bytes:
+    return wire.RESP.pack(wire.RESP_MAGIC, status, 0, 0, rid, len(body)) + body
+
+
+@needs_module
+def test_next_reply_takes_only_whole_replies_and_consumes_only_their_header() -> None:
+    nr = busypoll.next_reply
+    assert nr is not None
+    a, b = socket.socketpair()
+    with a, b:
+        fd = a.fileno()
+        head = bytearray(wire.RESP.size)
+        assert nr(fd, 0, 0, 1 << 20, head) == busypoll.REPLY_NONE  # nothing there
+        b.sendall(_reply(wire.ST_OK, 7))
+        assert nr(fd, 1_000_000, 100, 1 << 20, head) == busypoll.REPLY_GOT
+        assert wire.RESP.unpack(head)[4] == 7
+        body = b'{"code": "x", "message": "y"}'
+        b.sendall(_reply(wire.ST_ERR, 8, body))  # a whole error reply: header taken, body left
+        assert nr(fd, 0, 100, 1 << 20, head) == busypoll.REPLY_GOT and wire.RESP.unpack(head)[4] == 8
+        assert a.recv(len(body)) == body
+        whole = _reply(wire.ST_ERR, 9, body)
+        b.sendall(whole[:10])  # a header partly there
+        assert nr(fd, 0, 100, 1 << 20, head) == busypoll.REPLY_SHORT
+        b.sendall(whole[10:30])  # the header whole, the body not
+        assert nr(fd, 0, 100, 1 << 20, head) == busypoll.REPLY_SHORT
+        b.sendall(whole[30:])
+        assert nr(fd, 0, 100, 1 << 20, head) == busypoll.REPLY_GOT and wire.RESP.unpack(head)[4] == 9
+        assert a.recv(len(body)) == body
+        # Not for a driver: nothing is consumed, the reader thread reads it all.
+        for frame, cap in ((b"XX" + _reply(wire.ST_OK, 1)[2:], 1 << 20), (_reply(wire.ST_PARTIAL, 2, b"ab"), 1 << 20),
+                           (_reply(wire.ST_ERR, 3, b"z" * 100), 50)):
+            b.sendall(frame)
+            assert nr(fd, 0, 100, cap, head) == busypoll.REPLY_LEAVE
+            assert a.recv(len(frame), socket.MSG_DONTWAIT) == frame
+        b.close()
+        assert nr(fd, 0, 100, 1 << 20, head) == busypoll.REPLY_LEAVE  # the end of the connection
+        with pytest.raises(ValueError):
+            nr(fd, 0, 0, 1 << 20, bytearray(4))
+
+
+@needs_module
+def test_next_request_polls_then_receives_a_header() -> None:
+    nreq = busypoll.next_request
+    assert nreq is not None
+    a, b = socket.socketpair()
+    with a, b:
+        head = bytearray(wire.REQ.size)
+        threading.Timer(0.002, lambda: b.send(b"q" * wire.REQ.size)).start()
+        assert nreq(a.fileno(), 2_000_000_000, head) == wire.REQ.size and head == b"q" * wire.REQ.size
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 20_000))
+        assert nreq(a.fileno(), 1_000_000, head) == -errno.EAGAIN  # nothing within SO_RCVTIMEO
+        b.send(b"abc")
+        assert nreq(a.fileno(), 0, head) == 3 and head[:3] == b"abc"
+        b.close()
+        assert nreq(a.fileno(), 0, head) == 0  # the end
 
 
 def test_busy_polling_off_still_serves(spawn, make_engine) -> None:  # type: ignore[no-untyped-def]
