@@ -277,17 +277,18 @@ class Transfer(Future):  # type: ignore[type-arg]
                     log.exception("transport %s failed in drive()", t.name)
                 if end is not None:
                     timeout = max(end - time.monotonic(), 0)
-            if self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            # The outcome is in (the usual end of a drive): the wake lock is released already.
+            if self._outcome is None and self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
                 self._wake.release()  # pass it on to the next waiter
         finally:
             with self._lock:
                 self._waiters_n -= 1
         if self._outcome is not None:
             # Settled here: the engine may have left that to this waiter (_leave_to_waiter).
-            if self._settle():
+            if self._settle() and self._left_to_waiter and self._dispatch is not None:
                 with self._lock:
-                    left = self._left_to_waiter and bool(self._callbacks)
-                if left and self._dispatch is not None:
+                    left = bool(self._callbacks)
+                if left:
                     # Nobody handed it to the completion thread: callbacks added meanwhile run there.
                     self._dispatch.push(self)
             return 0

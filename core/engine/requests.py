@@ -1392,7 +1392,7 @@ class Pipeline:
         if failed_group and isinstance(unit, OperationGroup) and not unit.done:
             unit._sink = None  # we publish here, not through the sink
             unit.fail(error)  # type: ignore[arg-type]
-        if isinstance(unit, Operation) and failed_group and not unit.done:
+        if failed_group and isinstance(unit, Operation) and not unit.done:
             unit._sink = None
             unit.fail(error)  # type: ignore[arg-type]
             if unit.abort_exc is not None and error is not unit.abort_exc:

@@ -79,7 +79,7 @@ def test_the_future_base_is_built_only_when_asked_for(kv: Any) -> None:
     # A failure the target reports: the same exception from the handle and from its Future base.
     target = kv[0]
     (region,) = [r for r in target.regions() if r.name == "kv"]
-    target.unregister(region)
+    target.unregister(region, timeout=10)  # the cancelled read may still hold its lease there a moment
     failed = initiator.write(b"e" * 16, remote)
     done, _ = cf.wait([failed], timeout=10)
     err = failed.exception(0)
