@@ -166,6 +166,23 @@ def _move_failed(transport: str, exc: BaseException) -> None:
     log.error("transport %s failed in its inline_path move", transport, exc_info=exc)
 
 
+def _plain(path: Any, lo: int, ro: int, length: int | None, timeout: float | None) -> int | None:
+    """What a bound pair (``_FastPath``, ``_PostPath``) rechecks per request: the length it
+    moves, or None for anything unusual (the full path then takes the request and raises
+    what it raises). Exact ints in bounds, a finite positive timeout (or None), a live link,
+    an open engine with no failing path."""
+    if type(lo) is not int or type(ro) is not int:
+        return None
+    if length is None:
+        length = path.lsize - lo
+    if (type(length) is not int
+            or lo < 0 or ro < 0 or length < 0 or lo + length > path.lsize or ro + length > path.rsize
+            or not (timeout is None or (type(timeout) in _NUM and 0 < timeout < _INF))
+            or not path.link.alive or path.engine._closed or path.failing()):
+        return None
+    return length
+
+
 class _FastPath(LandedOrigin):
     """One (local region, remote region, kind) whose requests land inline: what is left to check per request.
 
@@ -209,14 +226,8 @@ class _FastPath(LandedOrigin):
                              functools.partial(_move_failed, self.transport)) or self._run
 
     def _run(self, lo: int, ro: int, length: int | None, timeout: float | None) -> Transfer | None:
-        if type(lo) is not int or type(ro) is not int:
-            return None
+        length = _plain(self, lo, ro, length, timeout)
         if length is None:
-            length = self.lsize - lo
-        if (type(length) is not int
-                or lo < 0 or ro < 0 or length < 0 or lo + length > self.lsize or ro + length > self.rsize
-                or not (timeout is None or (type(timeout) in _NUM and 0 < timeout < _INF))
-                or not self.link.alive or self.engine._closed or self.failing()):
             return None
         local = self.local
         t0 = time.monotonic()
@@ -264,14 +275,8 @@ class _PostPath:
         self.pipe, self.engine, self.failing = pipe, pipe.e, pipe.e.health.any_failures
 
     def run(self, lo: int, ro: int, length: int | None, timeout: float | None) -> Transfer | None:
-        if type(lo) is not int or type(ro) is not int:
-            return None
+        length = _plain(self, lo, ro, length, timeout)
         if length is None:
-            length = self.lsize - lo
-        if (type(length) is not int
-                or lo < 0 or ro < 0 or length < 0 or lo + length > self.lsize or ro + length > self.rsize
-                or not (timeout is None or (type(timeout) in _NUM and 0 < timeout < _INF))
-                or not self.link.alive or self.engine._closed or self.failing()):
             return None
         pipe = self.pipe
         local = self.local

@@ -14,12 +14,13 @@ import time
 from typing import Any
 
 import psutil
+import pytest
 
 import mpcomm
 from mpcomm.auth import client_authenticate
 from mpcomm.control import PeerLink
 from mpcomm.peer import PeerInfo, parse_endpoint
-from mpcomm.plugins.tcp import wire
+from mpcomm.plugins.tcp import busypoll, wire
 from mpcomm.testing import TargetProcess
 
 
@@ -168,3 +169,15 @@ def wait_for(pred: Any, timeout: float, step: float = 0.02) -> bool:
 
 def pattern_bytes(n: int, seed: int = 0) -> bytes:
     return (os.urandom(16) * (n // 16 + 1))[:n] if seed < 0 else bytes((i * 7 + seed) & 0xFF for i in range(n))
+
+
+@pytest.fixture(autouse=True, params=["native-waits", "python-waits"])
+def both_waits(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bind as ``_waits = both_waits`` in a test module: every test there runs twice, with busypoll's
+    one-call waits and with their Python twins (in this process and in the targets it starts)."""
+    if request.param == "python-waits":
+        monkeypatch.setenv("MPCOMM_TCP_NATIVE_WAITS", "0")
+        monkeypatch.setattr(busypoll, "next_request", None)
+        monkeypatch.setattr(busypoll, "next_reply", None)
+    elif busypoll.load() is None or busypoll.next_reply is None:
+        pytest.skip(f"busy-poll helper without its extension module: {busypoll.reason}")

@@ -25,6 +25,18 @@ def _bound(ini: mpcomm.Engine, local: Any, remote: Any, kind: str) -> Any:
     return ini._fast.get((id(local), id(remote), kind))
 
 
+def _bound_write(spawn: Any, make_engine: Any, config: dict[str, Any] | None = None,
+                 size: int = 1 << 16) -> tuple[Any, mpcomm.Engine, Any, Any]:
+    """A tcp target, an initiator, and a local region whose writes to the target's "kv" are bound."""
+    target = spawn()
+    ini = make_engine(config)
+    remote = ini.open(target.address, "kv")
+    src = ini.allocate(size)
+    assert ini.write(src, remote, 0, 4096).result(10) == 4096
+    assert _bound(ini, src, remote, "write") is not None
+    return target, ini, remote, src
+
+
 class _Counting:
     """Counts requests that reached the full path (Pipeline.single)."""
 
@@ -65,12 +77,7 @@ def test_later_requests_of_a_pair_take_the_bound_lane(spawn: Any, make_engine: A
 
 
 def test_bad_arguments_get_the_full_paths_errors(spawn: Any, make_engine: Any) -> None:
-    target = spawn()
-    ini = make_engine()
-    remote = ini.open(target.address, "kv")
-    src = ini.allocate(1 << 16)
-    assert ini.write(src, remote, 0, 4096).result(10) == 4096
-    assert _bound(ini, src, remote, "write") is not None
+    _target, ini, remote, src = _bound_write(spawn, make_engine)
     with pytest.raises(OutOfBoundsError):
         ini.write(src, remote, remote.size - 100, 4096)
     with pytest.raises(OutOfBoundsError):
@@ -85,12 +92,8 @@ def test_bad_arguments_get_the_full_paths_errors(spawn: Any, make_engine: Any) -
 
 
 def test_a_full_queue_is_the_full_paths_back_pressure(spawn: Any, make_engine: Any) -> None:
-    target = spawn()
-    ini = make_engine({"runtime": {"queue_depth": 2, "backpressure": "raise"}})
-    remote = ini.open(target.address, "kv")
-    src = ini.allocate(1 << 16)
-    assert ini.write(src, remote, 0, 4096).result(10) == 4096
-    assert _bound(ini, src, remote, "write") is not None
+    _target, ini, remote, src = _bound_write(spawn, make_engine, {"runtime": {"queue_depth": 2,
+                                                                            "backpressure": "raise"}})
     slots = ini._pipeline.slots
     assert slots.acquire(blocking=False) and slots.acquire(blocking=False)  # every slot taken
     try:
@@ -105,12 +108,7 @@ def test_a_full_queue_is_the_full_paths_back_pressure(spawn: Any, make_engine: A
 
 
 def test_unregistering_the_local_region_unbinds_it(spawn: Any, make_engine: Any) -> None:
-    target = spawn()
-    ini = make_engine()
-    remote = ini.open(target.address, "kv")
-    src = ini.allocate(1 << 16)
-    assert ini.write(src, remote, 0, 4096).result(10) == 4096
-    assert _bound(ini, src, remote, "write") is not None
+    _target, ini, remote, src = _bound_write(spawn, make_engine)
     ini.unregister(src)
     assert _bound(ini, src, remote, "write") is None
     with pytest.raises(RegionClosedError):
@@ -119,11 +117,7 @@ def test_unregistering_the_local_region_unbinds_it(spawn: Any, make_engine: Any)
 
 def test_a_region_closing_under_the_lane_is_refused_not_raced(spawn: Any, make_engine: Any) -> None:
     """close() waits for the lane's leases and, once closing, the lane takes none."""
-    target = spawn()
-    ini = make_engine()
-    remote = ini.open(target.address, "kv")
-    src = ini.allocate(1 << 16)
-    assert ini.write(src, remote, 0, 4096).result(10) == 4096
+    _target, ini, remote, src = _bound_write(spawn, make_engine)
     run = _bound(ini, src, remote, "write")
     handles: list[Any] = []
     errors: list[BaseException] = []
@@ -154,11 +148,7 @@ def test_a_region_closing_under_the_lane_is_refused_not_raced(spawn: Any, make_e
 
 
 def test_callbacks_chain_through_the_lane(spawn: Any, make_engine: Any) -> None:
-    target = spawn()
-    ini = make_engine()
-    remote = ini.open(target.address, "kv")
-    src = ini.allocate(1 << 16)
-    assert ini.write(src, remote, 0, 4096).result(10) == 4096
+    _target, ini, remote, src = _bound_write(spawn, make_engine)
     done = threading.Event()
     count = [0]
 
@@ -175,11 +165,7 @@ def test_callbacks_chain_through_the_lane(spawn: Any, make_engine: Any) -> None:
 
 
 def test_close_resolves_what_the_lane_posted(spawn: Any, make_engine: Any) -> None:
-    target = spawn()
-    ini = make_engine()
-    remote = ini.open(target.address, "kv")
-    src = ini.allocate(1 << 20)
-    assert ini.write(src, remote, 0, 4096).result(10) == 4096
+    _target, ini, remote, src = _bound_write(spawn, make_engine, size=1 << 20)
     handles = [ini.write(src, remote, 0, 4096) for _ in range(50)]
     ini.close(timeout=10)
     for h in handles:

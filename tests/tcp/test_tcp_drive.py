@@ -16,24 +16,15 @@ import time
 from typing import Any
 
 import pytest
+from tcp_support import both_waits  # noqa: F401 - autouse: every test here runs with the one-call waits and without
 from tcp_support import wait_for
 
 import mpcomm
 from mpcomm.errors import ProtocolError
-from mpcomm.plugins.tcp import busypoll, wire
+from mpcomm.plugins.tcp import wire
 from mpcomm.plugins.tcp.server import Server
 from mpcomm.plugins.tcp.transport import TcpTransport
 
-
-@pytest.fixture(autouse=True, params=["native-waits", "python-waits"])
-def _waits(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test twice: with busypoll's one-call waits, and with their Python twins (here and in targets)."""
-    if request.param == "python-waits":
-        monkeypatch.setenv("MPCOMM_TCP_NATIVE_WAITS", "0")
-        monkeypatch.setattr(busypoll, "next_request", None)
-        monkeypatch.setattr(busypoll, "next_reply", None)
-    elif busypoll.load() is None or busypoll.next_reply is None:
-        pytest.skip(f"busy-poll helper without its extension module: {busypoll.reason}")
 
 
 def _conns(engine: mpcomm.Engine) -> list[Any]:

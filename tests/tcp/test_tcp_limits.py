@@ -9,21 +9,12 @@ import time
 from typing import Any
 
 import pytest
+from tcp_support import both_waits  # noqa: F401 - autouse: every test here runs with the one-call waits and without
 from tcp_support import closed, count_closed, error_code, reply, req, wait_for
 
 import mpcomm
-from mpcomm.plugins.tcp import busypoll, wire
+from mpcomm.plugins.tcp import wire
 
-
-@pytest.fixture(autouse=True, params=["native-waits", "python-waits"])
-def _waits(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test twice: with busypoll's one-call waits, and with their Python twins (here and in targets)."""
-    if request.param == "python-waits":
-        monkeypatch.setenv("MPCOMM_TCP_NATIVE_WAITS", "0")
-        monkeypatch.setattr(busypoll, "next_request", None)
-        monkeypatch.setattr(busypoll, "next_reply", None)
-    elif busypoll.load() is None or busypoll.next_reply is None:
-        pytest.skip(f"busy-poll helper without its extension module: {busypoll.reason}")
 
 
 def assert_serves(target: Any, make_engine: Any, seed: int = 1) -> None:
