@@ -28,6 +28,10 @@ that names its request id.
 
 The target checks every index with ``ctx.regions.serve`` before touching
 memory; a refused write's payload is drained into a discard buffer.
+
+``_busypoll.c`` (``next_reply``) reads the REPLY header too: its size, magic, status
+values and where ``length`` sits; tests/tcp/test_tcp_busypoll.py builds its frames
+with :data:`RESP`, so a change here that it misses fails there.
 """
 
 from __future__ import annotations
