@@ -196,8 +196,6 @@ class Transfer(Future):  # type: ignore[type-arg]
         """Seconds from submit to completion (None while pending)."""
         return None if self.finished_at is None else self.finished_at - self.submitted_at
 
-    # -- observing -----------------------------------------------------------------
-
     # -- the Future base, built on demand ---------------------------------------------
     #
     # Most handles are waited on with result() or a callback and never need the
@@ -238,6 +236,8 @@ class Transfer(Future):  # type: ignore[type-arg]
             Future.set_result(self, nbytes)
         else:
             Future.set_exception(self, error)
+
+    # -- observing -----------------------------------------------------------------
 
     def _sync(self) -> None:
         if not self._settled and self._outcome is not None:

@@ -248,7 +248,7 @@ class _FastPath(LandedOrigin):
 
 
 class _PostPath:
-    """One (local region, remote region, kind) whose requests a transport answers later (tcp, ucx, rdma).
+    """One (local region, remote region, kind) whose requests a transport answers later (tcp, rdma).
 
     The full path's decisions that hold for every request of the pair -- the
     access check, the route and its transport, the peer link -- are made
@@ -519,7 +519,7 @@ class Pipeline:
         """After a plain request of a pair was routed to a transport that answers later: bind the routing.
 
         Only for what the inline lane never takes (the transport has no
-        ``post_inline``: tcp, ucx, rdma) and only when nothing but the route
+        ``post_inline``: tcp, rdma; ucx and shm have that lane) and only when nothing but the route
         decided the request: no hint, notification, completion queue, size
         rule, lazy or ephemeral registration, and a transport whose post()
         never waits on the peer.
