@@ -45,8 +45,7 @@ _ENV_WAITS = "MPCOMM_TCP_NATIVE_WAITS"  # 0: the Python twins of next_request/ne
 
 _lock = threading.Lock()
 _spin: Callable[[int, int], int] | None = None
-_counted = False  # the module counts its pollers itself
-_module: Any = None  # the extension module, where it loaded
+_module: Any = None  # the extension module, where it loaded (it counts its pollers itself)
 _tried = False
 #: ``next_request(fd, spin_ns, head) -> bytes received | -errno`` (see _busypoll.c), or None.
 next_request: Callable[[int, int, bytearray], int] | None = None
@@ -71,7 +70,7 @@ _slots = tuple(threading.Lock() for _ in range(limit()))
 
 def load() -> Callable[[int, int], int] | None:
     """The compiled ``spin_readable(fd, budget_ns)``, or None (see :data:`reason`)."""
-    global _spin, _tried, reason, _counted, _module, next_request, next_reply
+    global _spin, _tried, reason, _module, next_request, next_reply
     with _lock:
         if _tried:
             return _spin
@@ -92,7 +91,6 @@ def load() -> Callable[[int, int], int] | None:
             h.module.set_spin_limit(limit())
             _module = h.module
             _spin = h.module.spin_readable
-            _counted = True
             if os.environ.get(_ENV_WAITS, "1") != "0":
                 next_request, next_reply = h.module.next_request, h.module.next_reply
         else:
@@ -113,7 +111,7 @@ def wait_readable(fd: int, budget_ns: int) -> bool:
     spin = _spin if _tried else load()
     if spin is None or budget_ns <= 0:
         return False
-    if _counted:
+    if _module is not None:
         return spin(fd, budget_ns) == 1
     for slot in _slots:
         if slot.acquire(False):

@@ -592,6 +592,10 @@ class Conn:
             self.cv.notify_all()
 
 
+def _load(conn: Conn) -> int:
+    return conn.load
+
+
 class Pool:
     """Connections to one target instance; picks the least-loaded, dials more up to ``size``."""
 
@@ -626,16 +630,14 @@ class Pool:
         with self._lock:
             if self.closed:
                 raise PeerConnectionError(f"connections to {self.where} were closed")
-            conns = self._conns
-            if n == 1 and len(conns) == 1 and (conns[0].load < self.BUSY or self.size == 1):
-                return conns[:]  # the common case: one connection, not busy
-            conns = sorted(conns, key=lambda c: c.load)
-            if n == 1:
-                if conns and (conns[0].load < self.BUSY or len(conns) >= self.size):
-                    return conns[:1]
+            if n == 1:  # the least loaded one (no sort: this runs once per request)
+                best = min(self._conns, key=_load, default=None)
+                if best is not None and (best.load < self.BUSY or len(self._conns) >= self.size):
+                    return [best]
                 c = Conn(self)
                 self._conns.append(c)
                 return [c]
+            conns = sorted(self._conns, key=_load)
             want = min(n, self.size)
             while len(conns) < want:
                 c = Conn(self)

@@ -190,10 +190,9 @@ class TcpTransport(Transport):
             return
         pool = self._pool(op.peer, op.remote.address)
         if op.length < self._stripe_threshold or self._conns == 1:
-            self._post_one(pool, op)
-            return
-        n = min(self._conns, math.ceil(op.length / (self._stripe_threshold // 2)))
-        ranges = stripes(op.length, n)
+            ranges: Any = ((0, op.length),)  # the common small request: one frame, no striping
+        else:
+            ranges = stripes(op.length, min(self._conns, math.ceil(op.length / (self._stripe_threshold // 2))))
         pieces = Pieces(op, len(ranges))
         plist: list[Piece] = []
         op.state = plist
@@ -213,25 +212,6 @@ class TcpTransport(Transport):
             except MpcommError as exc:
                 piece.report(exc, None, True)
         if op.aborted:  # aborted while we posted: reach the pieces abort() could not see yet
-            self.abort(op)
-
-    def _post_one(self, pool: Pool, op: Any) -> None:
-        """A request carried whole by one frame (the common small request): post() without the striping."""
-        pieces = Pieces(op, 1)
-        read = op.kind == "read"
-        rid = next_id()
-        length = op.length
-        head = self._header(wire.OP_READ if read else wire.OP_WRITE, 0, rid, op.remote, op.remote_offset, length,
-                            op.deadline_wall)
-        part = op.local_view
-        piece = Piece(rid, read, [head] if read else [head, part], [part] if read else [],
-                      lambda err, _status, confirmed: pieces.done(err, confirmed=confirmed), 0, length)
-        op.state = [piece]
-        try:
-            self._submit(pool, pool.pick(1)[0], piece, read or length <= self._inline)
-        except MpcommError as exc:
-            piece.report(exc, None, True)
-        if op.abort_exc is not None:  # aborted while we posted: reach the piece abort() could not see yet
             self.abort(op)
 
     def post_many(self, group: Any) -> None:
