@@ -74,7 +74,7 @@ from mpcomm.auth import client_authenticate, server_authenticate
 from mpcomm.control import listen
 from mpcomm.errors import MpcommError, ProtocolError, TransferTimeout, error_from_code, map_errors
 from mpcomm.peer import PeerInfo, parse_endpoint
-from mpcomm.transport_kit import AcceptLoop, Pieces, recv_into_by, sendmsg_by, stripes
+from mpcomm.transport_kit import AcceptLoop, Pieces, recv_into_by, recv_some_by, sendmsg_by, stripes
 
 
 FRAME = struct.Struct("!I")
@@ -231,6 +231,7 @@ class ExamplePipeTransport(Transport):
         except TransferTimeout as exc:
             region.release()  # a stalled writer does not keep the lease past the deadline
             self._refuse(sock, TransferTimeout(f"deadline passed mid-payload: {exc}"), unread=0, by=end + grace)
+            self._drain(sock, end + grace)
             return
         except BaseException:
             region.release()
@@ -259,6 +260,19 @@ class ExamplePipeTransport(Transport):
             recv_into_by(sock, scratch[:k], by, "example_pipe refused payload")
             unread -= k
         send_frame(sock, {"code": exc.code, "message": str(exc)}, by)  # error_from_code() rebuilds it
+
+    @staticmethod
+    def _drain(sock: socket.socket, by: float) -> None:
+        """Discard what the initiator still sends until it stops (EOF) or ``by``.
+
+        Closing with unread bytes makes the kernel reset the connection, and the
+        reset can overtake our reply: the initiator, whose deadline timer may fire
+        a moment after ours, would see a lost connection instead of the deadline.
+        Its abort shuts its sending side soon after, which ends this.
+        """
+        scratch = memoryview(bytearray(64 << 10))
+        while recv_some_by(sock, scratch, by) > 0:
+            pass
 
     # -- initiator side: move the bytes of one Operation --------------------------------
 
@@ -328,16 +342,22 @@ class ExamplePipeTransport(Transport):
             send_frame(sock, header, by)
             sendmsg_by(sock, [view], by, "example_pipe payload")  # zero-copy: straight from the caller's buffer
         except OSError:
-            if not op.aborted:
+            if not op.aborted and op.time_left() > 0:
                 raise
-            # abort() shut our sending side. Go on reading: the target answers or
-            # closes once it has consumed what was already sent. That is the fence.
+            # abort() shut our sending side, or the deadline passed and the target
+            # (which keeps the same deadline and may see it first) stopped reading.
+            # Go on reading: the target answers or closes once it has consumed what
+            # was already sent. That is the fence.
         try:
             reply = recv_frame(sock, by)
         except TransferTimeout:
             if op.aborted:
                 return False  # silent target: we cannot say nothing more lands
             raise
+        except OSError as exc:  # PeerConnectionError too: the target closed, so it stopped
+            if op.aborted or op.time_left() > 0:
+                raise
+            raise TransferTimeout(f"the target stopped the write at its deadline: {exc}") from exc
         # (A PeerConnectionError here after an abort means the target closed: it
         # stopped. That is a confirmed failure; op.fail reports the abort reason.)
         self._raise_for(reply, op)
