@@ -113,27 +113,42 @@ def read_json(sock: socket.socket, max_payload: int = MAX_CONTROL_PAYLOAD,
     ftype, _, payload = read_frame(sock, CONTROL_MAGIC, max_payload, deadline)
     if ftype != T_JSON:
         raise ProtocolError(f"unexpected control frame type {ftype}")
-    return parse_json(payload)
+    return parse_json(payload, max_payload)
 
 
-def parse_json(payload: bytes) -> dict[str, Any]:
+def parse_json(payload: bytes, max_payload: int = MAX_CONTROL_PAYLOAD) -> dict[str, Any]:
     """A control frame's payload → a typed JSON object, or ProtocolError (never RecursionError)."""
-    try:
-        obj = json.loads(payload)
-    except RecursionError:
-        raise ProtocolError(f"control frame nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:  # also UnicodeDecodeError and ints over sys.get_int_max_str_digits()
-        raise ProtocolError(f"control frame is not JSON: {exc}") from exc
+    obj = loads_bounded(payload, what="control frame", max_bytes=max_payload)
     if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
         raise ProtocolError("control frame is not a typed JSON object")
-    # Cheap test first: fewer openers than the limit cannot nest past it.
-    if payload.count(b"[") + payload.count(b"{") > MAX_JSON_DEPTH and json_depth(obj) > MAX_JSON_DEPTH:
-        raise ProtocolError(f"control frame nests deeper than {MAX_JSON_DEPTH} levels")
     return obj
 
 
-def json_depth(obj: Any) -> int:
-    """Nesting depth of parsed JSON, without recursion."""
+def loads_bounded(data: bytes | str, *, what: str, max_bytes: int = MAX_CONTROL_PAYLOAD,
+                  max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse untrusted JSON (a peer's frame, an etcd record, a peer's directory).
+
+    The one rule for every such parse: at most ``max_bytes`` long and ``max_depth`` deep, else
+    :class:`~mpcomm.ProtocolError` naming ``what``. It never raises RecursionError, ValueError or
+    MemoryError from the parser itself, so a caller skips one bad record and keeps going.
+    """
+    if len(data) > max_bytes:
+        raise ProtocolError(f"{what} is {len(data)} bytes, over the limit of {max_bytes}")
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise ProtocolError(f"{what} nests deeper than {max_depth} levels") from None
+    except ValueError as exc:  # also UnicodeDecodeError and ints over sys.get_int_max_str_digits()
+        raise ProtocolError(f"{what} is not JSON: {exc}") from exc
+    # Cheap test first: fewer openers than the limit cannot nest past it.
+    raw = data.encode("utf-8", "replace") if isinstance(data, str) else data
+    if raw.count(b"[") + raw.count(b"{") > max_depth and json_depth(obj, max_depth) > max_depth:
+        raise ProtocolError(f"{what} nests deeper than {max_depth} levels")
+    return obj
+
+
+def json_depth(obj: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth of parsed JSON, without recursion (counting stops past ``limit``)."""
     deepest = 0
     stack = [(obj, 1)]
     while stack:
@@ -145,7 +160,7 @@ def json_depth(obj: Any) -> int:
         else:
             continue
         deepest = max(deepest, depth)
-        if deepest > MAX_JSON_DEPTH:
+        if deepest > limit:
             return deepest
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return deepest
