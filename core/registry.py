@@ -25,7 +25,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .transport import Transport
+from .transport import Transport, contract_problems
 
 __all__ = ["ENTRY_POINT_GROUP", "PluginFailure", "PluginSet", "load_plugins"]
 
@@ -155,4 +155,7 @@ def _validate(cls: Any, found: PluginSet) -> str:
         return f"{cls.__qualname__} has no name"
     if cls.name in found.transports:
         return f"transport name {cls.name!r} already registered by plugin {found.transports[cls.name].plugin}"
+    problems = contract_problems(cls)
+    if problems:
+        return f"{cls.__qualname__} breaks the transport contract: {'; '.join(problems)}"
     return ""

@@ -61,8 +61,10 @@ if TYPE_CHECKING:
     from .remote import RemoteRegion
 
 __all__ = [
+    "TRANSPORT_CONTRACT",
     "Availability",
     "Capabilities",
+    "ContractMember",
     "ControlRequester",
     "Operation",
     "OperationGroup",
@@ -70,6 +72,7 @@ __all__ = [
     "Transport",
     "TransportBusy",
     "TransportContext",
+    "contract_problems",
 ]
 
 log = logging.getLogger("mpcomm.transport")
@@ -499,6 +502,18 @@ class OperationGroup:
         """
         self._report(indices, FAILED, _final_error(self.abort_exc, exc, confirmed))
 
+    def members(self) -> list[Operation]:
+        """Every request as a lone :class:`Operation` (made once, then the same list).
+
+        For a transport that posts a group member by member: once it asked for
+        them, the group's abort reaches each member (:meth:`Operation.abort`)
+        instead of :meth:`Transport.abort` with the group.
+        """
+        with self._lock:
+            if self._members is None:
+                self._members = [self.member(i) for i in range(self.count)]
+            return self._members
+
     def member(self, i: int) -> Operation:
         """Request ``i`` as a lone :class:`Operation` that reports back to this group."""
         op = Operation(self.kind, self.local, self.local_offsets[i], self.remote, self.remote_offsets[i],
@@ -525,6 +540,10 @@ class Transport:
     #: Allowed ranges of numeric options, ``{"chunk": (4096, 1 << 30)}``; the core
     #: refuses a value outside with a ConfigError naming the option.
     option_ranges: ClassVar[dict[str, Any]] = {}
+    #: True when :meth:`post` may wait on something slow (a connection being
+    #: made, a full socket): the engine then never calls it on a caller's
+    #: thread from the bound lanes, and posts through its posting pool instead.
+    post_may_block: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -597,8 +616,7 @@ class Transport:
         is correct for every transport; transports override it to move the
         whole group with one native call, frame or work-request list.
         """
-        members = [group.member(i) for i in range(group.count)]
-        group._members = members
+        members = group.members()
         for i, op in enumerate(members):
             if group.abort_exc is not None:
                 op.fail(group.abort_exc)
@@ -712,6 +730,121 @@ class Transport:
         contributes none.
         """
         return []
+
+
+@dataclass(frozen=True)
+class ContractMember:
+    """One entry of :data:`TRANSPORT_CONTRACT`."""
+
+    #: ``"attribute"``, ``"method"`` or ``"classmethod"``.
+    kind: str
+    #: The transport must define it itself (the base's default is not enough).
+    required: bool = False
+    #: For attributes: the type the value must have.
+    type: Any = None
+
+
+#: Every member a transport may define, and whether it must. The registry
+#: verifies each plugin class against this table when it loads it (as pluggy
+#: verifies hook implementations against their specs): a plugin that breaks
+#: it is reported and skipped, not found broken on the request path. The
+#: documentation of each member is on :class:`Transport`.
+TRANSPORT_CONTRACT: dict[str, ContractMember] = {
+    "name": ContractMember("attribute", required=True, type=str),
+    "capabilities": ContractMember("attribute", type=Capabilities),
+    "default_options": ContractMember("attribute", type=dict),
+    "option_ranges": ContractMember("attribute", type=dict),
+    "post_may_block": ContractMember("attribute", type=bool),
+    "availability": ContractMember("classmethod"),
+    "version": ContractMember("classmethod"),
+    "node_checks": ContractMember("classmethod"),
+    "start": ContractMember("method"),
+    "reach": ContractMember("method"),
+    "allocate": ContractMember("method"),
+    "register": ContractMember("method"),
+    "unregister": ContractMember("method"),
+    "post": ContractMember("method", required=True),
+    "post_many": ContractMember("method"),
+    "post_inline": ContractMember("method"),
+    "inline_path": ContractMember("method"),
+    "drive": ContractMember("method"),
+    "abort": ContractMember("method"),
+    "peer_changed": ContractMember("method"),
+    "handle_control": ContractMember("method"),
+    "close": ContractMember("method"),
+}
+
+
+def contract_problems(cls: type[Transport]) -> list[str]:
+    """What ``cls`` gets wrong against :data:`TRANSPORT_CONTRACT` (empty: nothing).
+
+    Checked: required members are defined by the plugin; attributes have
+    their type; a classmethod stays a classmethod and a method a plain
+    method; an override accepts every argument the engine passes (the
+    base's parameter names, in order, or ``*args``/``**kwargs``), and any
+    parameter it adds has a default.
+    """
+    import inspect
+
+    problems: list[str] = []
+    for attr, spec in TRANSPORT_CONTRACT.items():
+        owner = next((k for k in cls.__mro__ if attr in vars(k)), None)
+        if spec.required and owner in (None, Transport):
+            problems.append(f"does not define {attr!r} (required by the transport contract)")
+            continue
+        if owner is None or owner is Transport:
+            continue
+        raw = vars(owner)[attr]
+        if spec.kind == "attribute":
+            value = getattr(cls, attr)
+            # bool is an int subclass, so check it exactly where bool is asked for.
+            ok = type(value) is bool if spec.type is bool else isinstance(value, spec.type)
+            if not ok or (spec.type is str and not value):
+                problems.append(f"{attr} must be a {'non-empty ' if spec.type is str else ''}"
+                                f"{spec.type.__name__}, not {value!r}")
+            continue
+        is_cm = isinstance(raw, classmethod)
+        if spec.kind == "classmethod" and not is_cm:
+            problems.append(f"{attr} must be a classmethod (the engine calls it on the class)")
+            continue
+        if spec.kind == "method" and (is_cm or isinstance(raw, staticmethod) or not callable(raw)):
+            problems.append(f"{attr} must be a plain method")
+            continue
+        func = raw.__func__ if is_cm else raw
+        why = _signature_mismatch(inspect.signature(vars(Transport)[attr].__func__ if is_cm
+                                                    else vars(Transport)[attr]),
+                                  inspect.signature(func))
+        if why:
+            problems.append(f"{attr}{why}")
+    return problems
+
+
+def _signature_mismatch(base: Any, impl: Any) -> str:
+    import inspect
+
+    P = inspect.Parameter
+    b = [p for p in base.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    i = [p for p in impl.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    varargs = any(p.kind is P.VAR_POSITIONAL for p in impl.parameters.values())
+    varkw = any(p.kind is P.VAR_KEYWORD for p in impl.parameters.values())
+    for n, bp in enumerate(b[1:], start=1):  # [0] is self/cls
+        if n < len(i):
+            if i[n].name != bp.name and not varkw:
+                return f"() takes {i[n].name!r} where the contract passes {bp.name!r}"
+        elif not varargs:
+            return f"() does not accept the contract's argument {bp.name!r}"
+    for p in i[len(b):]:
+        if p.default is P.empty:
+            return f"() adds the argument {p.name!r} without a default (the engine never passes it)"
+    impl_kw = {p.name for p in impl.parameters.values() if p.kind is P.KEYWORD_ONLY}
+    for p in base.parameters.values():
+        if p.kind is P.KEYWORD_ONLY and p.name not in impl_kw and not varkw:
+            return f"() does not accept the contract's keyword {p.name!r}"
+    for p in impl.parameters.values():
+        if p.kind is P.KEYWORD_ONLY and p.default is P.empty and p.name not in {
+                q.name for q in base.parameters.values()}:
+            return f"() adds the keyword {p.name!r} without a default (the engine never passes it)"
+    return ""
 
 
 def timeout_error(op: Operation | OperationGroup) -> TransferTimeout:

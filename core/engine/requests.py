@@ -527,7 +527,7 @@ class Pipeline:
         if (op._hint is not None or op._notify is not None or op._ephemeral
                 or op.transfer._dispatch is not self.dispatch or self.e.route_policy.size_rules
                 or type(transport).post_inline is not Transport.post_inline
-                or getattr(transport, "post_may_block", False) or self.e.health.any_failures()):
+                or transport.post_may_block or self.e.health.any_failures()):
             return
         key = (id(op.local), id(op.remote), op.kind)
         if key in self._fast:
@@ -885,7 +885,7 @@ class Pipeline:
         if self.e.telemetry.enabled and isinstance(unit, Operation):
             self.e.telemetry.on_post(unit, transport.name)
         unit._posting = inline
-        if getattr(transport, "post_may_block", False):
+        if transport.post_may_block:
             # A transport written for the first contract may wait on the peer
             # inside post(): its deadline and close() must be able to interrupt it.
             self._track(unit)

@@ -543,11 +543,10 @@ class RdmaZeroCopyTransport(Transport):
         """A vectorised batch: its requests go out as linked work-request lists, each signalling its last.
 
         Every member keeps its own accounting (abort, fence, repost) through
-        ``group.member(i)``; the group's abort reaches them through
-        ``group._members`` (the engine's default does the same).
+        ``group.members()``, through which the group's abort reaches them
+        (the engine's default does the same).
         """
-        members = [group.member(i) for i in range(group.count)]
-        group._members = members
+        members = group.members()
         if group.abort_exc is not None:
             for op in members:
                 op.fail(group.abort_exc)

@@ -49,7 +49,14 @@ class Nameless(Transport):
     name: ClassVar[str] = ""
 
 
-class Unavailable(Transport):
+class _Fake(Transport):
+    """What every fake here shares: a post, the one method the contract requires."""
+
+    def post(self, op: Any) -> None:
+        op.fail(mpcomm.MpcommError(f"{self.name} is a fake"))
+
+
+class Unavailable(_Fake):
     name: ClassVar[str] = "nope"
 
     @classmethod
@@ -57,7 +64,7 @@ class Unavailable(Transport):
         return Availability.no("libnope is not installed")
 
 
-class AvailabilityRaises(Transport):
+class AvailabilityRaises(_Fake):
     name: ClassVar[str] = "crashy"
 
     @classmethod
@@ -65,7 +72,7 @@ class AvailabilityRaises(Transport):
         raise OSError("cannot read /sys/class/nope")
 
 
-class StartFails(Transport):
+class StartFails(_Fake):
     name: ClassVar[str] = "nostart"
 
     def start(self) -> dict[str, Any]:
@@ -264,3 +271,75 @@ def test_native_libraries_are_not_imported(tmp_path: Path) -> None:
     assert loaded == []
     assert out["libs"] == []
     assert "mpcomm.plugins.tcp" in out["modules"]  # the probe did load plugins
+
+
+# -- the transport contract, verified at load (core/transport.py TRANSPORT_CONTRACT) --
+
+class _NoPost(Transport):
+    name: ClassVar[str] = "nopost"
+
+
+class _WrongPostArgs(_Fake):
+    name: ClassVar[str] = "wrongargs"
+
+    def post(self, operation: Any, extra: int) -> None:  # type: ignore[override]
+        pass
+
+
+class _InstanceAvailability(_Fake):
+    name: ClassVar[str] = "instavail"
+
+    def availability(self) -> Availability:  # type: ignore[override]
+        return Availability.yes()
+
+
+class _BadAttributes(_Fake):
+    name: ClassVar[str] = "badattrs"
+    post_may_block = "yes"  # type: ignore[assignment]
+    capabilities = {"one_sided": True}  # type: ignore[assignment]
+
+
+class _FlexibleOverrides(_Fake):
+    """Overrides that take more than the contract passes, with defaults, or *args/**kwargs: accepted."""
+
+    name: ClassVar[str] = "flexible"
+    post_may_block = True
+
+    def post(self, op: Any, *, trace: bool = False) -> None:
+        super().post(op)
+
+    def post_inline(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    def register(self, region: Any, hint: str = "") -> dict[str, Any]:
+        return {}
+
+
+def test_the_registry_verifies_each_transport_against_the_contract() -> None:
+    mods = [plugin_module(f"{cls.name}_plugin", cls) for cls in
+            (_NoPost, _WrongPostArgs, _InstanceAvailability, _BadAttributes, _FlexibleOverrides)]
+    found = load_plugins(mods, autoload=False)
+    by = failures_by_name(found.failures)
+    assert set(by) == {"nopost_plugin", "wrongargs_plugin", "instavail_plugin", "badattrs_plugin"}
+    assert "does not define 'post'" in by["nopost_plugin"].reason
+    assert "post() takes 'operation' where the contract passes 'op'" in by["wrongargs_plugin"].reason
+    assert "availability must be a classmethod" in by["instavail_plugin"].reason
+    assert "post_may_block must be a bool, not 'yes'" in by["badattrs_plugin"].reason
+    assert "capabilities must be a Capabilities" in by["badattrs_plugin"].reason
+    assert list(found.transports) == ["flexible"]
+
+
+def test_every_in_tree_transport_keeps_the_contract() -> None:
+    from mpcomm.transport import contract_problems
+
+    found = load_plugins(autoload=True)
+    assert not found.failures
+    for name, entry in found.transports.items():
+        assert contract_problems(entry.cls) == [], name
+
+
+def test_the_contract_table_names_every_public_member_of_the_base_class() -> None:
+    from mpcomm.transport import TRANSPORT_CONTRACT
+
+    public = {n for n in vars(Transport) if not n.startswith("_")}
+    assert public == set(TRANSPORT_CONTRACT)
