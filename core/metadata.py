@@ -124,6 +124,16 @@ def _i(d: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 1 << 62) 
     return v
 
 
+def _when(d: dict[str, Any], where: str) -> float:
+    """``published_at`` (a wall-clock time; 0.0 when absent or not a number)."""
+    v = d.get("published_at", 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return 0.0
+    if not -(2.0 ** 53) <= v <= 2.0 ** 53:  # also NaN; float() of a 400-digit int would overflow
+        raise MetadataError(f"{where}: published_at {str(v)[:40]} is not a time")
+    return float(v)
+
+
 @dataclass(frozen=True)
 class NodeRecord:
     """One engine as published: who it is and where to reach it."""
@@ -146,10 +156,9 @@ class NodeRecord:
         ts = d.get("transports", [])
         if not isinstance(ts, list) or len(ts) > 64 or not all(isinstance(t, str) and len(t) <= 64 for t in ts):
             raise MetadataError(f"{where}: transports must be a list of at most 64 names")
-        pa = d.get("published_at", 0.0)
         return cls(node_id=_s(d, "node_id", where), address=_address(d, where), epoch=_s(d, "epoch", where),
                    hostname=_s(d, "hostname", where, empty=True) if "hostname" in d else "",
-                   transports=tuple(ts), published_at=float(pa) if isinstance(pa, (int, float)) else 0.0)
+                   transports=tuple(ts), published_at=_when(d, where))
 
 
 @dataclass(frozen=True)
@@ -182,10 +191,9 @@ class RegionRecord:
         if access not in ("r", "rw", "w"):
             raise MetadataError(f"{where}: access must be r, w or rw, not {access!r}")
         kind = _s(d, "kind", where) if "kind" in d else "host"
-        pa = d.get("published_at", 0.0)
         return cls(name=_s(d, "name", where), node_id=_s(d, "node_id", where), address=_address(d, where),
                    epoch=_s(d, "epoch", where), size=_i(d, "size", where), access=access, kind=kind,
-                   published_at=float(pa) if isinstance(pa, (int, float)) else 0.0,
+                   published_at=_when(d, where),
                    numa_node=_i(d, "numa_node", where, -1, 4095) if "numa_node" in d else -1)
 
 

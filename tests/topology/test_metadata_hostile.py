@@ -183,13 +183,17 @@ def test_a_deeply_nested_record_is_skipped_and_everything_else_works(url: str, e
         etcd.put_raw(f"{p}/regions/good/x", deep, lease)
         etcd.put_raw(f"{p}/nodes/x", '{"a":' * 1500 + "1" + "}" * 1500, lease)
         etcd.put_raw(f"{p}/regions/good/y", json.dumps({"name": [[[[[["good"]]]]]]}), lease)
+        genuine = json.loads(etcd.get_raw(f"{p}/regions/good/{owner.node_id}"))
+        huge = json.dumps(genuine | {"node_id": "z", "published_at": 10 ** 400})
+        etcd.put_raw(f"{p}/regions/good/z", huge, lease)  # float() of it would raise OverflowError
 
         assert [r.node_id for r in reader.metadata.lookup("good")] == [owner.node_id]
         assert [r.name for r in reader.metadata.list_regions()] == ["good"]
         assert {n.node_id for n in reader.metadata.list_nodes()} == {owner.node_id, reader.node_id}
         assert reader.open("good").node_id == owner.node_id
         warned = skip_warnings(caplog)
-        assert f"{p}/regions/good/x" in warned and f"{p}/nodes/x" in warned and f"{p}/regions/good/y" in warned
+        for bad in ("regions/good/x", "nodes/x", "regions/good/y", "regions/good/z"):
+            assert f"{p}/{bad}" in warned, (bad, warned)
         assert "nests deeper than" in warned
 
         # the command line lists the good records and exits 0
