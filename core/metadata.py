@@ -214,7 +214,9 @@ class MetadataStore:
 
     Every method is thread-safe. ``publish_*``/``unpublish_*`` never raise
     because the service is down (they retry in the background); ``lookup``
-    and ``list_*`` raise :class:`MetadataError` when it cannot be asked.
+    and ``list_*`` raise :class:`MetadataError` when it cannot be asked, and
+    ``lookup`` also when it could read only part of the keys (``max_list``).
+    Records that fail the reader's checks are skipped with a warning, never raised.
     """
 
     kind = "p2p"
@@ -286,8 +288,8 @@ def _quote(name: str) -> str:
 
 
 def record_mac_key(secret: str) -> bytes:
-    """The key records are signed with: derived from the cluster secret under its own label,
-    so a record's MAC is never a handshake proof (mpcomm.auth keys the secret the same way)."""
+    """The key records are signed with: derived from the cluster secret under its own label, so
+    nothing signed here can stand for a proof made with the secret elsewhere, or the reverse."""
     return hmac.new(secret.encode(), RECORD_MAC_LABEL, hashlib.sha256).digest()
 
 
