@@ -55,6 +55,13 @@ def cluster(url: str, **extra: object) -> dict:
     return {"cluster": {"metadata": url, "lease_ttl_s": 30}, **extra}
 
 
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``mpcomm ARGS`` in its own process, with only the given MPCOMM_* settings."""
+    base = {k: v for k, v in os.environ.items() if k not in ("MPCOMM_CONFIG", "MPCOMM_METADATA", "MPCOMM_SECRET")}
+    return subprocess.run([sys.executable, "-m", "mpcomm.cli", *args], capture_output=True, text=True, timeout=60,
+                          env=base | env)
+
+
 def skip_warnings(caplog: pytest.LogCaptureFixture) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.name == "mpcomm.metadata")
 
@@ -133,6 +140,11 @@ def test_with_a_cluster_secret_only_signed_records_are_read(url: str, etcd: Etcd
             assert f"{p}/{bad}" in warned, (bad, warned)
         assert "not signed" in warned and "signature is wrong" in warned
         assert reader.open("kv").node_id == owner.node_id
+        # `mpcomm regions` reads with the cluster secret from the environment, as engines do
+        cli = run_cli("regions", "--metadata", url, "--json", MPCOMM_SECRET=SECRET)
+        assert cli.returncode == 0, cli.stderr
+        assert [r["node_id"] for r in json.loads(cli.stdout)["regions"]] == [owner.node_id]
+        assert f"{p}/regions/kv/n-unsigned" in "".join(cli.stderr.split())
 
         # a reader holding another secret reads none of them
         with _store(url, secret=OTHER_SECRET) as other:
@@ -197,9 +209,7 @@ def test_a_deeply_nested_record_is_skipped_and_everything_else_works(url: str, e
         assert "nests deeper than" in warned
 
         # the command line lists the good records and exits 0
-        env = {k: v for k, v in os.environ.items() if k not in ("MPCOMM_CONFIG", "MPCOMM_METADATA", "MPCOMM_SECRET")}
-        cli = subprocess.run([sys.executable, "-m", "mpcomm.cli", "regions", "--metadata", url, "--json"],
-                             capture_output=True, text=True, timeout=60, env=env)
+        cli = run_cli("regions", "--metadata", url, "--json")
         assert cli.returncode == 0, cli.stderr
         data = json.loads(cli.stdout)
         assert [(r["name"], r["node_id"]) for r in data["regions"]] == [("good", owner.node_id)]
