@@ -318,7 +318,7 @@ class _Skipped:
     def add(self, key: str, why: str) -> None:
         self.count += 1
         if self.count <= _NAMED_SKIPS:
-            log.warning("skipping etcd record %s: %s", key[:512], why)
+            log.warning("skipping etcd record %r: %s", key[:512], why)  # %r: a key may hold line breaks
 
     def done(self) -> None:
         if self.count > _NAMED_SKIPS:
@@ -546,7 +546,7 @@ class EtcdMetadata(MetadataStore):
                 skipped.add(key, str(exc))
                 continue
             if key_of(record) != key:
-                skipped.add(key, f"it is a record for {key_of(record)[:512]}, not for this key")
+                skipped.add(key, f"it is a record for {key_of(record)[:512]!r}, not for this key")
                 continue
             if self._mac_key is not None:
                 mac = d.get("mac")
