@@ -181,6 +181,24 @@ def test_records_without_a_lease_are_ignored(url: str, etcd: EtcdServer, caplog:
         assert "no lease" in skip_warnings(caplog)
 
 
+def test_a_record_under_another_records_key_is_ignored(url: str, etcd: EtcdServer,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="mpcomm.metadata")
+    p = prefix_of(url)
+    with mpcomm.Engine(cluster(url)) as owner:
+        owner.register(bytearray(4096), "kv")
+        genuine = etcd.get_raw(f"{p}/regions/kv/{owner.node_id}")
+        lease = etcd.grant()
+        etcd.put_raw(f"{p}/regions/kv/n-elsewhere", genuine, lease)  # node A's record under node B's key
+        etcd.put_raw(f"{p}/regions/other/{owner.node_id}", genuine, lease)  # ... under another name
+        with _store(url) as store:
+            assert [r.node_id for r in store.lookup("kv")] == [owner.node_id]
+            assert [(r.name, r.node_id) for r in store.list_regions()] == [("kv", owner.node_id)]
+            assert store.lookup("other") == []
+        warned = skip_warnings(caplog)
+        assert f"{p}/regions/kv/n-elsewhere" in warned and f"{p}/regions/other/{owner.node_id}" in warned
+
+
 # -- item 5: one deep record must not break every look-up ----------------------------------------------
 
 
