@@ -2,11 +2,15 @@
 
 Read-only: it lists node and region records (no lease is taken, nothing is
 written). The records hold no access token; opening a region still goes
-through its owner's handshake.
+through its owner's handshake. Records that fail the reader's checks (no
+lease, too big or too deep, malformed, unsigned with a cluster secret set:
+see mpcomm.metadata) are skipped with a warning on stderr naming their key,
+and the good ones are listed.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Annotated, Optional
 
@@ -35,7 +39,9 @@ def regions(
     """List the nodes and regions published to the cluster metadata service (etcd)."""
     cfg = build_config(ctx, config)
     url = metadata if metadata is not None else cfg.cluster.metadata
-    store = open_metadata(url)
+    # With a cluster secret, only records signed with it are listed (as engines read them).
+    secret = cfg.transport.secret or os.environ.get("MPCOMM_SECRET", "")
+    store = open_metadata(url, secret=secret)
     if isinstance(store, PeerToPeerMetadata):
         raise CliError("no metadata service: pass --metadata etcd://host:2379 or set cluster.metadata; "
                        "with the peer-to-peer default regions are found by asking their owner", EXIT_USAGE)

@@ -19,7 +19,27 @@ nothing that grants access: no region token, no id, no address in the owner's
 process, no transport keys. A reader must still open the region through the
 owner's handshake (and shared secret) to get a usable descriptor. Records read
 back from etcd are validated like any peer input: anyone able to write to etcd
-can put garbage there, and garbage is skipped with a warning.
+can put garbage there, and garbage is skipped with a warning naming its key.
+
+**What a reader accepts.** A record is used only when (1) it carries a lease
+(every engine writes under one; a key written without a lease is not an
+engine's), (2) it parses within :data:`MAX_RECORD` bytes and
+:data:`MAX_RECORD_DEPTH` levels (:func:`mpcomm.wire.loads_bounded`, so a deep
+record is one skipped key, never a ``RecursionError``), (3) it is a valid
+record stored under its own key (a region record of node N under
+``regions/{name}/N``), and (4) with a cluster secret (``transport.secret``),
+it carries a valid ``mac``: HMAC-SHA256 over the key and the canonical record,
+keyed with a key derived from the secret under the label
+:data:`RECORD_MAC_LABEL` (the secret itself never reaches etcd). Whatever fails
+is skipped with a warning naming its key. ``Engine.open(name)`` then checks
+that the node its handshake reached is the record's node id and epoch.
+
+**Listings page.** Every range read asks for :data:`PAGE` keys at a time and
+continues after the last key while etcd says there are ``more`` (all pages at
+the first page's revision, so the listing is one snapshot). A listing stops
+after ``max_list`` keys and says so: ``list_*`` with a warning, ``lookup``
+with :class:`MetadataError` (both name the prefix and the limit), never
+silently.
 
 **Leases and keep-alive.** A background thread refreshes the lease every
 ``ttl / 3`` seconds. When etcd restarted and lost the lease (or the lease ran
@@ -37,6 +57,9 @@ Keys (``prefix`` defaults to ``/mpcomm/v1``)::
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -46,8 +69,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import ConfigError, MpcommError
+from .errors import ConfigError, MpcommError, ProtocolError
 from .peer import format_endpoint, parse_endpoint
+from .wire import loads_bounded
 
 __all__ = [
     "EtcdMetadata",
@@ -64,7 +88,16 @@ log = logging.getLogger("mpcomm.metadata")
 
 DEFAULT_PREFIX = "/mpcomm/v1"
 MAX_RECORD = 16 << 10
-MAX_LIST = 10_000
+#: Deepest nesting a record may have: records are flat (a node's transports list is level 2).
+MAX_RECORD_DEPTH = 4
+#: Keys asked for per etcd range request; a listing pages on from the last key.
+PAGE = 256
+#: Most keys one listing reads before it stops (and says so).
+MAX_LIST = 100_000
+#: Bad records named one by one per listing; the rest are counted in one line.
+_NAMED_SKIPS = 10
+#: Label under which the record-signing key is derived from the cluster secret.
+RECORD_MAC_LABEL = b"mpcomm/metadata-record/1"
 _MAX_STR = 256
 
 
@@ -91,6 +124,16 @@ def _i(d: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 1 << 62) 
     return v
 
 
+def _when(d: dict[str, Any], where: str) -> float:
+    """``published_at`` (a wall-clock time; 0.0 when absent or not a number)."""
+    v = d.get("published_at", 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return 0.0
+    if not -(2.0 ** 53) <= v <= 2.0 ** 53:  # also NaN; float() of a 400-digit int would overflow
+        raise MetadataError(f"{where}: published_at {str(v)[:40]} is not a time")
+    return float(v)
+
+
 @dataclass(frozen=True)
 class NodeRecord:
     """One engine as published: who it is and where to reach it."""
@@ -113,10 +156,9 @@ class NodeRecord:
         ts = d.get("transports", [])
         if not isinstance(ts, list) or len(ts) > 64 or not all(isinstance(t, str) and len(t) <= 64 for t in ts):
             raise MetadataError(f"{where}: transports must be a list of at most 64 names")
-        pa = d.get("published_at", 0.0)
         return cls(node_id=_s(d, "node_id", where), address=_address(d, where), epoch=_s(d, "epoch", where),
                    hostname=_s(d, "hostname", where, empty=True) if "hostname" in d else "",
-                   transports=tuple(ts), published_at=float(pa) if isinstance(pa, (int, float)) else 0.0)
+                   transports=tuple(ts), published_at=_when(d, where))
 
 
 @dataclass(frozen=True)
@@ -149,10 +191,9 @@ class RegionRecord:
         if access not in ("r", "rw", "w"):
             raise MetadataError(f"{where}: access must be r, w or rw, not {access!r}")
         kind = _s(d, "kind", where) if "kind" in d else "host"
-        pa = d.get("published_at", 0.0)
         return cls(name=_s(d, "name", where), node_id=_s(d, "node_id", where), address=_address(d, where),
                    epoch=_s(d, "epoch", where), size=_i(d, "size", where), access=access, kind=kind,
-                   published_at=float(pa) if isinstance(pa, (int, float)) else 0.0,
+                   published_at=_when(d, where),
                    numa_node=_i(d, "numa_node", where, -1, 4095) if "numa_node" in d else -1)
 
 
@@ -173,7 +214,9 @@ class MetadataStore:
 
     Every method is thread-safe. ``publish_*``/``unpublish_*`` never raise
     because the service is down (they retry in the background); ``lookup``
-    and ``list_*`` raise :class:`MetadataError` when it cannot be asked.
+    and ``list_*`` raise :class:`MetadataError` when it cannot be asked, and
+    ``lookup`` also when it could read only part of the keys (``max_list``).
+    Records that fail the reader's checks are skipped with a warning, never raised.
     """
 
     kind = "p2p"
@@ -244,6 +287,44 @@ def _quote(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
+def record_mac_key(secret: str) -> bytes:
+    """The key records are signed with: derived from the cluster secret under its own label, so
+    nothing signed here can stand for a proof made with the secret elsewhere, or the reverse."""
+    return hmac.new(secret.encode(), RECORD_MAC_LABEL, hashlib.sha256).digest()
+
+
+def record_mac(mac_key: bytes, key: str, canonical: str) -> str:
+    """HMAC-SHA256 over the etcd key and the canonical record: a signed record is valid only
+    where its owner wrote it."""
+    return hmac.new(mac_key, key.encode() + b"\n" + canonical.encode(), hashlib.sha256).hexdigest()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _after(prefix: bytes) -> bytes:
+    """The first key past every key that starts with ``prefix``."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class _Skipped:
+    """Bad records of one listing: the first few named in a warning each, the rest counted."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.count = 0
+
+    def add(self, key: str, why: str) -> None:
+        self.count += 1
+        if self.count <= _NAMED_SKIPS:
+            log.warning("skipping etcd record %r: %s", key[:512], why)  # %r: a key may hold line breaks
+
+    def done(self) -> None:
+        if self.count > _NAMED_SKIPS:
+            log.warning("skipped %d more bad etcd records under %s", self.count - _NAMED_SKIPS, self.where)
+
+
 class EtcdMetadata(MetadataStore):
     """Records in etcd under one lease (see the module docstring).
 
@@ -253,12 +334,17 @@ class EtcdMetadata(MetadataStore):
         prefix: key prefix (one cluster per prefix).
         timeout: seconds per etcd request.
         clock: ``time.monotonic`` unless a test passes its own.
+        secret: the cluster secret (``transport.secret``): records are signed with a key
+            derived from it, and only records signed with it are read back. Empty: records
+            are neither signed nor checked.
+        max_list: most keys one listing reads (``lookup`` raises past it, ``list_*`` warn).
     """
 
     kind = "etcd"
 
     def __init__(self, endpoints: list[tuple[str, int]], *, ttl: int = 10, prefix: str = DEFAULT_PREFIX,
-                 timeout: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout: float = 2.0, clock: Callable[[], float] = time.monotonic, secret: str = "",
+                 max_list: int = MAX_LIST) -> None:
         try:
             import etcd3gw  # noqa: F401 - imported here: only clusters need it
         except ImportError as exc:
@@ -270,7 +356,9 @@ class EtcdMetadata(MetadataStore):
         self.ttl = ttl
         self.prefix = prefix.rstrip("/")
         self.timeout = timeout
+        self.max_list = max_list
         self._clock = clock
+        self._mac_key = record_mac_key(secret) if secret else None
         self._lock = threading.RLock()
         self._client: Any = None
         self._client_index = 0
@@ -321,6 +409,14 @@ class EtcdMetadata(MetadataStore):
     def _region_key(self, name: str, node_id: str) -> str:
         return f"{self.prefix}/regions/{_quote(name)}/{node_id}"
 
+    def _value(self, key: str, record: NodeRecord | RegionRecord) -> str:
+        """What is stored at ``key``: the canonical record, plus its ``mac`` with a secret."""
+        if self._mac_key is None:
+            return record.to_json()
+        d = asdict(record)
+        d["mac"] = record_mac(self._mac_key, key, record.to_json())
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
     def _grant(self) -> None:
         lease = self._call(lambda c: c.lease(self.ttl), "lease grant")
         with self._lock:
@@ -341,10 +437,11 @@ class EtcdMetadata(MetadataStore):
             lease = self._lease
         if node is None or lease is None:
             return
-        self._call(lambda c: c.put(self._node_key(node.node_id), node.to_json(), self._bind(lease, c)), "put node")
+        nkey = self._node_key(node.node_id)
+        self._call(lambda c: c.put(nkey, self._value(nkey, node), self._bind(lease, c)), "put node")
         for r in regions:
-            self._call(lambda c, r=r: c.put(self._region_key(r.name, node.node_id), r.to_json(), self._bind(lease, c)),
-                       "put region")
+            rkey = self._region_key(r.name, node.node_id)
+            self._call(lambda c, k=rkey, r=r: c.put(k, self._value(k, r), self._bind(lease, c)), "put region")
         for name in tombs:
             self._call(lambda c, n=name: c.delete(self._region_key(n, node.node_id)), "delete region")
         with self._lock:
@@ -372,9 +469,9 @@ class EtcdMetadata(MetadataStore):
             node, lease = self._node, self._lease
         if node is None or lease is None:
             return
+        key = self._region_key(record.name, node.node_id)
         try:
-            self._call(lambda c: c.put(self._region_key(record.name, node.node_id), record.to_json(),
-                                       self._bind(lease, c)), "put region")
+            self._call(lambda c: c.put(key, self._value(key, record), self._bind(lease, c)), "put region")
         except MetadataError as exc:
             log.warning("region %s not published yet (%s); retrying in the background", record.name, exc)
             self._dirty = True
@@ -393,43 +490,88 @@ class EtcdMetadata(MetadataStore):
                 self._tombstones.add(name)
             self._dirty = True
 
-    def _get_prefix(self, key: str) -> list[Any]:
-        end = key[:-1] + chr(ord(key[-1]) + 1)  # every key that starts with ``key``
-        raw = self._call(lambda c: c.get(key, range_end=end, limit=MAX_LIST), "get")
+    def _range_page(self, start: bytes, end: bytes, revision: int) -> tuple[list[tuple[bytes, bytes, int]], bool, int]:
+        """One page of ``[start, end)``: ((key, value, lease id), ...), whether etcd has more, its revision."""
+        payload: dict[str, Any] = {"key": _b64(start), "range_end": _b64(end), "limit": PAGE}
+        if revision:
+            payload["revision"] = revision
+
+        def call(c: Any) -> tuple[list[tuple[bytes, bytes, int]], bool, int]:
+            # etcd3gw's get() drops the ``more`` flag and the lease: ask the gateway's range itself.
+            res = c.post(c.get_url("/kv/range"), json=payload)
+            kvs = [(base64.b64decode(kv["key"]), base64.b64decode(kv.get("value", "")), int(kv.get("lease", 0)))
+                   for kv in res.get("kvs", [])]
+            return kvs, bool(res.get("more", False)), int(res["header"]["revision"])
+
+        return self._call(call, "range")
+
+    def _scan(self, prefix: str, *, strict: bool) -> list[tuple[str, bytes, int]]:
+        """Every (key, value, lease) under ``prefix``, page by page, in one snapshot.
+
+        Past ``max_list`` keys it stops: ``strict`` raises MetadataError, else it warns;
+        both name the prefix and the limit.
+        """
+        start = prefix.encode()
+        end = _after(start)
+        out: list[tuple[str, bytes, int]] = []
+        revision = 0
+        while True:
+            kvs, more, rev = self._range_page(start, end, revision)
+            revision = revision or rev
+            out.extend((k.decode("utf-8", "replace"), v, lease) for k, v, lease in kvs)
+            if not more or not kvs:
+                return out
+            if len(out) >= self.max_list:
+                msg = (f"more than {self.max_list} keys under {prefix} in etcd (max_list = {self.max_list}): "
+                       "the listing stops there")
+                if strict:
+                    raise MetadataError(msg + "; refusing to answer from part of it")
+                log.warning("%s; records past them are not shown", msg)
+                return out[:self.max_list]
+            start = kvs[-1][0] + b"\0"
+
+    def _read(self, prefix: str, cls: type[Any], key_of: Callable[[Any], str], *, strict: bool) -> list[Any]:
+        """The valid records under ``prefix`` (module docstring: what a reader accepts)."""
+        skipped = _Skipped(prefix)
         out = []
-        for value in raw:
-            if len(value) > MAX_RECORD:
-                log.warning("skipping an etcd record of %d bytes under %s", len(value), key)
+        for key, value, lease in self._scan(prefix, strict=strict):
+            if not lease:
+                skipped.add(key, "it has no lease (engines write every record under their lease)")
                 continue
             try:
-                out.append(json.loads(value))
-            except ValueError:
-                log.warning("skipping a record under %s that is not JSON", key)
+                d = loads_bounded(value, what="it", max_bytes=MAX_RECORD,
+                                  max_depth=MAX_RECORD_DEPTH)
+                record = cls.from_dict(d)
+            except (ProtocolError, MetadataError) as exc:
+                skipped.add(key, str(exc))
+                continue
+            if key_of(record) != key:
+                skipped.add(key, f"it is a record for {key_of(record)[:512]!r}, not for this key")
+                continue
+            if self._mac_key is not None:
+                mac = d.get("mac")
+                if not isinstance(mac, str):
+                    skipped.add(key, "it is not signed, and a cluster secret is configured")
+                    continue
+                if not hmac.compare_digest(mac, record_mac(self._mac_key, key, record.to_json())):
+                    skipped.add(key, "its signature is wrong (written without this cluster's secret)")
+                    continue
+            out.append(record)
+        skipped.done()
         return out
 
-    def _records(self, key: str) -> list[RegionRecord]:
-        out = []
-        for d in self._get_prefix(key):
-            try:
-                out.append(RegionRecord.from_dict(d))
-            except MetadataError as exc:
-                log.warning("skipping a malformed region record in etcd: %s", exc)
-        return out
+    def _region_records(self, prefix: str, *, strict: bool) -> list[RegionRecord]:
+        return self._read(prefix, RegionRecord, lambda r: self._region_key(r.name, r.node_id), strict=strict)
 
     def lookup(self, name: str) -> list[RegionRecord]:
-        return [r for r in self._records(f"{self.prefix}/regions/{_quote(name)}/") if r.name == name]
+        return self._region_records(f"{self.prefix}/regions/{_quote(name)}/", strict=True)
 
     def list_regions(self) -> list[RegionRecord]:
-        return sorted(self._records(f"{self.prefix}/regions/"), key=lambda r: (r.name, r.node_id))
+        return sorted(self._region_records(f"{self.prefix}/regions/", strict=False), key=lambda r: (r.name, r.node_id))
 
     def list_nodes(self) -> list[NodeRecord]:
-        out = []
-        for d in self._get_prefix(f"{self.prefix}/nodes/"):
-            try:
-                out.append(NodeRecord.from_dict(d))
-            except MetadataError as exc:
-                log.warning("skipping a malformed node record in etcd: %s", exc)
-        return sorted(out, key=lambda n: n.node_id)
+        nodes = self._read(f"{self.prefix}/nodes/", NodeRecord, lambda n: self._node_key(n.node_id), strict=False)
+        return sorted(nodes, key=lambda n: n.node_id)
 
     def keepalive(self) -> None:
         with self._lock:
@@ -484,11 +626,13 @@ class EtcdMetadata(MetadataStore):
                 pass
 
 
-def open_metadata(url: str | MetadataStore | None, *, ttl: int = 10, timeout: float = 2.0) -> MetadataStore:
-    """A store for ``url`` (``""`` → peer-to-peer, ``etcd://...`` → etcd)."""
+def open_metadata(url: str | MetadataStore | None, *, ttl: int = 10, timeout: float = 2.0,
+                  secret: str = "") -> MetadataStore:
+    """A store for ``url`` (``""`` → peer-to-peer, ``etcd://...`` → etcd); ``secret``: the
+    cluster secret records are signed and checked with (see :class:`EtcdMetadata`)."""
     if isinstance(url, MetadataStore):
         return url
     kind, endpoints, prefix = parse_metadata_url(url or "")
     if kind == "p2p":
         return PeerToPeerMetadata()
-    return EtcdMetadata(endpoints, ttl=ttl, prefix=prefix, timeout=timeout)
+    return EtcdMetadata(endpoints, ttl=ttl, prefix=prefix, timeout=timeout, secret=secret)

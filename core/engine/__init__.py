@@ -200,7 +200,7 @@ class Engine:
                                                        exact_order=self._exact_order, measured=measured)
             self._pipeline.policy_ready()
             self._metadata = open_metadata(metadata if metadata is not None else cfg.cluster.metadata,
-                                           ttl=cfg.cluster.lease_ttl_s)
+                                           ttl=cfg.cluster.lease_ttl_s, secret=cfg.transport.secret)
             self._metadata.start(NodeRecord(node_id=self.node_id, address=self.address, epoch=self.epoch,
                                             hostname=str(self.host.get("hostname", "")),
                                             transports=tuple(self._transports), published_at=time.time()))
@@ -474,15 +474,27 @@ class Engine:
 
         ``open(name)`` finds the owner in the cluster metadata
         (``cluster.metadata``) and then asks the owner, through its handshake,
-        exactly as ``open(owner_address, name)`` does. Blocks up to ``timeout``
+        exactly as ``open(owner_address, name)`` does; the node the handshake
+        reached must be the one the records name (node id and epoch), else
+        AccessError and nothing is opened. Blocks up to ``timeout``
         (default ``runtime.request_timeout_ms``) for the connection, the
         handshake and the look-up together.
         """
         timeout = self.config.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        records: list[RegionRecord] = []
         if name is None:
-            name, address = address, self._find_owner(address)
+            name, records = address, self._find_owner(address)
+            address = records[0].address
         link = self._peer(address, timeout)
+        for r in records:
+            # A record names who owns the region; an address is only where it was. A forged
+            # or stale address must not send this node's reads and writes to another engine.
+            if (r.node_id, r.epoch) != (link.info.node_id, link.info.epoch):
+                raise AccessError(
+                    f"the metadata record of region {name!r} names node {r.node_id} (epoch {r.epoch}) at "
+                    f"{address}, but the node there is {link.info.node_id} (epoch {link.info.epoch}): a stale or "
+                    "forged record; refusing to open it", peer=address, region=name)
         reply = link.request({"t": "lookup", "name": name}, max(deadline - time.monotonic(), 0.001))
         region = reply.get("region")
         if not isinstance(region, dict):
@@ -491,8 +503,8 @@ class Engine:
         desc["address"] = address
         return RemoteRegion.from_dict(desc)
 
-    def _find_owner(self, name: str) -> str:
-        """The owner's address of region ``name`` from the cluster metadata."""
+    def _find_owner(self, name: str) -> list[RegionRecord]:
+        """The records of region ``name`` in the cluster metadata, all at one owner address."""
         if isinstance(self._metadata, PeerToPeerMetadata):
             raise UnknownRegionError(
                 f"open({name!r}) without an address needs cluster metadata (cluster.metadata = \"etcd://...\"); "
@@ -504,7 +516,7 @@ class Engine:
         if len(owners) > 1:
             raise UnknownRegionError(f"region name {name!r} is published by {len(owners)} nodes "
                                      f"({', '.join(owners)}); open it with the owner's address", region=name)
-        return owners[0]
+        return records
 
     def _transport_request(self, peer: PeerInfo, transport: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         link = self._peer(peer.address, timeout)

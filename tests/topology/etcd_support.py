@@ -100,10 +100,35 @@ class EtcdServer:
             kvs = json.loads(r.read()).get("kvs", [])
         return [base64.b64decode(kv.get("value", "")).decode() for kv in kvs]
 
-    def put_raw(self, key: str, value: str) -> None:
+    def _post(self, path: str, payload: dict) -> dict:
+        req = urllib.request.Request(self.http + path, data=json.dumps(payload).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    def grant(self, ttl: int = 60) -> int:
+        """A lease of our own (an attacker with write access to etcd can take one too)."""
+        return int(self._post("/v3/lease/grant", {"TTL": ttl, "ID": 0})["ID"])
+
+    def put_raw(self, key: str, value: str, lease: int | None = None) -> None:
+        """Write ``value`` at ``key`` straight through the gateway (without a lease unless given)."""
+        self.put_many([(key, value)], lease)
+
+    def put_many(self, items: list[tuple[str, str]], lease: int | None = None) -> None:
+        """Write many keys, 128 per transaction (etcd's default ``--max-txn-ops``)."""
         import base64
 
-        body = json.dumps({"key": base64.b64encode(key.encode()).decode(),
-                           "value": base64.b64encode(value.encode()).decode()}).encode()
-        req = urllib.request.Request(self.http + "/v3/kv/put", data=body, method="POST")
-        urllib.request.urlopen(req, timeout=5).close()
+        def op(key: str, value: str) -> dict:
+            put = {"key": base64.b64encode(key.encode()).decode(), "value": base64.b64encode(value.encode()).decode()}
+            if lease is not None:
+                put["lease"] = lease
+            return {"request_put": put}
+
+        for i in range(0, len(items), 128):
+            self._post("/v3/kv/txn", {"success": [op(k, v) for k, v in items[i:i + 128]]})
+
+    def get_raw(self, key: str) -> str:
+        """The value at exactly ``key`` ("" when absent)."""
+        import base64
+
+        kvs = self._post("/v3/kv/range", {"key": base64.b64encode(key.encode()).decode()}).get("kvs", [])
+        return base64.b64decode(kvs[0].get("value", "")).decode() if kvs else ""
