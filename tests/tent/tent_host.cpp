@@ -13,6 +13,10 @@
 //       (answered on stdin) and prints "STEP name ok" / "FAIL ..." / "DONE".
 //   tent_host bench A_ID A_PORT A_ADDR LEN ITERS
 //       prints "BENCH us_per_op=..." for putAsync + poll + release.
+//   tent_host dieput A_ID A_PORT A_ADDR LEN
+//       puts LEN bytes to A over and over (two in flight), printing "PUTTING" after the first;
+//       the driver kills A meanwhile. Prints "ERR code" for the first failed put and exits 0:
+//       a dead peer is an error code, never SIGPIPE (the host's SIGPIPE stays at its default).
 #ifdef TENT_HOST_EMBEDS_PYTHON
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -372,6 +376,47 @@ int bench(int argc, char **argv) {
     return 0;
 }
 
+int dieput(int argc, char **argv) {
+    if (argc < 6) return 2;
+    std::string A = argv[2];
+    int a_port = std::atoi(argv[3]);
+    uintptr_t a_addr = std::strtoull(argv[4], nullptr, 10);
+    size_t len = std::strtoull(argv[5], nullptr, 10);
+    MPComm c;
+    CHECK(c.init("127.0.0.1:dieput", "", 0) == MPCOMM_SUCCESS, "init");
+    uint8_t *src = alloc(len);
+    CHECK(src && c.registerMemory(src, len) == MPCOMM_SUCCESS, "register");
+    RemoteBufferInfo info;
+    CHECK(c.connect(A, "127.0.0.1", a_port) == MPCOMM_SUCCESS, "connect");
+    CHECK(c.queryRemoteBuffer(A, "127.0.0.1", a_port, info) == MPCOMM_SUCCESS, "query");
+    settle(c, c.putAsync(reinterpret_cast<uintptr_t>(src), A, a_addr, len), len, "first put");
+    say("PUTTING");
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    std::vector<TransferHandle> window;
+    while (std::chrono::steady_clock::now() < deadline) {
+        TransferHandle h = c.putAsync(reinterpret_cast<uintptr_t>(src), A, a_addr, len);
+        if (h == INVALID_TRANSFER_HANDLE) {
+            say("ERR " + std::to_string(MPComm::lastErrorCode()));
+            return 0;
+        }
+        window.push_back(h);
+        if (window.size() < 2) continue;
+        int code = c.waitTransfer(window.front(), 30000);
+        c.releaseTransfer(window.front());
+        window.erase(window.begin());
+        if (code != MPCOMM_SUCCESS) {
+            say("ERR " + std::to_string(code));
+            for (TransferHandle x : window) {
+                c.waitTransfer(x, 30000);
+                c.releaseTransfer(x);
+            }
+            c.shutdown();
+            return 0;
+        }
+    }
+    fail("the peer never failed");
+}
+
 #ifdef TENT_HOST_EMBEDS_PYTHON
 // A host that runs Python itself before touching the provider, and holds the
 // GIL while it waits: the library must use this interpreter and let go of the
@@ -430,6 +475,7 @@ int main(int argc, char **argv) {
     if (role == "target") return target(argc, argv);
     if (role == "initiator") return initiator(argc, argv);
     if (role == "bench") return bench(argc, argv);
+    if (role == "dieput") return dieput(argc, argv);
 #ifdef TENT_HOST_EMBEDS_PYTHON
     if (role == "pyhost") return pyhost(argc, argv);
 #endif
