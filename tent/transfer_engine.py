@@ -97,9 +97,11 @@ def _api(error: Any) -> Callable[[_F], _F]:
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
+            except MpcommError as exc:  # a refusal (a bad argument, a hostile peer): its reason is enough
+                log.error("mpcomm.tent.TransferEngine.%s refused: %s", fn.__name__, exc)
             except Exception:  # noqa: BLE001 - the API's contract: a code, never an exception
-                log.exception("mpcomm.tent.TransferEngine.%s failed; returning %r", fn.__name__, error)
-                return error() if callable(error) else error
+                log.exception("mpcomm.tent.TransferEngine.%s failed", fn.__name__)
+            return error() if callable(error) else error
 
         return call  # type: ignore[return-value]
 
