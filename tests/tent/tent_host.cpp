@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -168,6 +169,12 @@ int initiator(int argc, char **argv) {
     CHECK(c.registerMemory(src, S) == MPCOMM_SUCCESS && c.publishBuffer(src, S, -1) == MPCOMM_SUCCESS, "register src");
     CHECK(c.registerMemory(dst, S) == MPCOMM_SUCCESS && c.publishBuffer(dst, S, -1) == MPCOMM_SUCCESS, "register dst");
     CHECK(c.registerMemory(src + 4096, 4096) != MPCOMM_SUCCESS, "overlapping registration refused");
+    // Refused when registered, not at the first transfer: memory that is not mapped, a length past the end.
+    CHECK(c.registerMemory(reinterpret_cast<void *>(0x1000), 4096) == MPCOMM_ERR_INVALID_ARGUMENT,
+          "unmapped registration refused");
+    uint8_t *small = alloc(4096);
+    CHECK(c.registerMemory(small, size_t(1) << 62) == MPCOMM_ERR_INVALID_ARGUMENT, "length past the mapping refused");
+    CHECK(c.registerMemory(small, SIZE_MAX) == MPCOMM_ERR_INVALID_ARGUMENT, "SIZE_MAX length refused");
     say("STEP init+register ok");
 
     RemoteBufferInfo info;
