@@ -628,7 +628,7 @@ class PeerLink:
     def _send(self, msg: dict[str, Any]) -> None:
         data = wire.encode_json(msg)
         with self._send_lock:
-            self._sock.sendall(data)  # bounded by the socket timeout (limits.frame_timeout_ms)
+            wire.sendall(self._sock, data)  # bounded by the socket timeout (limits.frame_timeout_ms)
 
     def _die(self, reason: BaseException) -> None:
         with self._lock:

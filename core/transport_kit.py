@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import PeerConnectionError, TransferTimeout
+from .wire import NOSIGNAL
 
 __all__ = [
     "AcceptLoop",
@@ -167,7 +168,7 @@ def _trim(views: list[memoryview], sent: int) -> list[memoryview]:
     return views[i:]
 
 
-_NOWAIT = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
+_NOWAIT = socket.MSG_DONTWAIT | NOSIGNAL  # every send: EPIPE, never SIGPIPE (see mpcomm.wire.NOSIGNAL)
 
 
 def send_nowait(sock: socket.socket, views: list[memoryview]) -> list[memoryview]:

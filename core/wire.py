@@ -65,6 +65,32 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | Non
         got += r
 
 
+#: The flag every send to a socket carries: a peer that went away is EPIPE (an error the caller
+#: handles), never SIGPIPE. A C++ host of libmpcomm.so keeps SIGPIPE at its default (the embedded
+#: interpreter installs no handlers) and a library may not change a host's signal dispositions.
+NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+
+def sendall(sock: Any, data: Any) -> None:
+    """``sock.sendall(data)`` with :data:`NOSIGNAL` on every socket that takes flags.
+
+    An ``ssl.SSLSocket`` takes none (OpenSSL does the writing, without the
+    flag: docs/reliability.md says what that leaves); the tcp plugin's TLS
+    stream adds the flag to its own sends.
+    """
+    if isinstance(sock, socket.socket) and not _is_ssl(sock):
+        sock.sendall(data, NOSIGNAL)
+    else:
+        sock.sendall(data)
+
+
+def _is_ssl(sock: socket.socket) -> bool:
+    import sys
+
+    ssl = sys.modules.get("ssl")  # not imported: no socket can be an SSLSocket
+    return ssl is not None and isinstance(sock, ssl.SSLSocket)
+
+
 def send_all(sock: socket.socket, data: bytes, deadline: float | None = None) -> None:
     """``sendall`` that gives up at ``deadline`` (monotonic seconds) with :class:`TimeoutError`."""
     if deadline is not None:
@@ -73,7 +99,7 @@ def send_all(sock: socket.socket, data: bytes, deadline: float | None = None) ->
             raise TimeoutError("deadline passed before sending")
         sock.settimeout(left)
     try:
-        sock.sendall(data)
+        sendall(sock, data)
     except socket.timeout:
         raise TimeoutError("deadline passed while sending (the peer does not read)") from None
 

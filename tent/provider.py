@@ -41,6 +41,7 @@ from typing import Any
 
 from mpcomm import Engine, Region, RemoteRegion, Request, Transfer
 from mpcomm.errors import MpcommError, PeerConnectionError, StaleRegionError
+from mpcomm.wire import loads_bounded
 
 from . import codes
 from .codes import ProviderError
@@ -59,12 +60,47 @@ _MAX_PAYLOAD = DIRECTORY_SIZE - _HEADER - 8  # the trailing copy of the generati
 def raw_view(addr: int, length: int) -> memoryview:
     """A writable byte view of ``length`` bytes at ``addr`` in this process.
 
-    The caller vouches that the memory exists and stays mapped while the view
-    is used (as with ``registerMemory`` in C++).
+    The range must be mapped now (:func:`check_mapped`); the caller vouches
+    that it stays mapped while the view is used (as with ``registerMemory`` in C++).
     """
-    if addr <= 0 or length <= 0:
-        raise ProviderError(codes.ERR_INVALID_ARGUMENT, f"bad range {addr:#x}+{length}")
+    check_mapped(addr, length)
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+#: Above every user-space address on Linux (x86-64 with 5-level paging: 2**56; arm64: 2**52).
+_USER_TOP = 1 << 57
+_MINCORE_CHUNK = 1 << 30  # bytes per mincore() call: a 256 KiB vector with 4 KiB pages
+_libc: Any = None
+
+
+def check_mapped(addr: int, length: int) -> None:
+    """Refuse ``[addr, addr+length)`` unless every page of it is mapped in this process.
+
+    ``mincore`` fails with ENOMEM for a range holding any unmapped page, so one
+    call per GiB checks a range without touching (or faulting in) its pages.
+    The bounds are checked first in Python integers, so no length wraps around.
+    """
+    if not isinstance(addr, int) or not isinstance(length, int) or addr <= 0 or length <= 0:
+        raise ProviderError(codes.ERR_INVALID_ARGUMENT, f"bad range {addr!r}+{length!r}")
+    if addr + length > _USER_TOP:
+        raise ProviderError(codes.ERR_INVALID_ARGUMENT,
+                            f"[{addr:#x}, {addr + length:#x}) runs past the end of the address space")
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.mincore.restype = ctypes.c_int
+        _libc = lib
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = addr - addr % page, -(-(addr + length) // page) * page
+    vec = ctypes.create_string_buffer(min(end - start, _MINCORE_CHUNK) // page)
+    for lo in range(start, end, _MINCORE_CHUNK):
+        n = min(end - lo, _MINCORE_CHUNK)
+        if _libc.mincore(lo, n, vec) != 0:
+            err = ctypes.get_errno()
+            raise ProviderError(codes.ERR_INVALID_ARGUMENT,
+                                f"[{addr:#x}, {addr + length:#x}) is not mapped in this process "
+                                f"({os.strerror(err)} at or after {lo:#x})")
 
 
 @dataclass
@@ -300,6 +336,8 @@ class Provider:
             entry.region = eng.register(raw_view(entry.addr, entry.length), name=_secret_name())
 
     def local_region(self, addr: int, length: int) -> tuple[Region, int]:
+        if not isinstance(length, int) or length <= 0:
+            raise ProviderError(codes.ERR_INVALID_ARGUMENT, f"length must be a positive integer, not {length!r}")
         found = self._local.find(addr, length)
         if found is None:
             raise ProviderError(codes.ERR_OUT_OF_RANGE,
@@ -434,12 +472,12 @@ class Provider:
             if zlib.crc32(payload) != int.from_bytes(buf[12:16], "little"):
                 time.sleep(0.001)
                 continue
-            try:
-                doc = json.loads(payload)
+            try:  # a peer's bytes: the one bounded parse (size and depth) for all JSON from peers
+                doc = loads_bounded(payload, what=f"the directory of {host.address}", max_bytes=_MAX_PAYLOAD)
                 entries = doc["buffers"]
-                if not all(isinstance(e, list) and len(e) == 4 for e in entries):
-                    raise ValueError("bad entry")
-            except (ValueError, KeyError, TypeError) as exc:
+                if not isinstance(entries, list) or not all(_good_entry(e) for e in entries):
+                    raise ValueError("an entry is not [addr, length, numa_node, name]")
+            except (MpcommError, ValueError, KeyError, TypeError) as exc:
                 raise ProviderError(codes.ERR_GENERIC, f"{host.address} sent a malformed directory: {exc}") from None
             return entries
         raise ProviderError(codes.ERR_BUSY, f"the directory of {host.address} kept changing while read")
@@ -596,6 +634,12 @@ class Provider:
     def _watch(host: _Host, t: Transfer) -> None:
         if not t.cancelled() and isinstance(t.exception(), (PeerConnectionError, StaleRegionError)):
             host.stale = True  # the next issue re-fetches the peer's keys first
+
+
+def _good_entry(e: Any) -> bool:
+    """One directory entry as :meth:`Provider._write_directory` writes it."""
+    return (isinstance(e, list) and len(e) == 4 and all(type(x) is int for x in e[:3])
+            and e[0] > 0 and e[1] > 0 and isinstance(e[3], str))
 
 
 def directory_name_for(host_id: str) -> str:

@@ -8,27 +8,37 @@ peers named by their session name ``"host:rpc_port"``) and return codes
 mpcomm's core: a session name is the peer Engine's control endpoint, and
 every buffer given to ``register_memory`` is published to peers.
 
+No exception escapes a Mooncake-API method: each one is wrapped by
+:func:`_api`, which logs what went wrong and returns the method's documented
+error value (-1, 0 for a batch id or an address, ``b""`` for bytes).
+
 Deliberate differences (docs/tent.md lists them with the methods left out):
 ``write_bytes_to_buffer``/``read_bytes_from_buffer`` refuse an address range
 outside every registered buffer (Mooncake memcpys anywhere), an unknown batch
-id is -1 instead of a crash, and ``get_engine`` returns the mpcomm Engine.
+id is -1 instead of a crash, ``free_managed_buffer`` refuses what it did not
+hand out, a second ``initialize`` leaves the first engine alone, and
+``get_engine`` returns the mpcomm Engine.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
+import functools
 import itertools
-import json
 import logging
 import mmap
+import operator
 import os
 import threading
-from collections.abc import Sequence
-from typing import Any
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from mpcomm import Transfer
 from mpcomm.errors import MpcommError
+from mpcomm.wire import loads_bounded
 
 from . import codes
 from .provider import Provider, directory_name_for
@@ -71,6 +81,41 @@ class TransferNotify:
         return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _api(error: Any) -> Callable[[_F], _F]:
+    """A Mooncake-API method: whatever goes wrong inside is logged and becomes ``error``.
+
+    Mooncake's pybind11 methods answer with codes, so a caller checks a return
+    value and never expects a Python exception (a hostile peer's directory, a
+    bad argument type, a bug here). KeyboardInterrupt and SystemExit still pass.
+    """
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except MpcommError as exc:  # a refusal (a bad argument, a hostile peer): its reason is enough
+                log.error("mpcomm.tent.TransferEngine.%s refused: %s", fn.__name__, exc)
+            except Exception:  # noqa: BLE001 - the API's contract: a code, never an exception
+                log.exception("mpcomm.tent.TransferEngine.%s failed", fn.__name__)
+            return error() if callable(error) else error
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def _index(value: Any, what: str) -> int:
+    """An integer argument (an address or a length); floats and strings are refused, not truncated."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise codes.ProviderError(codes.ERR_INVALID_ARGUMENT, f"{what} must be an integer, not {value!r}") from None
+
+
 class _HostBuffer:
     """Anonymous memory with a stable raw address (what Mooncake mallocs)."""
 
@@ -100,7 +145,11 @@ class TransferEngine:
         self._free: list[list[int]] = [[] for _ in _SLAB_KB]
         self._arenas: list[_HostBuffer] = []
         self._large: dict[int, _HostBuffer] = {}
+        #: Managed buffers handed out and not yet freed: address -> size class (-1: a large buffer).
+        self._handed: dict[int, int] = {}
         self._etcd = False
+        self._init_lock = threading.Lock()
+        self._at_exit: Callable[[], None] | None = None
 
     def __del__(self) -> None:
         try:
@@ -110,6 +159,7 @@ class TransferEngine:
 
     # -- set-up ------------------------------------------------------------------------
 
+    @_api(-1)
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
         meta_type = ""
         server = metadata_server
@@ -119,13 +169,27 @@ class TransferEngine:
             meta_type = "etcd"
         return self.initialize_ext(local_hostname, server, protocol, device_name, meta_type)
 
+    @_api(-1)
     def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str,
                        metadata_type: str) -> int:
         """``P2PHANDSHAKE``, or an etcd server (``"host:2379"``, metadata_type ``"etcd"``).
 
         With P2PHANDSHAKE the session name peers use is ``"host:rpc_port"``;
         with etcd it is ``local_hostname`` itself, found through the metadata.
+        A second call returns -1 and leaves the engine the first one started serving.
         """
+        with self._init_lock:
+            if self._p.engine is not None:
+                log.error("mpcomm.tent.TransferEngine: already initialised (as %r); the running engine is kept",
+                          self._p.host_id)
+                return -1
+            rc = self._initialize(local_hostname, metadata_server, protocol, device_name, metadata_type)
+        if rc == 0:
+            self._at_exit = _close_at_exit(self)
+        return rc
+
+    def _initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str,
+                    metadata_type: str) -> int:
         etcd_url = None
         if metadata_server != P2PHANDSHAKE:
             if (metadata_type or "etcd") != "etcd":
@@ -151,47 +215,56 @@ class TransferEngine:
             if not self._etcd:
                 self._p.host_id = f"{host}:{self._p.tcp_port}"
             self._p.start_accept()
-        except (MpcommError, ValueError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever it was, nothing half-started stays behind
             log.error("mpcomm.tent.TransferEngine: initialize failed: %s", exc)
-            self._p.shutdown()
+            self._p.shutdown()  # only what this call started: a running engine was refused above
             return -1
         return 0
 
+    @_api(-1)
     def get_rpc_port(self) -> int:
         return self._p.tcp_port
 
+    @_api(None)
     def get_engine(self) -> Any:
         """The mpcomm Engine underneath (Mooncake returns its C++ engine)."""
         return self._p.engine
 
+    @_api("")
     def get_local_topology(self, device_name: str | None = None) -> str:
+        import json
+
         eng = self._p.engine
         names = list(eng.transports) if eng is not None else []
         return json.dumps({"mpcomm_transports": names})
 
+    @_api(-1)
     def warmup_efa_segment(self, segment_name: str) -> int:
         return 0  # as Mooncake without an EFA transport
 
     # -- memory ----------------------------------------------------------------------------
 
+    @_api(ERR_INVALID_ARGUMENT)
     def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
         try:
-            self._p.publish(int(buffer_addr), int(capacity))
+            self._p.publish(_index(buffer_addr, "buffer_addr"), _index(capacity, "capacity"))
         except codes.ProviderError as exc:
             return ERR_ADDRESS_OVERLAPPED if "overlap" in str(exc) else ERR_INVALID_ARGUMENT
         except (MpcommError, ValueError, OverflowError):
             return ERR_INVALID_ARGUMENT
         return 0
 
+    @_api(ERR_INVALID_ARGUMENT)
     def unregister_memory(self, buffer_addr: int) -> int:
         try:
-            self._p.unregister_memory(int(buffer_addr), timeout=self._timeout)
+            self._p.unregister_memory(_index(buffer_addr, "buffer_addr"), timeout=self._timeout)
         except codes.ProviderError as exc:
             return ERR_ADDRESS_NOT_REGISTERED if exc.code == codes.ERR_OUT_OF_RANGE else ERR_INVALID_ARGUMENT
         except MpcommError:
             return ERR_INVALID_ARGUMENT
         return 0
 
+    @_api(ERR_INVALID_ARGUMENT)
     def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
                               location: str = "*") -> int:
         if len(buffer_addresses) != len(capacities):
@@ -204,14 +277,17 @@ class TransferEngine:
                 return rc
         return 0
 
+    @_api(ERR_INVALID_ARGUMENT)
     def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> int:
         rc = 0
         for a in buffer_addresses:
             rc = self.unregister_memory(a) or rc
         return rc
 
+    @_api(0)
     def allocate_managed_buffer(self, length: int) -> int:
         """A registered buffer of at least ``length`` bytes (size classes as Mooncake's); 0 on failure."""
+        length = _index(length, "length")
         if length <= 0:
             return 0
         cls = _class_of(length)
@@ -223,6 +299,7 @@ class TransferEngine:
                         buf.close()
                         return 0
                     self._large[buf.addr] = buf
+                    self._handed[buf.addr] = -1
                     return buf.addr
                 if not self._free[cls]:
                     block = _SLAB_KB[cls] << 10
@@ -232,44 +309,73 @@ class TransferEngine:
                         return 0
                     self._arenas.append(arena)
                     self._free[cls].extend(range(arena.addr + arena.size - block, arena.addr - 1, -block))
-                return self._free[cls].pop()
+                addr = self._free[cls].pop()
+                self._handed[addr] = cls
+                return addr
             except (OSError, ValueError):
                 return 0
 
+    @_api(ERR_INVALID_ARGUMENT)
     def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
-        cls = _class_of(length)
+        """Give back what :meth:`allocate_managed_buffer` handed out, with a length of the same size class.
+
+        A second free, a length of another class and an address this engine did
+        not hand out are refused (-1, logged): accepting them would put one
+        block on a free list twice, or a foreign range on one, and hand it to
+        two owners.
+        """
+        buffer_addr, length = _index(buffer_addr, "buffer_addr"), _index(length, "length")
+        cls = _class_of(length) if length > 0 else -2
         with self._lock:
+            handed = self._handed.get(buffer_addr)
+            if handed is None:
+                log.error("free_managed_buffer(%#x): not a managed buffer in use (freed already, or never "
+                          "allocated here)", buffer_addr)
+                return ERR_INVALID_ARGUMENT
+            if handed != cls:
+                log.error("free_managed_buffer(%#x, %d): the buffer was allocated in another size class",
+                          buffer_addr, length)
+                return ERR_INVALID_ARGUMENT
+            del self._handed[buffer_addr]
             if cls < 0:
-                buf = self._large.pop(buffer_addr, None)
-                if buf is None:
-                    return ERR_INVALID_ARGUMENT
+                buf = self._large.pop(buffer_addr)
                 self.unregister_memory(buffer_addr)
                 buf.close()
                 return 0
             self._free[cls].append(buffer_addr)
         return 0
 
+    def _local_range(self, address: Any, length: Any) -> tuple[int, int]:
+        """(address, length) checked: integers, length >= 0, all inside one registered buffer."""
+        address, length = _index(address, "address"), _index(length, "length")
+        if length < 0:
+            raise codes.ProviderError(codes.ERR_INVALID_ARGUMENT, f"negative length {length}")
+        self._p.local_region(address, max(length, 1))  # managed buffers are registered ones too
+        return address, length
+
+    @_api(ERR_INVALID_ARGUMENT)
     def write_bytes_to_buffer(self, dest_address: int, src: bytes, length: int) -> int:
+        """Copy ``length`` bytes of ``src`` into a registered buffer; -3 outside every one, -1 for a bad length."""
         data = src.encode("latin-1") if isinstance(src, str) else bytes(src)
+        length = _index(length, "length")
         if length < 0 or length > len(data):
+            log.error("write_bytes_to_buffer: length %d for %d bytes of data", length, len(data))
             return ERR_INVALID_ARGUMENT
         try:
-            self._p.local_region(dest_address, max(length, 1))
-        except MpcommError:
-            return ERR_ADDRESS_NOT_REGISTERED
+            dest_address, length = self._local_range(dest_address, length)
+        except codes.ProviderError as exc:
+            log.error("write_bytes_to_buffer refused: %s", exc)
+            return ERR_ADDRESS_NOT_REGISTERED if exc.code == codes.ERR_OUT_OF_RANGE else ERR_INVALID_ARGUMENT
         ctypes.memmove(dest_address, data, length)
         return 0
 
+    @_api(b"")
     def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes:
-        """Bytes of a registered buffer; raises OutOfBoundsError outside every registered one."""
-        from mpcomm.errors import OutOfBoundsError
+        """``length`` bytes of a registered buffer; ``b""`` (logged) for a bad length or outside every one."""
+        source_address, length = self._local_range(source_address, length)
+        return ctypes.string_at(source_address, length) if length else b""
 
-        try:
-            self._p.local_region(source_address, max(length, 1))
-        except MpcommError as exc:
-            raise OutOfBoundsError(str(exc)) from None
-        return ctypes.string_at(source_address, length)
-
+    @_api(0)
     def get_first_buffer_address(self, segment_name: str) -> int:
         try:
             self._open(segment_name)
@@ -294,6 +400,7 @@ class TransferEngine:
         self._p.connect(target, host.strip("[]"), int(port))
         self._p.query(target)
 
+    @_api(-1)
     def send_probe(self, peer_server_name: str) -> int:
         try:
             if self._etcd:
@@ -316,12 +423,16 @@ class TransferEngine:
         if n != len(peers) or n != len(lengths) or n == 0:
             raise codes.ProviderError(codes.ERR_INVALID_ARGUMENT, "buffers, peer addresses and lengths differ in size")
         self._open(target)
-        kind = "write" if int(opcode) == WRITE else "read"
-        timeout = self._deadline(sum(lengths))
+        kind = "write" if _index(opcode, "opcode") == WRITE else "read"
+        local = [_index(b, "buffer") for b in buffers]
+        remote = [_index(p, "peer_buffer_address") for p in peers]
+        sizes = [_index(x, "length") for x in lengths]
+        if min(sizes) <= 0:
+            raise codes.ProviderError(codes.ERR_INVALID_ARGUMENT, f"lengths must be positive, not {min(sizes)}")
+        timeout = self._deadline(sum(sizes))
         if n == 1:
-            return self._p.issue(kind, int(buffers[0]), target, int(peers[0]), int(lengths[0]), timeout)
-        return self._p.issue_vector(kind, target, [int(b) for b in buffers], [int(p) for p in peers],
-                                    [int(x) for x in lengths], timeout)
+            return self._p.issue(kind, local[0], target, remote[0], sizes[0], timeout)
+        return self._p.issue_vector(kind, target, local, remote, sizes, timeout)
 
     def _wait(self, t: Transfer) -> int:
         try:
@@ -336,6 +447,8 @@ class TransferEngine:
         bufs = self._p.host_buffers(target)
         if not bufs or bufs[0].remote is None:
             return -1
+        import json
+
         payload = json.dumps({"name": notify.name, "msg": notify.msg}).encode()
         try:
             self._p.engine.notify(bufs[0].remote, payload)  # type: ignore[union-attr]
@@ -343,66 +456,77 @@ class TransferEngine:
             return -1
         return 0
 
+    @_api(-1)
     def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                       opcode: int, notify: TransferNotify | None = None, transport_hint: str = "") -> int:
         return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode,
                                         notify, transport_hint)
 
+    @_api(-1)
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                             transport_hint: str = "") -> int:
         return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, WRITE, None, transport_hint)
 
+    @_api(-1)
     def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                            transport_hint: str = "") -> int:
         return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, READ, None, transport_hint)
 
+    @_api(-1)
     def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int], peer_buffer_addresses: Sequence[int],
                             lengths: Sequence[int], opcode: int, notify: TransferNotify | None = None,
                             transport_hint: str = "") -> int:
         try:
             t = self._submit(target_hostname, buffers, peer_buffer_addresses, lengths, opcode)
         except (MpcommError, ValueError, TypeError, OverflowError) as exc:
-            log.info("transfer to %s refused: %s", target_hostname, exc)
+            log.error("transfer to %s refused: %s", target_hostname, exc)
             return -1
         rc = self._wait(t)
         return rc or self._notify(target_hostname, notify)
 
+    @_api(-1)
     def batch_transfer_sync_write(self, target_hostname: str, buffers: Sequence[int],
                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                   transport_hint: str = "") -> int:
         return self.batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses, lengths, WRITE)
 
+    @_api(-1)
     def batch_transfer_sync_read(self, target_hostname: str, buffers: Sequence[int],
                                  peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                  transport_hint: str = "") -> int:
         return self.batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses, lengths, READ)
 
+    @_api(0)
     def batch_transfer_async(self, target_hostname: str, buffers: Sequence[int], peer_buffer_addresses: Sequence[int],
                              lengths: Sequence[int], opcode: int, transport_hint: str = "") -> int:
         """A batch id (never 0), or 0 when nothing was submitted."""
         try:
             t = self._submit(target_hostname, buffers, peer_buffer_addresses, lengths, opcode)
         except (MpcommError, ValueError, TypeError, OverflowError) as exc:
-            log.info("transfer to %s refused: %s", target_hostname, exc)
+            log.error("transfer to %s refused: %s", target_hostname, exc)
             return 0
         bid = next(self._batch_ids)
         self._batches[bid] = [t]
         return bid
 
+    @_api(0)
     def batch_transfer_async_write(self, target_hostname: str, buffers: Sequence[int],
                                    peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                    transport_hint: str = "") -> int:
         return self.batch_transfer_async(target_hostname, buffers, peer_buffer_addresses, lengths, WRITE)
 
+    @_api(0)
     def batch_transfer_async_read(self, target_hostname: str, buffers: Sequence[int],
                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                   transport_hint: str = "") -> int:
         return self.batch_transfer_async(target_hostname, buffers, peer_buffer_addresses, lengths, READ)
 
+    @_api(0)
     def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                               transport_hint: str = "") -> int:
         return self.batch_transfer_async(target_hostname, [buffer], [peer_buffer_address], [length], WRITE)
 
+    @_api(-1)
     def transfer_check_status(self, batch_id: int) -> int:
         """1 completed, 0 pending, -1 failed (or unknown id), -2 timed out. Done ids are freed."""
         ts = self._batches.get(batch_id)
@@ -417,6 +541,7 @@ class TransferEngine:
         self._batches.pop(batch_id, None)
         return 1 if exc is None and not t.cancelled() else -1
 
+    @_api(-1)
     def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> int:
         """Wait for every batch: 0 if all completed, else -1 (all of them are freed)."""
         rc = 0
@@ -426,6 +551,7 @@ class TransferEngine:
                 rc = -1
         return rc
 
+    @_api(list)
     def get_notifies(self) -> list[TransferNotify]:
         eng = self._p.engine
         out: list[TransferNotify] = []
@@ -436,14 +562,18 @@ class TransferEngine:
                 note = eng.wait_notification(timeout=0)
             except TimeoutError:
                 return out
-            try:
-                d = json.loads(note.data)
+            try:  # a peer's bytes: the one bounded parse, as for all JSON from peers
+                d = loads_bounded(note.data, what=f"a notification from {note.peer!r}")
                 out.append(TransferNotify(str(d.get("name", "")), str(d.get("msg", ""))))
-            except (ValueError, AttributeError):
+            except (MpcommError, AttributeError):
                 out.append(TransferNotify("", note.data.decode("latin-1")))
 
+    @_api(None)
     def close(self) -> None:
         """Release everything (Mooncake does this in its destructor)."""
+        hook, self._at_exit = self._at_exit, None
+        if hook is not None:
+            atexit.unregister(hook)
         self._p.shutdown()
         for buf in [*self._arenas, *self._large.values()]:
             try:
@@ -452,6 +582,26 @@ class TransferEngine:
                 pass
         self._arenas.clear()
         self._large.clear()
+        self._handed.clear()
+        self._free = [[] for _ in _SLAB_KB]
+
+
+def _close_at_exit(engine: TransferEngine) -> Callable[[], None]:
+    """Close ``engine`` at interpreter exit if it is still alive then.
+
+    Closing from ``__del__`` during interpreter teardown is too late: the
+    metadata client's threads and imports fail once the import system is gone
+    (``sys.meta_path is None``) and print a traceback. atexit runs first.
+    """
+    ref = weakref.ref(engine)
+
+    def close() -> None:
+        te = ref()
+        if te is not None:
+            te.close()
+
+    atexit.register(close)
+    return close
 
 
 def _class_of(size: int) -> int:

@@ -103,6 +103,7 @@ from mpcomm.errors import (
 )
 from mpcomm.memory import check_allocatable
 from mpcomm.peer import PeerInfo, same_host
+from mpcomm.wire import NOSIGNAL, sendall
 
 from . import _copyloop, _native
 
@@ -450,21 +451,21 @@ class ShmTransport(Transport):
             req = json.loads(conn.recv(_MAX_MSG))
             rid, token, nonce = int(req["region_id"]), int(req["token"]), str(req["nonce"])
         except (ValueError, KeyError, TypeError):
-            conn.sendall(b'{"error": "malformed request"}')
+            sendall(conn, b'{"error": "malformed request"}')
             return
         with self._lock:
             served = self._served.get(rid)
         if served is None or served.seg is None:
-            conn.sendall(b'{"error": "no such shared-memory region"}')
+            sendall(conn, b'{"error": "no such shared-memory region"}')
             return
         with served.lock:
             if served.closed or token != served.region.token or nonce not in served.nonces:
-                conn.sendall(b'{"error": "refused"}')
+                sendall(conn, b'{"error": "refused"}')
                 return
             served.nonces.discard(nonce)
             seg = served.seg
             head = json.dumps({"offset": seg.offset, "size": served.region.size, "total": seg.total}).encode()
-            socket.send_fds(conn, [head], [seg.fd])
+            socket.send_fds(conn, [head], [seg.fd], NOSIGNAL)
 
     def handle_control(self, peer: PeerInfo | None, body: dict[str, Any]) -> dict[str, Any]:
         op = body.get("op")
@@ -694,7 +695,7 @@ class ShmTransport(Transport):
                 s.connect("\0" + name)
                 # The kernel's word on who listens there: the owner whose liveness we check.
                 pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-                s.sendall(json.dumps({"region_id": r.region_id, "token": r.token, "nonce": reply["nonce"]}).encode())
+                sendall(s, json.dumps({"region_id": r.region_id, "token": r.token, "nonce": reply["nonce"]}).encode())
                 msg, fds, _flags, _addr = socket.recv_fds(s, _MAX_MSG, 1)
             except OSError as exc:
                 raise PeerConnectionError(f"shm: fetching the fd of {r.name!r} failed: {exc}", peer=r.address) from exc

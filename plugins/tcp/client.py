@@ -54,6 +54,7 @@ from mpcomm.auth import client_authenticate
 from mpcomm.errors import MpcommError, PeerConnectionError, ProtocolError, error_from_code, map_errors
 from mpcomm.peer import format_endpoint
 from mpcomm.transport_kit import send_nowait, views_of
+from mpcomm.wire import NOSIGNAL, sendall
 
 from . import busypoll, wire
 from .tls_stream import handshake
@@ -227,7 +228,7 @@ class Conn:
                 if pool.tls is not None:
                     sock = handshake(sock, pool.tls, server_side=False, deadline=deadline, what=pool.where,
                                      server_hostname=pool.host)  # type: ignore[assignment]
-                sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, pool.node_id, pool.epoch))
+                sendall(sock, wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, pool.node_id, pool.epoch))
                 client_authenticate(sock, pool.secret, deadline, wire.context(pool.node_id, pool.epoch))
                 sock.settimeout(None)
             except BaseException:
@@ -293,10 +294,10 @@ class Conn:
                 for pos in range(0, v.nbytes, bounce.nbytes):
                     k = min(bounce.nbytes, v.nbytes - pos)
                     bounce[:k] = v[pos : pos + k]
-                    sock.sendall(bounce[:k])
+                    sendall(sock, bounce[:k])
             return
         while views:
-            sent = sock.sendmsg(views[:512])
+            sent = sock.sendmsg(views[:512], (), NOSIGNAL)
             while sent:
                 n = views[0].nbytes
                 if sent >= n:

@@ -37,6 +37,7 @@ from mpcomm.auth import server_authenticate
 from mpcomm.errors import MpcommError, OutOfBoundsError, PeerConnectionError, ProtocolError, TransferTimeout
 from mpcomm.peer import format_endpoint
 from mpcomm.transport_kit import recv_into_by, recv_some_by, sendmsg_by
+from mpcomm.wire import NOSIGNAL
 
 from . import busypoll, wire
 from .tls_stream import handshake
@@ -320,7 +321,7 @@ class Server:
                 raise TransferTimeout("tcp read payload: the peer did not take the data before the deadline")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(left))
             try:
-                sent = sock.sendmsg(views[:512])
+                sent = sock.sendmsg(views[:512], (), NOSIGNAL)
             except (BlockingIOError, TimeoutError):
                 continue
             while sent:

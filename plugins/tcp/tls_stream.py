@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from mpcomm.errors import AuthenticationError, HandshakeTimeout, PeerConnectionError
+from mpcomm.wire import NOSIGNAL
 
 _RAW = 256 << 10  # bytes per raw recv
 _CHUNK = 256 << 10  # plaintext per SSLObject.write (OpenSSL cuts it into 16 KiB records)
@@ -140,7 +141,7 @@ class TlsStream:
                     return True
                 chunk = self._pending[0]
             try:
-                n = self.raw.send(chunk, flags)  # only this thread (it holds _send_lock) takes from the head
+                n = self.raw.send(chunk, flags | NOSIGNAL)  # only this thread (it holds _send_lock) takes from the head
             except (BlockingIOError, InterruptedError):
                 return False
             with self._lock:
@@ -215,7 +216,7 @@ def _send_all(raw: socket.socket, data: bytes, deadline: float, what: str) -> No
     view = memoryview(data)
     while view:
         try:
-            n = raw.send(view)
+            n = raw.send(view, NOSIGNAL)
         except (BlockingIOError, InterruptedError):
             _wait(raw, select.POLLOUT, deadline, what)
             continue

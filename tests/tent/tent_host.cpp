@@ -13,6 +13,10 @@
 //       (answered on stdin) and prints "STEP name ok" / "FAIL ..." / "DONE".
 //   tent_host bench A_ID A_PORT A_ADDR LEN ITERS
 //       prints "BENCH us_per_op=..." for putAsync + poll + release.
+//   tent_host dieput A_ID A_PORT A_ADDR LEN
+//       puts LEN bytes to A over and over (two in flight), printing "PUTTING" after the first;
+//       the driver kills A meanwhile. Prints "ERR code" for the first failed put and exits 0:
+//       a dead peer is an error code, never SIGPIPE (the host's SIGPIPE stays at its default).
 #ifdef TENT_HOST_EMBEDS_PYTHON
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,6 +25,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -164,6 +169,12 @@ int initiator(int argc, char **argv) {
     CHECK(c.registerMemory(src, S) == MPCOMM_SUCCESS && c.publishBuffer(src, S, -1) == MPCOMM_SUCCESS, "register src");
     CHECK(c.registerMemory(dst, S) == MPCOMM_SUCCESS && c.publishBuffer(dst, S, -1) == MPCOMM_SUCCESS, "register dst");
     CHECK(c.registerMemory(src + 4096, 4096) != MPCOMM_SUCCESS, "overlapping registration refused");
+    // Refused when registered, not at the first transfer: memory that is not mapped, a length past the end.
+    CHECK(c.registerMemory(reinterpret_cast<void *>(0x1000), 4096) == MPCOMM_ERR_INVALID_ARGUMENT,
+          "unmapped registration refused");
+    uint8_t *small = alloc(4096);
+    CHECK(c.registerMemory(small, size_t(1) << 62) == MPCOMM_ERR_INVALID_ARGUMENT, "length past the mapping refused");
+    CHECK(c.registerMemory(small, SIZE_MAX) == MPCOMM_ERR_INVALID_ARGUMENT, "SIZE_MAX length refused");
     say("STEP init+register ok");
 
     RemoteBufferInfo info;
@@ -372,6 +383,47 @@ int bench(int argc, char **argv) {
     return 0;
 }
 
+int dieput(int argc, char **argv) {
+    if (argc < 6) return 2;
+    std::string A = argv[2];
+    int a_port = std::atoi(argv[3]);
+    uintptr_t a_addr = std::strtoull(argv[4], nullptr, 10);
+    size_t len = std::strtoull(argv[5], nullptr, 10);
+    MPComm c;
+    CHECK(c.init("127.0.0.1:dieput", "", 0) == MPCOMM_SUCCESS, "init");
+    uint8_t *src = alloc(len);
+    CHECK(src && c.registerMemory(src, len) == MPCOMM_SUCCESS, "register");
+    RemoteBufferInfo info;
+    CHECK(c.connect(A, "127.0.0.1", a_port) == MPCOMM_SUCCESS, "connect");
+    CHECK(c.queryRemoteBuffer(A, "127.0.0.1", a_port, info) == MPCOMM_SUCCESS, "query");
+    settle(c, c.putAsync(reinterpret_cast<uintptr_t>(src), A, a_addr, len), len, "first put");
+    say("PUTTING");
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    std::vector<TransferHandle> window;
+    while (std::chrono::steady_clock::now() < deadline) {
+        TransferHandle h = c.putAsync(reinterpret_cast<uintptr_t>(src), A, a_addr, len);
+        if (h == INVALID_TRANSFER_HANDLE) {
+            say("ERR " + std::to_string(MPComm::lastErrorCode()));
+            return 0;
+        }
+        window.push_back(h);
+        if (window.size() < 2) continue;
+        int code = c.waitTransfer(window.front(), 30000);
+        c.releaseTransfer(window.front());
+        window.erase(window.begin());
+        if (code != MPCOMM_SUCCESS) {
+            say("ERR " + std::to_string(code));
+            for (TransferHandle x : window) {
+                c.waitTransfer(x, 30000);
+                c.releaseTransfer(x);
+            }
+            c.shutdown();
+            return 0;
+        }
+    }
+    fail("the peer never failed");
+}
+
 #ifdef TENT_HOST_EMBEDS_PYTHON
 // A host that runs Python itself before touching the provider, and holds the
 // GIL while it waits: the library must use this interpreter and let go of the
@@ -430,6 +482,7 @@ int main(int argc, char **argv) {
     if (role == "target") return target(argc, argv);
     if (role == "initiator") return initiator(argc, argv);
     if (role == "bench") return bench(argc, argv);
+    if (role == "dieput") return dieput(argc, argv);
 #ifdef TENT_HOST_EMBEDS_PYTHON
     if (role == "pyhost") return pyhost(argc, argv);
 #endif

@@ -203,3 +203,32 @@ def test_a_vanished_interpreter_is_an_error_code(host_exe: Path, tmp_path: Path)
     proc = subprocess.run([str(host_exe), "target", "127.0.0.1:x", "0", "4096", "0"], capture_output=True,
                           text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 1 and "last error -13" in proc.stdout and "does not exist" in proc.stdout, proc.stdout
+
+
+def test_a_peer_killed_during_a_put_is_an_error_code_not_sigpipe(host_exe: Path) -> None:
+    """A C++ host (SIGPIPE at its default, as a C++ program has it) puts over tcp while its peer is SIGKILLed.
+
+    Every send to a socket must carry MSG_NOSIGNAL: the library may not change the host's signal
+    dispositions, and a send into a reset connection would otherwise kill the host with signal 13.
+    Repeated, because the kill has to land while a payload is being sent.
+    """
+    env = dict(_env(), MPCOMM_TRANSPORTS="tcp")
+    for attempt in range(4):
+        target = Target(host_exe, f"T{attempt}", seed=attempt)
+        init = subprocess.Popen([str(host_exe), "dieput", f"127.0.0.1:T{attempt}", str(target.port),
+                                 str(target.addr), str(SIZE)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            assert init.stdout is not None
+            line = init.stdout.readline().strip()
+            assert line == "PUTTING", line + (init.stderr.read() if init.stderr else "")
+            time.sleep(0.05 * attempt)  # land the kill at different points of a put
+            target.kill()
+            out, err = init.communicate(timeout=90)
+        finally:
+            if init.poll() is None:
+                init.kill()
+            target.quit()
+        assert init.returncode != -signal.SIGPIPE, f"attempt {attempt}: the host died of SIGPIPE\n{err[-2000:]}"
+        assert init.returncode == 0, f"attempt {attempt}: rc {init.returncode}\n{out}\n{err[-2000:]}"
+        assert out.strip().startswith("ERR -"), out

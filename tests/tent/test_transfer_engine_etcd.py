@@ -71,3 +71,34 @@ def test_sessions_by_name_through_etcd(etcd) -> None:  # type: ignore[no-untyped
 def test_unsupported_metadata_is_minus_one() -> None:
     te = TransferEngine()
     assert te.initialize_ext("127.0.0.1", "127.0.0.1:6379", "tcp", "", "redis") == -1
+
+
+def test_an_engine_left_open_closes_quietly_at_exit(etcd) -> None:  # type: ignore[no-untyped-def]
+    """An etcd-metadata engine nobody closed: the interpreter's exit withdraws it with nothing on stderr.
+
+    Closed from ``__del__`` during teardown, the metadata client failed to import what it
+    needed ("sys.meta_path is None") and printed a traceback.
+    """
+    import subprocess
+
+    name = f"127.0.0.1:{free_port()}"
+    code = f"""
+import ctypes, mmap
+from mpcomm.tent import TransferEngine
+te = TransferEngine()
+assert te.initialize({name!r}, {etcd.url.removeprefix("etcd://")!r}, "tcp", "") == 0
+mm = mmap.mmap(-1, 4096)
+anchor = ctypes.c_char.from_buffer(mm)
+assert te.register_memory(ctypes.addressof(anchor), 4096) == 0
+print("UP")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "UP", proc.stdout + proc.stderr
+    assert proc.stderr == ""
+    # Closed, not just gone: its records were withdrawn, so nobody finds the segment any more.
+    b = TransferEngine()
+    try:
+        assert b.initialize(f"127.0.0.1:{free_port()}", etcd.url.removeprefix("etcd://"), "tcp", "") == 0
+        assert b.send_probe(name) == -1
+    finally:
+        b.close()
