@@ -11,14 +11,20 @@ Two routes, chosen per region when an initiator first touches it:
   namespace) with ``SCM_RIGHTS``, presenting the token and the one-time nonce
   the attach returned. It checks the seals and the size, maps exactly the
   region's pages, closes the fd, and from then on a write or read is one
-  ``memcpy`` by the initiator, no work on the target.
+  ``memcpy`` by the initiator, no work on the target. A read-only region's
+  memfd is sealed ``F_SEAL_FUTURE_WRITE`` at registration and handed out as
+  an ``O_RDONLY`` descriptor: the *kernel* refuses a member's writable shared
+  mapping (EACCES; EPERM through a reopened descriptor) and ``write``.
 * **Cross-memory attach (CMA).** Any other buffer (a bytearray, a numpy array)
   moves with ``process_vm_writev`` / ``process_vm_readv``: one kernel copy
   straight into the target's address space, a whole batch in one system call
   per ``IOV_MAX`` pieces. It needs the same PID namespace and ptrace rights
   over the target; the initiator probes that once per peer (reading a cookie
   the peer published) and the target advertises CMA only when its ptrace
-  policy can allow it.
+  policy can allow it. The kernel's only check is ptrace access to the whole
+  process, the same for reading and writing: a read-only region's rights
+  on this route are enforced by the initiator's mpcomm, not by the kernel
+  (docs/security.md says what to do where members are not trusted).
 
 **Copies** go through the copy loop (:mod:`._copyloop`): a small C helper
 compiled at first use and called through ``ctypes`` (GIL released), or the
@@ -364,6 +370,9 @@ class ShmTransport(Transport):
         seg = region.backing if isinstance(region.backing, _Segment) and region.backing.owner is self else None
         if seg is None and not self._serve_cma:
             return None  # the engine routes this region over the next transport
+        if seg is not None:
+            # The region's rights go into the memfd itself: the kernel enforces them on every member.
+            _native.seal_access(seg.fd, "w" in region.access)
         with self._lock:
             self._served[region.id] = _Served(region, seg)
         return {"kind": "memfd" if seg is not None else "cma"}
@@ -464,7 +473,19 @@ class ShmTransport(Transport):
             served.nonces.discard(nonce)
             seg = served.seg
             head = json.dumps({"offset": seg.offset, "size": served.region.size, "total": seg.total}).encode()
-            socket.send_fds(conn, [head], [seg.fd])
+            if "w" in served.region.access:
+                socket.send_fds(conn, [head], [seg.fd])
+                return
+            # A read-only region: an O_RDONLY descriptor (a writable shared mapping fails, EACCES) of a
+            # memfd sealed F_SEAL_FUTURE_WRITE (and reopening it read-write gains nothing, EPERM).
+            try:
+                ro = _native.read_only_fd(seg.fd)
+            except OSError:  # no /proc: the seal alone still refuses writable mappings (EPERM)
+                ro = os.dup(seg.fd)
+        try:
+            socket.send_fds(conn, [head], [ro])
+        finally:
+            os.close(ro)
 
     def handle_control(self, peer: PeerInfo | None, body: dict[str, Any]) -> dict[str, Any]:
         op = body.get("op")
