@@ -399,13 +399,13 @@ class ControlServer:
         (the first handshake that needs them); names that do not resolve here
         are skipped (docs/security.md).
         """
-        with self._lock:
-            if self._reachable is None:
-                eps = list(self._reachable_eps)
-                if self._advertise:
-                    eps.append(format_endpoint(self._advertise, self.port))
-                self._reachable = auth.resolve_addresses(eps)
-            return self._reachable
+        reachable = self._reachable
+        if reachable is None:  # resolved outside any lock (a slow resolver must not stall accepts)
+            eps = list(self._reachable_eps)
+            if self._advertise:
+                eps.append(format_endpoint(self._advertise, self.port))
+            reachable = self._reachable = auth.resolve_addresses(eps)
+        return reachable
 
     def _identity_conflict(self, peer: PeerInfo, ip: str) -> str | None:
         """Why ``peer``'s claim clashes with a live connection, or None (call under the lock)."""

@@ -506,8 +506,15 @@ class ShmTransport(Transport):
             served = self._served.get(rid)
         if served is None:
             raise UnknownRegionError(f"no region with id {rid} is registered with shm here")
-        region = self.ctx.regions.serve(rid, token, body.get("epoch"), 0, 0, served.region.access[0])
-        region.release()
+        want = body.get("access", served.region.access[:1])
+        if not isinstance(want, str) or not want or len(want) > 2 or set(want) - {"r", "w"}:
+            raise ProtocolError("shm attach: access must be 'r', 'w' or 'rw'")
+        # Every right the initiator asks for must be granted here: a write route (a writable memfd, a cma
+        # base to write to) is never handed out for a read-only region. What each route's kernel enforces
+        # is another matter: see the module docstring and docs/security.md.
+        for right in want:
+            region = self.ctx.regions.serve(rid, token, body.get("epoch"), 0, 0, right)
+            region.release()
         nonce = secrets.token_hex(16)
         rkey = secrets.token_hex(16)
         with served.lock:
@@ -653,7 +660,7 @@ class ShmTransport(Transport):
             raise UnknownRegionError(f"region {r.name!r} was unregistered by its owner", region=r.name, peer=r.address)
         timeout = max(deadline - time.monotonic(), 0.001)
         reply = self.ctx.control(peer, self.name, {"op": "attach", "region_id": r.region_id, "token": r.token,
-                                                   "epoch": r.epoch}, timeout)
+                                                   "epoch": r.epoch, "access": _claimed_access(r)}, timeout)
         try:
             size, access, kind = int(reply["size"]), str(reply["access"]), str(reply["kind"])
             rkey = str(reply.get("revoke_key", ""))
@@ -1205,6 +1212,12 @@ class ShmTransport(Transport):
                 if s.seg is not None and s.seg.fd >= 0:
                     os.close(s.seg.fd)
                     s.seg.fd = -1
+
+
+def _claimed_access(remote: Any) -> str:
+    """The rights a descriptor claims, as an attach asks for them ("r", "w" or "rw")."""
+    access = "".join(c for c in "rw" if c in str(getattr(remote, "access", "r")))
+    return access or "r"
 
 
 def _numa_nodes() -> tuple[Any, ...]:

@@ -152,3 +152,27 @@ def test_cma_writes_to_a_read_only_buffer_are_refused(spawn, initiator: mpcomm.E
         with pytest.raises(mpcomm.PermissionDeniedError, match="may not be written"):
             initiator.write(b"w" * size, forged).result(10)
     assert target.cmd("raw", "ro", 0, 1 << 16) == before
+
+
+@pytest.mark.parametrize("how", ["allocate-r", "buffer-r"])
+def test_the_target_refuses_a_write_route_to_a_read_only_region(spawn, initiator: mpcomm.Engine, how: str) -> None:
+    """An attach that asks to write a read-only region is refused by the target: no memfd, no cma base."""
+    from mpcomm.control import PeerLink
+    from mpcomm.peer import PeerInfo
+
+    target = spawn({"ro": [1 << 16, how]})
+    remote = initiator.open(target.address, "ro")
+    me = PeerInfo(node_id="member-x", epoch="e" * 16, address="127.0.0.1:1", host={}, transports={})
+    link = PeerLink(target.address, local_info=me, secret="", timeout=5, on_lost=lambda link: None)
+    try:
+        for claim in ("w", "rw"):
+            with pytest.raises(mpcomm.PermissionDeniedError, match="may not be written"):
+                link.request({"t": "transport", "name": "shm", "body": {
+                    "op": "attach", "region_id": remote.region_id, "token": remote.token, "epoch": remote.epoch,
+                    "access": claim}}, 5)
+        ok = link.request({"t": "transport", "name": "shm", "body": {
+            "op": "attach", "region_id": remote.region_id, "token": remote.token, "epoch": remote.epoch,
+            "access": "r"}}, 5)["body"]
+        assert ok["access"] == "r"
+    finally:
+        link.close()
