@@ -82,3 +82,41 @@ def test_an_undeclared_proxy_is_refused_and_a_declared_one_works(make_engine: An
         member.open(proxy.address, "kv", timeout=5)
     finally:
         proxy.close()
+
+
+def test_the_welcome_must_be_the_identity_the_servers_proof_covered() -> None:
+    """A server (holding the secret) whose welcome names another node than its challenge did is refused."""
+    import socket
+    import threading
+    import time
+
+    import pytest
+
+    import mpcomm
+    from mpcomm import auth, wire
+    from mpcomm.control import CONTROL_CONTEXT, PeerLink
+    from mpcomm.peer import PeerInfo
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = lsock.accept()
+        with conn:
+            auth.server_exchange(conn, SECRET, time.monotonic() + 5, CONTROL_CONTEXT,
+                                 identity=auth.identity_digest("node-a", "epoch-a"))
+            wire.read_json(conn)  # the hello
+            other = {"node_id": "node-b", "epoch": "epoch-b", "address": "127.0.0.1:1", "host": {},
+                     "transports": {}, "protocol": 1}
+            wire.send_json(conn, {"t": "welcome", "info": other, "idle_ms": 60000})
+            time.sleep(0.5)
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    me = PeerInfo(node_id="me", epoch="e" * 16, address="127.0.0.1:1", host={}, transports={})
+    try:
+        with pytest.raises(mpcomm.AuthenticationError, match="not the identity its proof was bound to"):
+            PeerLink(f"127.0.0.1:{lsock.getsockname()[1]}", local_info=me, secret=SECRET, timeout=5,
+                     on_lost=lambda link: None)
+    finally:
+        th.join(5)
+        lsock.close()
