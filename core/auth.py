@@ -5,10 +5,10 @@ anything else is read from the peer::
 
     server → client   challenge: flags(has secret) | server nonce (32 B) | server id (32 B)
     client → server   proof:     flags(has secret) | client nonce (32 B) | dialled address (18 B) |
-                                 HMAC-SHA256(secret, "client" | transcript)
-    server → client   result:    status | HMAC-SHA256(secret, "server" | transcript)
+                                 HMAC-SHA256(secret, "mpcomm-auth/2 client|" transcript)
+    server → client   result:    status | HMAC-SHA256(secret, "mpcomm-auth/2 server|" transcript)
 
-    transcript = context | server nonce | server id | client nonce | dialled address
+    transcript = context | server nonce | server id | client nonce | dialled address  ("|"-joined)
 
 Both proofs cover the whole transcript:
 
