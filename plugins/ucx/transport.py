@@ -750,7 +750,7 @@ class UcxTransport(Transport):
                 att = peer.connecting.pop(0)
                 lefts = [w.op.time_left() for w in att.waiting]
                 # The rights the descriptors claim: the target refuses an rkey to a claim beyond its grant.
-                want = "".join(sorted({c for w in att.waiting for c in self._claimed_access(w.op.remote)}))
+                want = "".join(c for c in "rw" if any(c in self._claimed_access(w.op.remote) for w in att.waiting))
             timeout = min(self._attach_timeout, max(lefts, default=0.0))
             end = time.monotonic() + timeout
             try:
@@ -838,10 +838,12 @@ class UcxTransport(Transport):
     # -- initiator ----------------------------------------------------------------------
 
     def _claimed_access(self, remote: Any) -> str:
+        """The rights ``remote`` claims among "r" and "w" (anything else is the descriptor check's business)."""
         try:
-            return self._descriptor(remote)[2]
+            claimed = self._descriptor(remote)[2]
         except MpcommError:
             return "r"
+        return "".join(c for c in "rw" if c in claimed) or "r"
 
     def _descriptor(self, remote: Any) -> tuple[int, int, str]:
         info = remote.transports.get(self.name) or {}
