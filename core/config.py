@@ -8,6 +8,7 @@
     mode = "zero-copy"         # or "copy" (bounce buffers; for comparison)
     endpoint = "0.0.0.0:18400" # control endpoint; port 0 picks a free one
     advertise = ""             # host peers dial, when endpoint binds a wildcard
+    reachable_at = []          # other "host:port" peers dial to reach this node (NAT, proxy); see docs/security.md
     secret = ""                # shared secret (HMAC handshake, >= 128 bits); or MPCOMM_SECRET
     handshake_timeout_ms = 5000
     tls = false                # TLS on the control channel (needs [tls])
@@ -109,6 +110,10 @@ class TransportSection:
     mode: str = "zero-copy"
     endpoint: str = "127.0.0.1:0"
     advertise: str = ""
+    #: Addresses (``host:port``) in front of this node that peers dial instead
+    #: of the one its connections reach (a NAT mapping, a TCP proxy). With a
+    #: secret, a proof for any other address is refused (mpcomm.auth).
+    reachable_at: tuple[str, ...] = ()
     secret: str = ""
     handshake_timeout_ms: int = 5000
     tls: bool = False

@@ -5,7 +5,9 @@ connects, and the two run, all under one deadline
 (``transport.handshake_timeout_ms``, for the whole exchange, not per read)::
 
     TLS handshake            (only with transport.tls = true; mutual certificates)
-    mpcomm.auth exchange     server nonce → client proof + nonce → server proof
+    mpcomm.auth exchange     server nonce + id → client nonce + dialled address + proof → server proof
+                             (both proofs bound to the whole transcript; the server's id is
+                             SHA-256 of its node id and epoch, checked against the welcome)
     hello    →  protocol version, the client's PeerInfo (checked, see below)
     welcome  ←  the server's PeerInfo and its idle timeout
 
@@ -54,7 +56,7 @@ from .errors import (
     TransferTimeout,
     error_from_code,
 )
-from .peer import PeerInfo, parse_endpoint
+from .peer import PeerInfo, format_endpoint, parse_endpoint
 
 __all__ = ["CONTROL_CONTEXT", "ControlServer", "NotificationQueue", "PeerLink", "listen"]
 
@@ -263,6 +265,9 @@ class ControlServer:
         self._stop = threading.Event()
         self._warn = _RateLimitedLog()
         self._own: tuple[str, str] | None = None
+        self._advertise = cfg.transport.advertise
+        self._reachable_eps = cfg.transport.reachable_at
+        self._reachable: frozenset[bytes] | None = None
         #: Times the accept loop backed off for lack of descriptors (for tests and metrics).
         self.accept_backoffs = 0
         self.refused_connections = 0
@@ -349,7 +354,11 @@ class ControlServer:
                 self._conns.pop(sock, None)
                 self._conns[tsock] = c
             c.sock = sock = tsock
-        cnonce, snonce = auth.server_exchange(sock, self._secret, deadline, CONTROL_CONTEXT)
+        local = self._local_info()
+        t = auth.server_exchange(sock, self._secret, deadline, CONTROL_CONTEXT,
+                                 identity=auth.identity_digest(local.node_id, local.epoch),
+                                 reachable_at=self._reachable_at())
+        cnonce, snonce = t.client_nonce, t.server_nonce
         hello = wire.read_json(sock, self._limits.max_frame_bytes, deadline)
         if hello.get("t") != "hello":
             raise ProtocolError(f"expected hello, got {str(hello.get('t'))[:40]!r}")
@@ -362,7 +371,6 @@ class ControlServer:
         except (TypeError, ValueError) as exc:
             raise self._refuse(sock, ProtocolError(f"bad peer info: {exc}"), deadline) from None
         peer.authenticated = bool(self._secret) or self._verified_certs
-        local = self._local_info()
         self._own = (local.node_id, local.epoch)
         is_self = peer.node_id == local.node_id and peer.epoch == local.epoch
         if peer.node_id == local.node_id or peer.epoch == local.epoch:
@@ -383,6 +391,21 @@ class ControlServer:
             welcome["self"] = _self_proof(local, b"server-self", cnonce, snonce)
         wire.send_json(sock, welcome, deadline)
         return peer
+
+    def _reachable_at(self) -> frozenset[bytes]:
+        """Addresses besides a connection's own local one that a peer may have dialled to reach us.
+
+        The advertised endpoint and ``transport.reachable_at``, resolved once
+        (the first handshake that needs them); names that do not resolve here
+        are skipped (docs/security.md).
+        """
+        reachable = self._reachable
+        if reachable is None:  # resolved outside any lock (a slow resolver must not stall accepts)
+            eps = list(self._reachable_eps)
+            if self._advertise:
+                eps.append(format_endpoint(self._advertise, self.port))
+            reachable = self._reachable = auth.resolve_addresses(eps)
+        return reachable
 
     def _identity_conflict(self, peer: PeerInfo, ip: str) -> str | None:
         """Why ``peer``'s claim clashes with a live connection, or None (call under the lock)."""
@@ -547,7 +570,8 @@ class PeerLink:
     def _handshake(self, local: PeerInfo, secret: str, deadline: float, timeout: float) -> PeerInfo:
         s = self._sock
         try:
-            cnonce, snonce = auth.client_exchange(s, secret, deadline, CONTROL_CONTEXT)
+            t = auth.client_exchange(s, secret, deadline, CONTROL_CONTEXT)
+            cnonce, snonce = t.client_nonce, t.server_nonce
             wire.send_json(s, {"t": "hello", "proto": wire.PROTOCOL_VERSION, "info": local.to_dict(),
                                "self": _self_proof(local, b"client-self", cnonce, snonce)}, deadline)
             welcome = wire.read_json(s, self._limits.max_frame_bytes, deadline)
@@ -555,6 +579,11 @@ class PeerLink:
             if welcome.get("t") != "welcome":
                 raise ProtocolError(f"expected welcome, got {str(welcome.get('t'))[:40]!r}")
             info = PeerInfo.from_dict(welcome["info"])
+            if secret and not hmac.compare_digest(auth.identity_digest(info.node_id, info.epoch), t.server_id):
+                # The server's proof vouched for the identity in its challenge; the welcome must be that one.
+                raise AuthenticationError(f"{self.address} announced node {info.node_id[:32]} epoch "
+                                          f"{info.epoch[:16]}, not the identity its proof was bound to",
+                                          peer=self.address, retryable=False)
             if info.node_id == local.node_id or info.epoch == local.epoch:
                 proof = welcome.get("self")
                 if not (info.node_id == local.node_id and info.epoch == local.epoch and isinstance(proof, str)

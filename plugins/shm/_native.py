@@ -61,6 +61,7 @@ F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
 F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
 F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 
 
 def cma_available() -> str:
@@ -142,16 +143,46 @@ def allow_any_ptracer() -> bool:
 
 
 def memfd_segment(total: int, name: str = "mpcomm-shm") -> tuple[int, mmap.mmap]:
-    """A sealed (no shrink, no grow), pre-faulted memfd of ``total`` bytes and its shared mapping."""
+    """A sealed (no shrink, no grow), pre-faulted memfd of ``total`` bytes and its shared mapping.
+
+    ``F_SEAL_SEAL`` is left to :func:`seal_access`, once the region's rights are known.
+    """
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, total)
-        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)
         mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     except BaseException:
         os.close(fd)
         raise
     return fd, mm
+
+
+def seal_access(fd: int, writable: bool) -> None:
+    """Fix the rights of a memfd for good, before any other process gets it.
+
+    A read-only region gets ``F_SEAL_FUTURE_WRITE``: from now on the kernel
+    refuses every new writable shared mapping (EPERM) and every ``write`` of
+    this memfd, through any descriptor, a reopened ``/proc/PID/fd/N``
+    included; the owner's own mapping made before stays writable. Then
+    ``F_SEAL_SEAL``, so no seal can be added or lifted later. Idempotent.
+    """
+    seals = fcntl.fcntl(fd, F_GET_SEALS)
+    if seals & F_SEAL_SEAL:
+        if not writable and not seals & F_SEAL_FUTURE_WRITE:
+            raise OSError(errno.EPERM, "this memfd was sealed writable; it cannot serve a read-only region")
+        return
+    fcntl.fcntl(fd, F_ADD_SEALS, (0 if writable else F_SEAL_FUTURE_WRITE) | F_SEAL_SEAL)
+
+
+def read_only_fd(fd: int) -> int:
+    """A new ``O_RDONLY`` descriptor of the file behind ``fd`` (a mapping of it with PROT_WRITE fails, EACCES).
+
+    Reopening ``/proc/self/fd/N`` gives a new open file description with its
+    own mode; a receiver could reopen *its* descriptor read-write the same
+    way, which is why read-only memfds also carry ``F_SEAL_FUTURE_WRITE``.
+    """
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 def map_address(mm: mmap.mmap) -> int:

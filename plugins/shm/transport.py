@@ -11,14 +11,20 @@ Two routes, chosen per region when an initiator first touches it:
   namespace) with ``SCM_RIGHTS``, presenting the token and the one-time nonce
   the attach returned. It checks the seals and the size, maps exactly the
   region's pages, closes the fd, and from then on a write or read is one
-  ``memcpy`` by the initiator, no work on the target.
+  ``memcpy`` by the initiator, no work on the target. A read-only region's
+  memfd is sealed ``F_SEAL_FUTURE_WRITE`` at registration and handed out as
+  an ``O_RDONLY`` descriptor: the *kernel* refuses a member's writable shared
+  mapping (EACCES; EPERM through a reopened descriptor) and ``write``.
 * **Cross-memory attach (CMA).** Any other buffer (a bytearray, a numpy array)
   moves with ``process_vm_writev`` / ``process_vm_readv``: one kernel copy
   straight into the target's address space, a whole batch in one system call
   per ``IOV_MAX`` pieces. It needs the same PID namespace and ptrace rights
   over the target; the initiator probes that once per peer (reading a cookie
   the peer published) and the target advertises CMA only when its ptrace
-  policy can allow it.
+  policy can allow it. The kernel's only check is ptrace access to the whole
+  process, the same for reading and writing: a read-only region's rights
+  on this route are enforced by the initiator's mpcomm, not by the kernel
+  (docs/security.md says what to do where members are not trusted).
 
 **Copies** go through the copy loop (:mod:`._copyloop`): a small C helper
 compiled at first use and called through ``ctypes`` (GIL released), or the
@@ -365,6 +371,9 @@ class ShmTransport(Transport):
         seg = region.backing if isinstance(region.backing, _Segment) and region.backing.owner is self else None
         if seg is None and not self._serve_cma:
             return None  # the engine routes this region over the next transport
+        if seg is not None:
+            # The region's rights go into the memfd itself: the kernel enforces them on every member.
+            _native.seal_access(seg.fd, "w" in region.access)
         with self._lock:
             self._served[region.id] = _Served(region, seg)
         return {"kind": "memfd" if seg is not None else "cma"}
@@ -465,7 +474,19 @@ class ShmTransport(Transport):
             served.nonces.discard(nonce)
             seg = served.seg
             head = json.dumps({"offset": seg.offset, "size": served.region.size, "total": seg.total}).encode()
-            socket.send_fds(conn, [head], [seg.fd], NOSIGNAL)
+            if "w" in served.region.access:
+                socket.send_fds(conn, [head], [seg.fd], NOSIGNAL)
+                return
+            # A read-only region: an O_RDONLY descriptor (a writable shared mapping fails, EACCES) of a
+            # memfd sealed F_SEAL_FUTURE_WRITE (and reopening it read-write gains nothing, EPERM).
+            try:
+                ro = _native.read_only_fd(seg.fd)
+            except OSError:  # no /proc: the seal alone still refuses writable mappings (EPERM)
+                ro = os.dup(seg.fd)
+        try:
+            socket.send_fds(conn, [head], [ro], NOSIGNAL)
+        finally:
+            os.close(ro)
 
     def handle_control(self, peer: PeerInfo | None, body: dict[str, Any]) -> dict[str, Any]:
         op = body.get("op")
@@ -486,8 +507,15 @@ class ShmTransport(Transport):
             served = self._served.get(rid)
         if served is None:
             raise UnknownRegionError(f"no region with id {rid} is registered with shm here")
-        region = self.ctx.regions.serve(rid, token, body.get("epoch"), 0, 0, served.region.access[0])
-        region.release()
+        want = body.get("access", served.region.access[:1])
+        if not isinstance(want, str) or not want or len(want) > 2 or set(want) - {"r", "w"}:
+            raise ProtocolError("shm attach: access must be 'r', 'w' or 'rw'")
+        # Every right the initiator asks for must be granted here: a write route (a writable memfd, a cma
+        # base to write to) is never handed out for a read-only region. What each route's kernel enforces
+        # is another matter: see the module docstring and docs/security.md.
+        for right in want:
+            region = self.ctx.regions.serve(rid, token, body.get("epoch"), 0, 0, right)
+            region.release()
         nonce = secrets.token_hex(16)
         rkey = secrets.token_hex(16)
         with served.lock:
@@ -633,7 +661,7 @@ class ShmTransport(Transport):
             raise UnknownRegionError(f"region {r.name!r} was unregistered by its owner", region=r.name, peer=r.address)
         timeout = max(deadline - time.monotonic(), 0.001)
         reply = self.ctx.control(peer, self.name, {"op": "attach", "region_id": r.region_id, "token": r.token,
-                                                   "epoch": r.epoch}, timeout)
+                                                   "epoch": r.epoch, "access": _claimed_access(r)}, timeout)
         try:
             size, access, kind = int(reply["size"]), str(reply["access"]), str(reply["kind"])
             rkey = str(reply.get("revoke_key", ""))
@@ -1185,6 +1213,12 @@ class ShmTransport(Transport):
                 if s.seg is not None and s.seg.fd >= 0:
                     os.close(s.seg.fd)
                     s.seg.fd = -1
+
+
+def _claimed_access(remote: Any) -> str:
+    """The rights a descriptor claims, as an attach asks for them ("r", "w" or "rw")."""
+    access = "".join(c for c in "rw" if c in str(getattr(remote, "access", "r")))
+    return access or "r"
 
 
 def _numa_nodes() -> tuple[Any, ...]:

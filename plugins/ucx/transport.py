@@ -20,9 +20,14 @@ registered. The packed rkey is handed out only over the authenticated
 control channel: the first request to a region *attaches* (a control
 request carrying the descriptor's token and epoch, sent from a connector
 thread, never from ``post``); the target checks the token against its own
-table, records who attached and answers with the rkey, base, size and
-access from its own registration. The initiator refuses a descriptor whose
-fields do not match that answer and checks every request against it.
+table, refuses an attach whose ``access`` asks for a right the region does
+not grant (no rkey leaves for writing a read-only region), records who
+attached and answers with the rkey, base, size and access from its own
+registration. The initiator refuses a descriptor whose fields do not match
+that answer and checks every request against it. On cma and tcp that check
+is all there is: the same rkey serves puts and gets and neither transport
+checks its rights, and UCX's tcp interface listens for anyone
+(docs/security.md, "Read-only regions" and "ucx: UCX's own listener").
 
 Revocation (``Capabilities.revocation = "fence"``). On ``unregister`` the
 target marks the region closed (no new attach), then asks every initiator
@@ -127,6 +132,14 @@ def _ucp_module() -> Any:
     from . import _ucp
 
     return _ucp
+
+
+def _wanted_access(body: dict[str, Any], granted: str) -> str:
+    """The rights an attach asks for (``access``: "r", "w" or "rw"; absent: the region's first right)."""
+    want = body.get("access", granted[:1])
+    if not isinstance(want, str) or not want or len(want) > 2 or set(want) - {"r", "w"}:
+        raise ProtocolError("ucx attach: access must be 'r', 'w' or 'rw'")
+    return want
 
 
 def _error(kind: type[MpcommError], text: str, remote: Any) -> MpcommError:
@@ -571,8 +584,12 @@ class UcxTransport(Transport):
         except (KeyError, TypeError, ValueError):
             raise ProtocolError("ucx attach without a token") from None
         epoch = body.get("epoch")
-        # The engine's table decides: token, epoch, and that the region is still registered.
-        self.ctx.regions.serve(rid, token, None if epoch is None else str(epoch), 0, 0, region.access[0]).release()
+        want = _wanted_access(body, region.access)
+        # The engine's table decides: token, epoch, that the region is still registered, and that it grants
+        # every right the initiator asks for. No rkey for writing leaves for a read-only region -- but the
+        # same rkey serves gets and puts, and cma/tcp ignore its rights (docs/security.md, "ucx").
+        for right in want:
+            self.ctx.regions.serve(rid, token, None if epoch is None else str(epoch), 0, 0, right).release()
         with self._lock:
             if served[4] or self._served.get(rid) is not served:
                 raise UnknownRegionError(f"region {region.name!r} was unregistered", region=region.name)
@@ -732,6 +749,8 @@ class UcxTransport(Transport):
                     return
                 att = peer.connecting.pop(0)
                 lefts = [w.op.time_left() for w in att.waiting]
+                # The rights the descriptors claim: the target refuses an rkey to a claim beyond its grant.
+                want = "".join(c for c in "rw" if any(c in self._claimed_access(w.op.remote) for w in att.waiting))
             timeout = min(self._attach_timeout, max(lefts, default=0.0))
             end = time.monotonic() + timeout
             try:
@@ -742,7 +761,8 @@ class UcxTransport(Transport):
                         self._endpoint(peer)  # wire-up runs (progress thread) during the attach round trip
                 rid, epoch, token = att.key
                 ans = self.ctx.control(att.info, self.name,
-                                       {"op": "attach", "region_id": rid, "token": token, "epoch": epoch}, timeout)
+                                       {"op": "attach", "region_id": rid, "token": token, "epoch": epoch,
+                                        "access": want or "r"}, timeout)
                 rkey_hex, base, size = str(ans["rkey"]), int(ans["base"]), int(ans["size"])
                 access = str(ans["access"])
                 bytes.fromhex(rkey_hex)
@@ -816,6 +836,14 @@ class UcxTransport(Transport):
             self._report_fail(w, exc)
 
     # -- initiator ----------------------------------------------------------------------
+
+    def _claimed_access(self, remote: Any) -> str:
+        """The rights ``remote`` claims among "r" and "w" (anything else is the descriptor check's business)."""
+        try:
+            claimed = self._descriptor(remote)[2]
+        except MpcommError:
+            return "r"
+        return "".join(c for c in "rw" if c in claimed) or "r"
 
     def _descriptor(self, remote: Any) -> tuple[int, int, str]:
         info = remote.transports.get(self.name) or {}

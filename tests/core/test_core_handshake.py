@@ -119,9 +119,11 @@ def test_secret_strength_counts_decoded_bytes() -> None:
 
 
 def test_secret_never_travels(make_engine: Any) -> None:
-    target = make_engine(secret=SECRET)
+    proxy = RecordingProxy(("127.0.0.1", 1))  # upstream set below, once the target listens
+    # A proxy is an address the target must be told it is reachable at (proofs name the address dialled).
+    target = make_engine({"transport": {"reachable_at": [proxy.address]}}, secret=SECRET)
+    proxy.upstream = parse_endpoint(target.address)
     initiator = make_engine(secret=SECRET)
-    proxy = RecordingProxy(parse_endpoint(target.address))
     try:
         round_trip(target, initiator, address=proxy.address)
         seen = bytes(proxy.seen)
@@ -145,10 +147,11 @@ def test_client_proves_first_and_a_wrong_proof_learns_nothing(hostile: Any) -> N
         except BlockingIOError:
             pass
         p.sock.setblocking(True)
-        [(magic, ftype, flags, nonce)] = split_frames(first)
-        assert (magic, ftype, flags, len(nonce)) == (b"MA", auth.T_CHALLENGE, auth.F_SECRET, 32)
-        assert len(first) == wire.HEADER.size + 32  # nothing else before we prove
-        p.sock.sendall(wire.pack_frame(b"MA", auth.T_PROOF, b"\x01" * 64, auth.F_SECRET))
+        [(magic, ftype, flags, challenge)] = split_frames(first)
+        assert (magic, ftype, flags, len(challenge)) == (b"MA", auth.T_CHALLENGE, auth.F_SECRET, 64)  # nonce + id
+        assert len(first) == wire.HEADER.size + 64  # nothing else before we prove
+        dialled = auth.address_bytes(p.sock.getpeername())  # the right address, a wrong proof
+        p.sock.sendall(wire.pack_frame(b"MA", auth.T_PROOF, b"\x01" * 32 + dialled + b"\x01" * 32, auth.F_SECRET))
         reply = p.expect_closed()
         [(magic, ftype, status, proof)] = split_frames(reply)
         assert (magic, ftype, status) == (b"MA", auth.T_RESULT, auth.BAD_PROOF)
@@ -215,7 +218,7 @@ def test_auth_garbage_is_a_protocol_error() -> None:
 def test_auth_deadline_covers_the_whole_exchange() -> None:
     """A server trickling its challenge one byte every 0.2 s is cut at the deadline, not per read."""
     a, b = socket.socketpair()
-    frame = wire.pack_frame(b"MA", auth.T_CHALLENGE, b"\x00" * 32)
+    frame = wire.pack_frame(b"MA", auth.T_CHALLENGE, b"\x00" * 64)
     stop = threading.Event()
 
     def trickle() -> None:
@@ -282,7 +285,7 @@ def test_server_handshake_deadline(hostile: Any) -> None:
 def test_trickling_client_is_cut_at_the_handshake_deadline(hostile: Any) -> None:
     """One byte every 0.6 s (each read would succeed on its own): cut when the whole handshake's time is up."""
     target = hostile(transport={"handshake_timeout_ms": 2000})
-    proof = wire.pack_frame(b"MA", auth.T_PROOF, b"\x00" * 64)
+    proof = wire.pack_frame(b"MA", auth.T_PROOF, b"\x00" * 82)
     with RawPeer(target.address) as p:
         start = time.monotonic()
         closed_after = None

@@ -9,7 +9,11 @@ prints one JSON line with what it got back:
   key it obtained by attaching to the region itself;
 * ``attach``: impersonates VICTIM towards TARGET and attaches to region
   REGION_ID (it holds a leaked descriptor's token), hoping to replace the
-  victim's attachment so that the target's revocation misses the victim.
+  victim's attachment so that the target's revocation misses the victim;
+* ``map_rw``: a member holding REGION_ID's token attaches, fetches the
+  region's memfd and tries to write through it: a writable shared mapping,
+  ``pwrite``, and a writable mapping of the descriptor reopened read-write
+  through ``/proc/self/fd`` (VICTIM is unused).
 """
 
 from __future__ import annotations
@@ -66,8 +70,53 @@ def main() -> int:
             t = _link(target, forged)
             out[f"attach{i}"] = _ask(t, {"op": "attach", "region_id": rid, "token": token, "epoch": t.info.epoch})
             t.close()
+    elif action == "map_rw":
+        out.update(_map_rw(target, me, rid, token))
     print(json.dumps(out), flush=True)
     return 0
+
+
+def _try(fn) -> str:  # type: ignore[no-untyped-def]
+    try:
+        fn()
+        return "ok"
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror} (errno {exc.errno})"
+
+
+def _map_rw(target: str, me: PeerInfo, rid: int, token: int) -> dict[str, str]:
+    """A member that holds the token fetches the region's memfd and tries to write through it."""
+    import mmap
+    import os
+    import socket
+
+    link = _link(target, me)
+    grant = json.loads(_ask(link, {"op": "attach", "region_id": rid, "token": token, "epoch": link.info.epoch}))
+    name = link.info.transports["shm"]["socket"]
+    link.close()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect("\0" + name)
+        s.sendall(json.dumps({"region_id": rid, "token": token, "nonce": grant["nonce"]}).encode())
+        msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+    fd = fds[0]
+    total = json.loads(msg)["total"]
+    rw = mmap.PROT_READ | mmap.PROT_WRITE
+    out = {"grant": grant["access"],
+           "fd_mode": "O_RDWR" if os.O_RDWR & __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL) else "O_RDONLY",
+           "map_shared_write": _try(lambda: mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=rw)[:1]),
+           "pwrite": _try(lambda: os.pwrite(fd, b"\xee", 0))}
+
+    def reopened() -> None:
+        again = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            mmap.mmap(again, total, flags=mmap.MAP_SHARED, prot=rw)[0] = 0xEE
+        finally:
+            os.close(again)
+
+    out["reopen_rw_map_shared_write"] = _try(reopened)
+    out["map_shared_read"] = _try(lambda: mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)[:1])
+    os.close(fd)
+    return out
 
 
 if __name__ == "__main__":

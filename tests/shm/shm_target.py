@@ -1,6 +1,7 @@
 """A target process for the shm tests: ``python shm_target.py SPEC``.
 
-SPEC is JSON ``{"config": {...}, "regions": {"name": [size, "allocate"|"buffer"]}, "drop_uid": false}``.
+SPEC is JSON ``{"config": {...}, "regions": {"name": [size, "allocate"|"buffer"|"allocate-r"|"buffer-r"]},
+"drop_uid": false}`` (``-r``: registered read-only).
 Prints ``{"address", "pid", "node_id"}`` on one line, then answers one command
 per stdin line:
 
@@ -41,6 +42,11 @@ def main() -> int:
     for name, (size, how) in spec.get("regions", {}).items():
         if how == "allocate":
             regions[name] = engine.allocate(size, name=name)
+        elif how == "allocate-r":  # engine memory (memfd) that peers may only read
+            regions[name] = engine.allocate(size, name=name, access="r")
+        elif how == "buffer-r":  # a plain buffer that peers may only read
+            raw[name] = bytearray(size)
+            regions[name] = engine.register(raw[name], name=name, access="r")
         else:
             raw[name] = bytearray(size)
             regions[name] = engine.register(raw[name], name=name)

@@ -89,6 +89,7 @@ def test_unregister_during_a_large_write(spawn) -> None:
 def test_memfd_is_sealed_against_shrinking() -> None:
     fd, mm = _native.memfd_segment(1 << 20)
     try:
+        _native.seal_access(fd, writable=True)  # what register() does before any fd is handed out
         seals = fcntl.fcntl(fd, _native.F_GET_SEALS)
         assert seals & _native.F_SEAL_SHRINK and seals & _native.F_SEAL_SEAL
         with pytest.raises(PermissionError):

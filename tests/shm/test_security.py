@@ -4,6 +4,7 @@ nor dodge the owner's revocation."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -99,3 +100,79 @@ def test_stalled_fd_clients_do_not_block_attaching(spawn, initiator: mpcomm.Engi
     finally:
         for s in stalled:
             s.close()
+
+
+# -- issue 30, item 2: read-only regions are read-only in the kernel -----------------------
+
+
+def test_a_member_cannot_map_a_read_only_memfd_for_writing(spawn, initiator: mpcomm.Engine) -> None:
+    """The memfd of a read-only region is handed out O_RDONLY and sealed F_SEAL_FUTURE_WRITE."""
+    target = spawn({"ro": [1 << 20, "allocate-r"], "rw": [1 << 20, "allocate"]})
+    target.cmd("fill", "ro", 7)
+    before = target.cmd("sha", "ro", 0, 1 << 20)
+    remote = initiator.open(target.address, "ro")
+    out = _hostile("map_rw", initiator.address, target.address, remote.region_id, remote.token)
+    assert out["grant"] == "r" and out["fd_mode"] == "O_RDONLY", out
+    assert out["map_shared_write"].startswith("PermissionError") and "errno 13" in out["map_shared_write"], out
+    assert out["pwrite"].startswith(("OSError", "PermissionError")), out  # EBADF on O_RDONLY
+    assert out["reopen_rw_map_shared_write"].startswith("PermissionError"), out  # the seal: EPERM
+    assert out["map_shared_read"] == "ok", out
+    assert target.cmd("sha", "ro", 0, 1 << 20) == before
+    # A well-behaved member still reads it over shm, and is refused a write before anything moves.
+    back = bytearray(4096)
+    initiator.read(back, remote).result(10)
+    with pytest.raises(mpcomm.PermissionDeniedError):
+        initiator.write(b"x" * 4096, remote).result(10)
+    assert target.cmd("sha", "ro", 0, 1 << 20) == before
+    # A writable region is still handed out writable.
+    rw = initiator.open(target.address, "rw")
+    out = _hostile("map_rw", initiator.address, target.address, rw.region_id, rw.token)
+    assert out["grant"] == "rw" and out["map_shared_write"] == "ok", out
+
+
+def test_cma_writes_to_a_read_only_buffer_are_refused(spawn, initiator: mpcomm.Engine) -> None:
+    """A plain read-only buffer goes over cma: the target grants "r" at attach, and no write moves a byte.
+
+    The kernel cannot tell a process_vm_writev from a process_vm_readv by a
+    process allowed to ptrace the target (docs/security.md): on this route
+    the refusal is the initiator's mpcomm acting on the target's grant.
+    """
+    target = spawn({"ro": [1 << 16, "buffer-r"]})
+    target.cmd("fill", "ro", 3)
+    before = target.cmd("raw", "ro", 0, 1 << 16)
+    remote = initiator.open(target.address, "ro")
+    back = bytearray(1 << 16)
+    initiator.read(back, remote).result(10)
+    assert hashlib.sha256(back).hexdigest() == before
+    with pytest.raises(mpcomm.PermissionDeniedError):
+        initiator.write(b"w" * 16, remote).result(10)  # the descriptor says "r"
+    # A descriptor that claims "rw" (forged, or stale) is checked against the target's grant.
+    forged = dataclasses.replace(remote, access="rw")
+    for size in (16, 4096, 1 << 16):
+        with pytest.raises(mpcomm.PermissionDeniedError, match="may not be written"):
+            initiator.write(b"w" * size, forged).result(10)
+    assert target.cmd("raw", "ro", 0, 1 << 16) == before
+
+
+@pytest.mark.parametrize("how", ["allocate-r", "buffer-r"])
+def test_the_target_refuses_a_write_route_to_a_read_only_region(spawn, initiator: mpcomm.Engine, how: str) -> None:
+    """An attach that asks to write a read-only region is refused by the target: no memfd, no cma base."""
+    from mpcomm.control import PeerLink
+    from mpcomm.peer import PeerInfo
+
+    target = spawn({"ro": [1 << 16, how]})
+    remote = initiator.open(target.address, "ro")
+    me = PeerInfo(node_id="member-x", epoch="e" * 16, address="127.0.0.1:1", host={}, transports={})
+    link = PeerLink(target.address, local_info=me, secret="", timeout=5, on_lost=lambda link: None)
+    try:
+        for claim in ("w", "rw"):
+            with pytest.raises(mpcomm.PermissionDeniedError, match="may not be written"):
+                link.request({"t": "transport", "name": "shm", "body": {
+                    "op": "attach", "region_id": remote.region_id, "token": remote.token, "epoch": remote.epoch,
+                    "access": claim}}, 5)
+        ok = link.request({"t": "transport", "name": "shm", "body": {
+            "op": "attach", "region_id": remote.region_id, "token": remote.token, "epoch": remote.epoch,
+            "access": "r"}}, 5)["body"]
+        assert ok["access"] == "r"
+    finally:
+        link.close()

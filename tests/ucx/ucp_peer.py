@@ -4,7 +4,9 @@ Runs as a plain script (never imported by pytest) and loads
 plugins/ucx/_ucp.py by file path, so it works before mpcomm is installed.
 Protocol: one JSON object per line on stdout; commands on stdin.
 
-  target    --size N [--busy]   maps an mmap buffer, prints {address, base, rkey};
+  target    --size N [--busy] [--readonly]
+                                maps an mmap buffer (--readonly: without PROT_REMOTE_WRITE),
+                                prints {address, base, rkey};
                                 then serves stdin: "check OFF LEN SEED", "exit".
   initiator --offset K --size N --eh 0|1 [--seed S] [--kill-test]
                                 first stdin line = target's JSON.
@@ -53,7 +55,10 @@ def target(args):
     n = args.size
     buf = mmap.mmap(-1, n)
     buf[:] = bytes([FILL]) * n
-    mh = ctx.mem_map(ucp.buffer_address(buf), n)
+    prot = None
+    if args.readonly:  # what the transport registers for a read-only region: no PROT_REMOTE_WRITE
+        prot = ucp.PROT_LOCAL_READ | ucp.PROT_LOCAL_WRITE | ucp.PROT_REMOTE_READ
+    mh = ctx.mem_map(ucp.buffer_address(buf), n, prot)
     emit(address=w.address.hex(), base=mh.address, rkey=mh.pack_rkey().hex(), size=n,
          version=ucp.version(), pid=os.getpid())
     efd, stdin = w.fileno(), sys.stdin.fileno()
@@ -169,6 +174,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--eh", type=int, default=1)
     ap.add_argument("--busy", action="store_true")
+    ap.add_argument("--readonly", action="store_true")
     ap.add_argument("--kill-test", action="store_true")
     ap.add_argument("--deadline", type=float, default=10.0)
     ap.add_argument("--sizes", default="4194304")
