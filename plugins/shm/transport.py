@@ -109,7 +109,7 @@ from mpcomm.errors import (
 )
 from mpcomm.memory import check_allocatable
 from mpcomm.peer import PeerInfo, same_host
-from mpcomm.wire import NOSIGNAL, sendall
+from mpcomm.wire import NOSIGNAL, loads_bounded, sendall
 
 from . import _copyloop, _native
 
@@ -457,9 +457,9 @@ class ShmTransport(Transport):
 
     def _send_fd(self, conn: socket.socket) -> None:
         try:
-            req = json.loads(conn.recv(_MAX_MSG))
+            req = loads_bounded(conn.recv(_MAX_MSG), what="shm fd request", max_bytes=_MAX_MSG)
             rid, token, nonce = int(req["region_id"]), int(req["token"]), str(req["nonce"])
-        except (ValueError, KeyError, TypeError):
+        except (ProtocolError, ValueError, OverflowError, KeyError, TypeError):
             sendall(conn, b'{"error": "malformed request"}')
             return
         with self._lock:
@@ -729,8 +729,9 @@ class ShmTransport(Transport):
                 raise PeerConnectionError(f"shm: fetching the fd of {r.name!r} failed: {exc}", peer=r.address) from exc
         if not fds:
             try:
-                why = json.loads(msg).get("error", "no fd")
-            except ValueError:
+                answer = loads_bounded(msg, what="shm fd answer", max_bytes=_MAX_MSG)
+                why = str(answer.get("error", "no fd")) if isinstance(answer, dict) else "malformed answer"
+            except ProtocolError:
                 why = "malformed answer"
             raise PermissionDeniedError(f"shm: {r.address} refused the fd of {r.name!r}: {why}",
                                         region=r.name, peer=r.address)
@@ -739,8 +740,11 @@ class ShmTransport(Transport):
             os.close(extra)
         pidfd = -1
         try:
-            head = json.loads(msg)
-            offset, size, total = int(head["offset"]), int(head["size"]), int(head["total"])
+            try:
+                head = loads_bounded(msg, what="shm fd answer", max_bytes=_MAX_MSG)
+                offset, size, total = int(head["offset"]), int(head["size"]), int(head["total"])
+            except (ValueError, OverflowError, KeyError, TypeError) as exc:
+                raise ProtocolError(f"shm: malformed answer with the fd of {r.name!r}: {exc}") from None
             seals = _fcntl_seals(fd)
             if not seals & _native.F_SEAL_SHRINK:
                 raise ProtocolError(f"shm: the fd of {r.name!r} is not sealed against shrinking; refusing to map it")

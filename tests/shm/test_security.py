@@ -102,6 +102,32 @@ def test_stalled_fd_clients_do_not_block_attaching(spawn, initiator: mpcomm.Engi
             s.close()
 
 
+def test_garbage_fd_requests_are_answered_and_the_listener_keeps_serving(spawn, initiator: mpcomm.Engine) -> None:
+    """Any local process can speak to the fd socket: JSON nested past the limit, a list, wrong types or bytes
+    that are not JSON get "malformed request", and the next honest attach works."""
+    import socket
+
+    from mpcomm.control import PeerLink
+    from mpcomm.peer import PeerInfo, host_identity
+
+    target = spawn({"mem": [1 << 20, "allocate"]})
+    me = PeerInfo(node_id="x", epoch="y", address="127.0.0.1:1", host=host_identity(), transports={})
+    link = PeerLink(target.address, local_info=me, secret="", timeout=5, on_lost=lambda link: None)
+    name = link.info.transports["shm"]["socket"]
+    link.close()
+    for junk in (b"[" * 1000 + b"]" * 1000, b"[1, 2]", b'{"region_id": [], "token": 1, "nonce": 1}',
+                 b"\xff\xfe", b'{"region_id": 1e999, "token": 1, "nonce": "n"}'):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect("\0" + name)
+            s.sendall(junk)
+            msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
+            assert not fds
+            assert json.loads(msg) == {"error": "malformed request"}, junk[:40]
+    initiator.write(b"g" * 4096, initiator.open(target.address, "mem"), timeout=5).result(10)
+    assert target.cmd("sha", "mem", 0, 4096) == hashlib.sha256(b"g" * 4096).hexdigest()
+
+
 # -- issue 30, item 2: read-only regions are read-only in the kernel -----------------------
 
 
