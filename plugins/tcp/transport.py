@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import threading
 from typing import Any, ClassVar
 
 from mpcomm import Availability, Capabilities, Transport, TransportContext
 from mpcomm.control import listen
-from mpcomm.errors import MpcommError
+from mpcomm.errors import MpcommError, OutOfBoundsError
 from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes
 
@@ -188,6 +189,8 @@ class TcpTransport(Transport):
         if op.length == 0:
             op.complete(0)
             return
+        if not 0 <= op.local_offset <= op.local.size - op.length:
+            raise _outside(op.local, op.local_offset, op.length)
         pool = self._pool(op.peer, op.remote.address)
         if op.length < self._stripe_threshold or self._conns == 1:
             ranges: Any = ((0, op.length),)  # the common small request: one frame, no striping
@@ -222,6 +225,12 @@ class TcpTransport(Transport):
             return
         pool = self._pool(group.peer, group.remote.address)
         lens, loffs, roffs = group.lengths, group.local_offsets, group.remote_offsets
+        # The local ranges again, where the payload views are cut (memoryview slicing would
+        # clip or wrap a bad one, not refuse it); the target checks the remote ones.
+        lsize = group.local.size
+        if min(lens) < 0 or min(loffs) < 0 or max(map(operator.add, loffs, lens)) > lsize:
+            i = next(i for i in range(count) if not 0 <= lens[i] <= lsize or not 0 <= loffs[i] <= lsize - lens[i])
+            raise _outside(group.local, loffs[i], lens[i], i)
         total = sum(lens)
         runs = self._runs(lens, total, pool)
         read = group.kind == "read"
@@ -331,3 +340,9 @@ class TcpTransport(Transport):
 
 
 logging.getLogger("mpcomm.transport.tcp").addHandler(logging.NullHandler())
+
+
+def _outside(local: Any, off: int, n: int, index: int | None = None) -> OutOfBoundsError:
+    which = "" if index is None else f"request {index} of the batch: "
+    return OutOfBoundsError(f"{which}[{off}, {off + n}) is outside the local region {local.name!r} of {local.size} "
+                            "bytes; nothing was sent", region=local.name)

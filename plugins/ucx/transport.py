@@ -151,6 +151,8 @@ def map_status(status: int, remote: Any, kind: str, where: str) -> MpcommError:
         return _error(PeerConnectionError, text, remote)
     if status == ucp.UCS_ERR_TIMED_OUT:
         return _error(TransferTimeout, text, remote)
+    if status == ucp.UCS_ERR_OUT_OF_RANGE:
+        return _error(OutOfBoundsError, text, remote)
     return _error(TransferError, text, remote)
 
 
@@ -1281,8 +1283,8 @@ class UcxTransport(Transport):
                 if w.next == 0:
                     op, base = w.op, att.base
                     lbase = op.local.address
-                    failed = ep.rma_group(w.kind == "write", lbase, op.local_offsets, base, op.remote_offsets,
-                                          op.lengths, rkey, w.memh, self._chunk)
+                    failed = ep.rma_group(w.kind == "write", lbase, op.local.size, op.local_offsets, base, att.size,
+                                          op.remote_offsets, op.lengths, rkey, w.memh, self._chunk)
                     for i, status in failed.items():
                         w.failed[i] = map_status(status, w.remote, w.kind, "request refused")
                     w.next = len(w.items)
