@@ -205,6 +205,11 @@ class _Mapping:
                 return True
             return False
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no copy runs through this mapping; True once none does."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.inflight == 0, timeout)
+
     def _release(self) -> None:
         mm, self.mm = self.mm, None
         if mm is not None:
@@ -1185,8 +1190,20 @@ class ShmTransport(Transport):
             served = list(self._served.values())
             self._served.clear()
         grace = self.ctx.config.runtime.abort_grace_ms / 1000
-        for m in maps:
-            m.revoke(EngineClosedError("the engine is closed"), grace)
+        busy = [m for m in maps if not m.revoke(EngineClosedError("the engine is closed"), grace)]
+        # A copy still running writes into (or reads from) a caller's buffer, which the engine
+        # hands back once close() returns: wait until it is over. It is bounded: every copy was
+        # aborted, stops at its next chunk (one native call of at most `chunk` bytes, and a
+        # memcpy or process_vm_* call terminates), and a worker job not started yet sees the
+        # abort first. No deadline shorter than that copy can be right, so there is none; a
+        # WARNING says why close() takes long.
+        waited = 0.0
+        while busy:
+            busy = [m for m in busy if not m.wait_idle(1.0)]
+            waited += 1.0
+            if busy:
+                self.log.warning("closing: %d shm copies still run into local buffers after %.0f s; close() "
+                                 "waits for them (the buffers are handed back only after)", len(busy), waited)
         with self._lock:
             near, self._near = list(self._near.values()), {}
         for pool in near:
