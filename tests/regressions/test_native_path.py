@@ -72,24 +72,24 @@ def test_write_many_keeps_no_view_of_the_callers_arrays(mode: str) -> None:
         with mpcomm.Engine(transports=["shm"]) as target, mpcomm.Engine(transports=["shm"]) as initiator:
             dst = target.allocate(32 * MB, name="kv")
             remote = initiator.open(target.address, "kv")
-            src = initiator.allocate(16 * MB)
-            src.view[:] = b"\\x5a" * (16 * MB)
+            src = initiator.allocate(24 * MB)
+            src.view[:] = b"\\x5a" * (24 * MB)
             initiator.write(src, remote, 0, 8).result(timeout=5)  # attach once
-            n = 4
-            ln = array("q", [4 * MB] * n)  # larger than inline_threshold: copied on a worker, later
+            n = 6
+            ln = array("q", [4 * MB] * n)  # more than inline_threshold: copied on a worker, later
             lo = array("q", [i * 4 * MB for i in range(n)])
             ro = array("q", [i * 4 * MB for i in range(n)])
             t = initiator.write_many(src, remote, lo, ro, ln)
             if {mode!r} == "crash":
-                ro[3] = 1 << 44
+                ro[5] = 1 << 44
             else:
-                ln[3] = len(secret)
-                lo[3] = ctypes.addressof(ctypes.c_char.from_buffer(secret)) - src.address
+                ln[5] = len(secret)
+                lo[5] = ctypes.addressof(ctypes.c_char.from_buffer(secret)) - src.address
             print("result", t.result(timeout=30), flush=True)
-            got = bytes(dst.view[12 * MB : 12 * MB + 22])
-            print("at 12 MiB", got == b"\\x5a" * 22, flush=True)
+            got = bytes(dst.view[20 * MB : 20 * MB + 22])
+            print("at 20 MiB", got == b"\\x5a" * 22, flush=True)
     """)
-    assert out.splitlines() == [f"result {16 << 20}", "at 12 MiB True"], out
+    assert out.splitlines() == [f"result {24 << 20}", "at 20 MiB True"], out
 
 
 def _transports() -> list[str]:
