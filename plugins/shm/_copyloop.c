@@ -137,10 +137,17 @@ static void *helper(void *arg) {
     return NULL;
 }
 
+/* Fork: the job lock is held across it (prepare takes it, waiting for a shared copy in
+ * progress to end, which is bounded), so the child inherits it in a known state, held by
+ * the forking thread, and simply unlocks it: re-initialising a mutex another thread may
+ * hold is undefined behaviour. Only the forking thread survives: no helper, no job. */
+static void fork_prepare(void) { pthread_mutex_lock(&S.job); }
+
+static void fork_parent(void) { pthread_mutex_unlock(&S.job); }
+
 static void forked_child(void) {
-    /* Only the forking thread survives a fork: no helper, no job in progress. */
-    pthread_mutex_init(&S.job, NULL);
     S.started = S.sleeping = S.running = S.users = 0;
+    pthread_mutex_unlock(&S.job);
 }
 
 /* Caller holds S.job. 1 when the helper runs. */
@@ -149,7 +156,7 @@ static int helper_up(void) {
         return 1;
     static int atfork = 0;
     if (!atfork) {
-        if (pthread_atfork(NULL, NULL, forked_child) != 0)
+        if (pthread_atfork(fork_prepare, fork_parent, forked_child) != 0)
             return 0;
         atfork = 1;
     }

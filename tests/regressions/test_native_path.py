@@ -194,3 +194,51 @@ def test_close_returns_only_once_a_running_copy_is_over() -> None:
         target.close()
     """)
     assert out.splitlines() == ["done after close True", "alive"], out
+
+
+def test_a_fork_during_shared_copies_leaves_the_child_a_working_copy_loop() -> None:
+    """_copyloop.c re-initialised its job mutex in the fork child although another thread may
+    have held it (undefined behaviour; glibc happens to tolerate it, so this test passes on
+    the old code too). Now the lock is held across fork: the parent forks while another
+    thread runs shared copies, and each child copies with a helper of its own."""
+    loop = _copyloop.get()
+    if not loop.native:
+        pytest.skip(loop.reason)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the copy helper needs two CPUs")
+    out = _child("""
+        import ctypes, mmap, os, threading
+        from mpcomm.plugins.shm import _copyloop
+        lp = _copyloop.get()
+        assert lp.share(1 << 20, 50) > 0
+        n = 4 << 20
+        def roundtrip(i):
+            src = mmap.mmap(-1, n); dst = mmap.mmap(-1, n)
+            src[:] = bytes([i % 251]) * n
+            s = ctypes.addressof(ctypes.c_char.from_buffer(src)); d = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+            rc = lp.copy(d, s, n, -1)
+            ok = rc == 0 and dst[:] == src[:]
+            del s, d
+            src.close(); dst.close()
+            return ok
+        stop = threading.Event()
+        bad = []
+        def copier():
+            i = 0
+            while not stop.is_set():
+                if not roundtrip(i):
+                    bad.append(i)
+                i += 1
+        t = threading.Thread(target=copier)
+        t.start()
+        codes = []
+        for k in range(8):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if all(roundtrip(i) for i in range(3)) else 3)
+            codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        stop.set()
+        t.join(60)
+        print("children", codes == [0] * 8, "parent", bad == [], flush=True)
+    """, timeout=240)
+    assert out.splitlines() == ["children True parent True"], out
