@@ -25,6 +25,7 @@ also built under AddressSanitizer by ``tests/core/test_native_sanitized.py``.
 from __future__ import annotations
 
 import math
+import sys
 from operator import add
 from typing import Any
 
@@ -33,7 +34,7 @@ from ..errors import MpcommError, OutOfBoundsError
 __all__ = ["fits", "span", "check_span", "first_bad", "timeout_ok", "timeout_seconds"]
 
 _INF = math.inf
-_NUM = (int, float)
+_MAX_INT = int(sys.float_info.max)
 
 
 def fits(off: int, n: int, size: int) -> bool:
@@ -98,9 +99,11 @@ def first_bad(lo: Any, ro: Any, ln: Any, lsize: int, rsize: int) -> int:
 
 
 def timeout_ok(timeout: Any) -> bool:
-    """The bound lanes' timeout test: None, or an exact int/float in (0, inf). Anything else
+    """The bound lanes' timeout test: None, or an exact float in (0, inf) or int in (0, the
+    largest float] (what ``_fastlane.c`` takes: PyLong_AsDouble fails beyond). Anything else
     goes to the full path, whose :func:`timeout_seconds` accepts or refuses it."""
-    return timeout is None or (type(timeout) in _NUM and 0 < timeout < _INF)
+    t = type(timeout)
+    return timeout is None or (t is float and 0 < timeout < _INF) or (t is int and 0 < timeout <= _MAX_INT)
 
 
 def timeout_seconds(timeout: Any, default: float) -> float:
@@ -108,7 +111,7 @@ def timeout_seconds(timeout: Any, default: float) -> float:
     t = default if timeout is None else timeout
     try:
         ok = t > 0 and not math.isinf(t)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # not a number, or an int no float holds
         ok = False
     if not ok:
         raise MpcommError(f"timeout must be a positive number of seconds, not {timeout!r}")

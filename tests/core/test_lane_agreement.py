@@ -158,3 +158,43 @@ def test_the_lanes_agree_at_the_named_limits(setup: Setup, lo: int, ro: int, n: 
 def test_fits_is_the_unsigned_rule(off: int, n: int, size: int) -> None:
     """What the C mirrors compute (n <= size && off <= size - n, unsigned; negatives refused first)."""
     assert checks.fits(off, n, size) == (off >= 0 and n >= 0 and off + n <= size)
+
+
+TIMEOUTS = [None, 5, 5.0, True, 0, 0.0, -1, float("nan"), float("inf"), float("-inf"), "1", 10**400]
+
+
+@pytest.mark.parametrize("timeout", TIMEOUTS, ids=repr)
+def test_every_lane_takes_or_refuses_a_timeout_alike(setup: Setup, timeout: Any) -> None:
+    """The timeout half of the one rule (checks.timeout_seconds; the bound lanes' timeout_ok and
+    _fastlane.c decline what it would not take, so the full path raises it)."""
+    try:
+        checks.timeout_seconds(timeout, 30.0)
+        expected: Any = ("moved", 8)
+    except Exception as exc:  # noqa: BLE001 - the class is the outcome
+        expected = type(exc)
+    e, remote = setup.initiator, setup.remote
+    calls = {
+        "c": lambda: e.write(setup.src["c"], remote, 0, 8, timeout=timeout),
+        "python": lambda: e.write(setup.src["python"], remote, 0, 8, timeout=timeout),
+        "many": lambda: e.write_many(setup.src["batch"], remote, [0], [0], [8], timeout=timeout),
+        "submit": lambda: e.submit([Request("write", setup.src["batch"], remote, 0, 8, 0, timeout=timeout)]),
+        "prepared": lambda: e.prepare_many("write", setup.src["batch"], remote, [0], [0], [8], timeout=timeout).post(),
+    }
+    got = {}
+    for lane, call in calls.items():
+        try:
+            got[lane] = ("moved", call().result(timeout=10))
+        except Exception as exc:  # noqa: BLE001
+            got[lane] = type(exc)
+    assert got == dict.fromkeys(LANES, expected), timeout
+
+
+@pytest.mark.parametrize("timeout", TIMEOUTS, ids=repr)
+def test_the_timeout_rule_refuses_with_mpcomm_error(timeout: Any) -> None:
+    ok = timeout is None or (not isinstance(timeout, str) and timeout < 10**300 and timeout > 0
+                             and timeout != float("inf"))
+    if ok:
+        assert checks.timeout_seconds(timeout, 30.0) == (30.0 if timeout is None else timeout)
+    else:
+        with pytest.raises(mpcomm.MpcommError, match="timeout must be"):
+            checks.timeout_seconds(timeout, 30.0)
