@@ -225,12 +225,17 @@ class TcpTransport(Transport):
             return
         pool = self._pool(group.peer, group.remote.address)
         lens, loffs, roffs = group.lengths, group.local_offsets, group.remote_offsets
-        # The local ranges again, where the payload views are cut (memoryview slicing would
-        # clip or wrap a bad one, not refuse it); the target checks the remote ones.
-        lsize = group.local.size
-        if min(lens) < 0 or min(loffs) < 0 or max(map(operator.add, loffs, lens)) > lsize:
-            i = next(i for i in range(count) if not 0 <= lens[i] <= lsize or not 0 <= loffs[i] <= lsize - lens[i])
-            raise _outside(group.local, loffs[i], lens[i], i)
+        # The ranges again, where the payload views are cut (memoryview slicing would clip or
+        # wrap a bad local one, not refuse it) and the frame is built (the target refuses a bad
+        # remote one by dropping the connection): both against the sizes held here.
+        lsize, rsize = group.local.size, group.remote.size
+        if (min(lens) < 0 or min(loffs) < 0 or min(roffs) < 0 or max(map(operator.add, loffs, lens)) > lsize
+                or max(map(operator.add, roffs, lens)) > rsize):
+            for i in range(count):
+                if not (0 <= lens[i] <= lsize and 0 <= loffs[i] <= lsize - lens[i]):
+                    raise _outside(group.local, loffs[i], lens[i], i)
+                if not (lens[i] <= rsize and 0 <= roffs[i] <= rsize - lens[i]):
+                    raise _outside(group.remote, roffs[i], lens[i], i, "remote")
         total = sum(lens)
         runs = self._runs(lens, total, pool)
         read = group.kind == "read"
@@ -342,7 +347,7 @@ class TcpTransport(Transport):
 logging.getLogger("mpcomm.transport.tcp").addHandler(logging.NullHandler())
 
 
-def _outside(local: Any, off: int, n: int, index: int | None = None) -> OutOfBoundsError:
+def _outside(region: Any, off: int, n: int, index: int | None = None, side: str = "local") -> OutOfBoundsError:
     which = "" if index is None else f"request {index} of the batch: "
-    return OutOfBoundsError(f"{which}[{off}, {off + n}) is outside the local region {local.name!r} of {local.size} "
-                            "bytes; nothing was sent", region=local.name)
+    return OutOfBoundsError(f"{which}[{off}, {off + n}) is outside the {side} region {region.name!r} of "
+                            f"{region.size} bytes; nothing was sent", region=region.name)

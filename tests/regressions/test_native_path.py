@@ -242,3 +242,52 @@ def test_a_fork_during_shared_copies_leaves_the_child_a_working_copy_loop() -> N
         print("children", codes == [0] * 8, "parent", bad == [], flush=True)
     """, timeout=240)
     assert out.splitlines() == ["children True parent True"], out
+
+
+def _group_routes() -> list[str]:
+    return ["shm-memfd", "shm-cma", *(t for t in _transports() if t != "shm")]
+
+
+BAD_PIECES = [((1 << 63) - 1, 0, 8), (8, 0, (1 << 63) - 1), (-8, 0, 8), (0, (1 << 63) - 1, 8), (0, -8, 8),
+              (0, 3 * 4096 - 4, 8), (65530, 0, 8), (0, 0, 1 << 32)]
+
+
+@pytest.mark.parametrize("route", _group_routes())
+def test_a_transport_refuses_a_group_range_outside_its_regions_at_the_point_of_use(route: str) -> None:
+    """Defence in depth: whatever integers reach a transport's post_many (here straight from an
+    OperationGroup, past the engine's own check), none moves a byte outside either region: the
+    index fails with OutOfBoundsError, and the good indices of the group still land."""
+    import threading
+    import time
+
+    from mpcomm.transport import DONE, FAILED, OperationGroup
+
+    transport = route.split("-")[0]
+    with mpcomm.Engine(transports=[transport]) as target, mpcomm.Engine(transports=[transport]) as initiator:
+        arena = bytearray(b"\xee" * 3 * 4096) if route != "shm-memfd" else None
+        if arena is None:
+            kv = target.allocate(3 * 4096, name="arena")
+            kv.view[:] = b"\xee" * 3 * 4096
+            view = kv.view
+        else:
+            target.register(arena, name="arena")
+            view = memoryview(arena)
+        remote = initiator.open(target.address, "arena")
+        src = initiator.register(bytearray(b"\x42" * (64 << 10)))
+        initiator.write(src, remote, 4096, 8).result(timeout=10)  # attached, connected
+        t = initiator.transports[transport]
+        for bad in BAD_PIECES:
+            done = threading.Event()
+            g = OperationGroup("write", src, remote, [0, bad[0], 16], [4096, bad[1], 4096 + 16], [8, bad[2], 8],
+                               time.monotonic() + 10, time.time() + 10, peer=target.info(), sink=lambda g: done.set())
+            try:
+                t.post_many(g)
+            except OutOfBoundsError:
+                continue  # refused whole, before anything moved
+            assert done.wait(10), (route, bad)
+            assert g.status[1] == FAILED and isinstance(g.errors[1], OutOfBoundsError), (route, bad, g.errors)
+            assert g.status[0] in (DONE, FAILED) and g.status[2] in (DONE, FAILED)
+        # Nothing outside [4096, 8192) of the arena was touched, nor more than the good pieces inside it.
+        assert bytes(view[:4096]) == b"\xee" * 4096 and bytes(view[8192:]) == b"\xee" * 4096, route
+        inner = bytes(view[4096:8192])
+        assert set(inner[8:16]) == {0xEE} and set(inner[24:]) == {0xEE}, route
