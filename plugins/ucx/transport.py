@@ -1154,6 +1154,10 @@ class UcxTransport(Transport):
     def _start(self, w: _Work) -> MpcommError | None:
         """Check ``w`` against the target's word and issue it (lock held); the error refuses it."""
         op, att, peer, r = w.op, w.att, w.peer, w.op.remote
+        if not w.group and not 0 <= op.local_offset <= op.local.size - op.length:
+            # The local range again where it is issued (a group's pieces are checked by rma_group).
+            return _error(OutOfBoundsError, f"[{op.local_offset}, {op.local_offset + op.length}) is outside the "
+                                            f"local region {op.local.name!r} of {op.local.size} bytes", r)
         if att.ok_remote is not r:
             exc = self._check(w, att)
             if exc is not None:
