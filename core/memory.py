@@ -318,7 +318,12 @@ class Region:
         """Take a lease; raises RegionClosedError if the region is gone."""
         held = self._held
         held.append(None)
-        if self._refusing:
+        try:
+            refusing = self._refusing
+        except BaseException:
+            held.pop()  # as _fastlane.c's lease(): a failed look-up holds nothing
+            raise
+        if refusing:
             held.pop()
             self._wake_closers()
             state = "is unregistered" if self._closed else "is being unregistered"

@@ -354,10 +354,17 @@ def _final_error(abort: BaseException | None, exc: BaseException, confirmed: boo
     return out
 
 
-def _int64(values: Any, count: int | None, what: str) -> array:  # type: ignore[type-arg]
-    """Sequences, ``array('q')`` and numpy integer arrays → ``array('q')`` (no per-item Python work for numpy)."""
+def _int64(values: Any, count: int | None, what: str, copy: bool = True) -> array:  # type: ignore[type-arg]
+    """Sequences, ``array('q')`` and numpy integer arrays → a new ``array('q')`` (no per-item Python
+    work for an array or numpy).
+
+    Always a copy (``copy=False`` only for an ``array('q')`` the engine made itself): the
+    engine checks the values once and the transports read them later, on other threads, so
+    the caller must not be able to change them after the call (issue 28). A value outside
+    int64 is out of every region's bounds: OutOfBoundsError, as for any other bad offset.
+    """
     if isinstance(values, array) and values.typecode == "q":
-        out = values
+        out = values if not copy and type(values) is array else array("q", values)
     elif hasattr(values, "__array_interface__") or hasattr(values, "dtype"):
         import numpy as np  # only reached when the caller already uses numpy
 
@@ -372,7 +379,12 @@ def _int64(values: Any, count: int | None, what: str) -> array:  # type: ignore[
     else:
         try:
             out = array("q", values)
-        except (TypeError, OverflowError) as exc:
+        except OverflowError as exc:
+            from .errors import OutOfBoundsError
+
+            raise OutOfBoundsError(f"{what} holds a value outside int64, past the end of any region: {exc}; "
+                                   "nothing was transferred") from None
+        except TypeError as exc:
             raise MpcommError(f"{what} must be a sequence of integers: {exc}") from None
     if count is not None and len(out) != count:
         raise MpcommError(f"{what} has {len(out)} entries, expected {count}")
@@ -389,8 +401,13 @@ class OperationGroup:
 
     ``local_offsets[i]``, ``remote_offsets[i]`` and ``lengths[i]`` describe
     request ``i`` (``array('q')``; pass them to native code through the buffer
-    protocol). Every request was bounds- and access-checked, vectorised,
-    before the group reached the transport.
+    protocol). They are the group's own copies, made when it was built (the
+    caller of ``write_many`` and the like cannot change them afterwards;
+    ``copy=False`` is for arrays the engine made and checked itself, such as a
+    prepared batch's, which nobody changes). Every request was bounds- and
+    access-checked, vectorised, before the group reached the transport; a
+    transport that moves bytes natively still checks each range against the
+    region sizes it holds, at the point of use.
 
     The transport reports every index exactly once, from any thread:
     :meth:`complete` (all still pending, or the given indices) or :meth:`fail`
@@ -401,14 +418,14 @@ class OperationGroup:
 
     def __init__(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                  lengths: Any, deadline: float, deadline_wall: float, peer: PeerInfo | None = None,
-                 sink: Callable[[OperationGroup], None] | None = None) -> None:
+                 sink: Callable[[OperationGroup], None] | None = None, *, copy: bool = True) -> None:
         self.kind = kind
         self.local = local
         self.remote = remote
-        self.lengths = _int64(lengths, None, "lengths")
+        self.lengths = _int64(lengths, None, "lengths", copy)
         self.count = len(self.lengths)
-        self.local_offsets = _int64(local_offsets, self.count, "local_offsets")
-        self.remote_offsets = _int64(remote_offsets, self.count, "remote_offsets")
+        self.local_offsets = _int64(local_offsets, self.count, "local_offsets", copy)
+        self.remote_offsets = _int64(remote_offsets, self.count, "remote_offsets", copy)
         self.deadline = deadline
         self.deadline_wall = deadline_wall
         self.peer = peer

@@ -812,8 +812,12 @@ class Engine:
                 t.close()
             except Exception:  # noqa: BLE001
                 log.exception("transport %s failed to close", t.name)
-        if pipeline is not None and pipeline.resolve_leftovers():
-            self._unregister_all()  # the leases of requests the transports never confirmed
+        if pipeline is not None:
+            pipeline.resolve_leftovers()
+        # Again: what a lease kept registered above is free now (its request ended while the
+        # transports closed, or was failed just now), and a region left registered would keep
+        # the caller's buffer exported after close().
+        self._unregister_all()
         self._timer.close()
         self._completions.stop(timeout)
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -68,6 +68,13 @@ static long long exact_int(PyObject *o) {
     return v;
 }
 
+/* [off, off + n) inside [0, size): the one bounds rule (core/engine/checks.py, fits), in
+ * unsigned arithmetic that cannot wrap. Callers pass values they know are >= 0;
+ * tests/core/test_lane_agreement.py holds the two lanes together at the int64 limits. */
+static inline int fits(unsigned long long off, unsigned long long n, unsigned long long size) {
+    return n <= size && off <= size - n;
+}
+
 /* 1 true, 0 false, -1 error (set) */
 static int attr_true(PyObject *o, PyObject *name) {
     PyObject *v = PyObject_GetAttr(o, name);
@@ -97,10 +104,24 @@ static int lease(PyObject *local, PyObject *held) {
     int refusing = attr_true(local, s_refusing);
     if (refusing == 0)
         return 1;
+    /* Refused, or the lookup failed: take the entry back. A failed lookup's exception is
+     * set aside while that runs (no call into Python with an exception pending), and is
+     * what the caller sees; an error of the cleanup itself replaces it. */
+    PyObject *et = NULL, *ev = NULL, *tb = NULL;
+    if (refusing < 0)
+        PyErr_Fetch(&et, &ev, &tb);
     Py_ssize_t n = PyList_GET_SIZE(held);
-    if (PyList_SetSlice(held, n - 1, n, NULL) < 0 || wake_closers(local) < 0)
+    if (PyList_SetSlice(held, n - 1, n, NULL) < 0 || wake_closers(local) < 0) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
         return -1;
-    return refusing < 0 ? -1 : 0;
+    }
+    if (refusing < 0) {
+        PyErr_Restore(et, ev, tb);
+        return -1;
+    }
+    return 0;
 }
 
 static int unlease(PyObject *local, PyObject *held) {
@@ -142,6 +163,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     long long lsize = PyLong_AsLongLong(s[S_LSIZE]), rsize = PyLong_AsLongLong(s[S_RSIZE]);
     if (PyErr_Occurred())
         return NULL;
+    if (lsize < 0 || rsize < 0)
+        Py_RETURN_NONE;
     long long lo = exact_int(args[0]), ro = exact_int(args[1]), n;
     if (lo < 0 || ro < 0)
         Py_RETURN_NONE;
@@ -153,7 +176,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     } else if ((n = exact_int(length)) < 0) {
         Py_RETURN_NONE;
     }
-    if (lo + n > lsize || ro + n > rsize)
+    if (!fits((unsigned long long)lo, (unsigned long long)n, (unsigned long long)lsize)
+        || !fits((unsigned long long)ro, (unsigned long long)n, (unsigned long long)rsize))
         Py_RETURN_NONE;
     PyObject *timeout = args[3];
     if (timeout != Py_None) {

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-import operator
 import threading
 import time
 from collections import deque
@@ -58,7 +56,7 @@ from ..remote import RemoteRegion
 from ..transfer import Batch, LandedOrigin, Request, Transfer, TransferStatus, _Dispatch, _Landed, _resolve_members
 from ..routing import Route, RouteQuery, SplitPlan
 from ..transport import FAILED, PENDING, Operation, OperationGroup, Transport, TransportBusy, _int64, timeout_error
-from . import fastlane
+from . import checks, fastlane
 from .completions import CompletionQueue
 from .notify import MAX_NOTIFY
 from .regions import release_view
@@ -73,8 +71,6 @@ log = logging.getLogger("mpcomm.engine")
 
 # Unit stages (``unit._stage``), moved on under ``unit._lock``.
 WAITING, POSTED, FINISHED = 0, 1, 2
-
-_add = operator.add
 
 
 class _Op(Operation):
@@ -139,13 +135,7 @@ class _Slots:
                 self._cond.notify()
 
 
-def _oob(msg: str, region: str, peer: str | None = None, request: Any = None) -> OutOfBoundsError:
-    return OutOfBoundsError(msg, region=region, peer=peer, request=request)
-
-
 _FAST_MAX = 256
-_INF = math.inf
-_NUM = (int, float)
 
 
 def _leased_call(local: Region, transport: str, fn: Any, *args: Any) -> bool:
@@ -169,15 +159,12 @@ def _move_failed(transport: str, exc: BaseException) -> None:
 def _plain(path: Any, lo: int, ro: int, length: int | None, timeout: float | None) -> int | None:
     """What a bound pair (``_FastPath``, ``_PostPath``) rechecks per request: the length it
     moves, or None for anything unusual (the full path then takes the request and raises
-    what it raises). Exact ints in bounds, a finite positive timeout (or None), a live link,
-    an open engine with no failing path."""
-    if type(lo) is not int or type(ro) is not int:
+    what it raises). Exact ints in bounds and a timeout the bound lanes take (both by the
+    one rule in :mod:`.checks`), a live link, an open engine with no failing path."""
+    if type(lo) is not int or type(ro) is not int or (length is not None and type(length) is not int):
         return None
-    if length is None:
-        length = path.lsize - lo
-    if (type(length) is not int
-            or lo < 0 or ro < 0 or length < 0 or lo + length > path.lsize or ro + length > path.rsize
-            or not (timeout is None or (type(timeout) in _NUM and 0 < timeout < _INF))
+    length = checks.span(lo, ro, length, path.lsize, path.rsize)
+    if (length is None or not checks.timeout_ok(timeout)
             or not path.link.alive or path.engine._closed or path.failing()):
         return None
     return length
@@ -353,10 +340,7 @@ class Pipeline:
         return Region(view, name=name, access="r" if view.readonly else "rw", owner=buf), True
 
     def _timeout(self, timeout: float | None) -> float:
-        t = self._default_timeout if timeout is None else timeout
-        if not (t > 0) or math.isinf(t):
-            raise MpcommError(f"timeout must be a positive number of seconds, not {timeout!r}")
-        return t
+        return checks.timeout_seconds(timeout, self._default_timeout)
 
     def _hint(self, route: Any, request: Any = None) -> tuple[str, ...] | None:
         """A per-request ``route=`` hint as a tuple of installed transport names (None: the rules decide)."""
@@ -395,26 +379,8 @@ class Pipeline:
     @staticmethod
     def _check_bounds(local: Region, remote: RemoteRegion, lo: int, ro: int, length: int | None,
                       request: Any = None) -> int:
-        if lo < 0 or ro < 0:
-            raise _oob(f"offsets must not be negative (local_offset={lo}, remote_offset={ro})", local.name,
-                       request=request)
-        if lo > local.size:
-            raise _oob(f"local_offset {lo} is past the end of {local.name!r} ({local.size} bytes)", local.name,
-                       request=request)
-        if ro > remote.size:
-            raise _oob(f"remote_offset {ro} is past the end of {remote.name!r} ({remote.size} bytes)",
-                       remote.name, remote.address, request)
-        if length is None:
-            length = local.size - lo
-        elif length < 0:
-            raise _oob(f"length must not be negative, not {length}", local.name, request=request)
-        if lo + length > local.size:
-            raise _oob(f"local [{lo}, {lo + length}) exceeds {local.name!r} of {local.size} bytes", local.name,
-                       request=request)
-        if ro + length > remote.size:
-            raise _oob(f"remote [{ro}, {ro + length}) exceeds {remote.name!r} of {remote.size} bytes; "
-                       "nothing was transferred", remote.name, remote.address, request)
-        return length
+        return checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo, ro, length,
+                                 request)
 
     def _op(self, kind: str, local: Region, lo: int, remote: RemoteRegion, ro: int, length: int,
             timeout: float, dispatch: _Dispatch, request: Request | None = None) -> Operation:
@@ -598,10 +564,12 @@ class Pipeline:
             hint = self._hint(req.route if req.route is not None else route, req)
             if req.notify is not None:
                 self._check_access(req.op, local, req.remote, req)
-                length = self._check_bounds(local, req.remote, req.local_offset, req.remote_offset, length, req)
+                # The offsets are read once: what was checked is what is posted.
+                lo, ro = req.local_offset, req.remote_offset
+                length = self._check_bounds(local, req.remote, lo, ro, length, req)
                 if len(req.notify) > MAX_NOTIFY:
                     raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
-                plan.singles.append((i, req, local, length,
+                plan.singles.append((i, req, local, lo, ro, length,
                                      self._timeout(req.timeout if req.timeout is not None else timeout),
                                      locals_[id(obj)][1], hint))
                 last_key = _NONE
@@ -671,7 +639,7 @@ class Pipeline:
     def _check_spec(self, spec: _GroupSpec, index: list[int] | None = None,
                     requests: Sequence[Request] | None = None) -> None:
         g = OperationGroup(spec.kind, spec.local, spec.remote, spec.local_offsets, spec.remote_offsets,
-                           spec.lengths, 0.0, 0.0)
+                           spec.lengths, 0.0, 0.0, copy=False)
         self._check_group(g, index, requests)
 
     def _start_plan(self, plan: _Plan, cq: Any, post: bool) -> Batch:
@@ -686,14 +654,16 @@ class Pipeline:
             local = spec.local
             if local.closed:
                 raise RegionClosedError(f"region {local.name!r} is unregistered", region=local.name)
+            # The plan's arrays are the engine's own copies, checked once (prepare/submit): no copy per post.
             g = OperationGroup(spec.kind, local, spec.remote, spec.local_offsets, spec.remote_offsets,
-                               spec.lengths, now + spec.timeout, wall + spec.timeout, sink=self._group_reported)
+                               spec.lengths, now + spec.timeout, wall + spec.timeout, sink=self._group_reported,
+                               copy=False)
             self._adopt(g, batch, spec.start, spec.ephemeral)
             g._hint = spec.hint
             units.append(g)
         dispatch = batch._dispatch
-        for i, req, local, length, t, ephemeral, hint in plan.singles:
-            op = self._op(req.op, local, req.local_offset, req.remote, req.remote_offset, length, t, dispatch, req)
+        for i, req, local, lo, ro, length, t, ephemeral, hint in plan.singles:
+            op = self._op(req.op, local, lo, req.remote, ro, length, t, dispatch, req)
             op._notify = req.notify
             op._ephemeral = ephemeral
             op._hint = hint
@@ -756,19 +726,16 @@ class Pipeline:
         if n == 0:
             return
         lo, ro, ln = g.local_offsets, g.remote_offsets, g.lengths
-        bad = min(ln) < 0 or min(lo) < 0 or min(ro) < 0
-        if not bad:
-            bad = max(map(_add, lo, ln)) > g.local.size or max(map(_add, ro, ln)) > g.remote.size
-        if not bad:
+        i = checks.first_bad(lo, ro, ln, g.local.size, g.remote.size)
+        if i < 0:
             return
-        for i in range(n):  # the error path only: name the first bad index
-            try:
-                self._check_bounds(g.local, g.remote, lo[i], ro[i], ln[i])
-            except OutOfBoundsError as exc:
-                k = i if index is None else index[i]
-                raise OutOfBoundsError(f"request {k} of the batch: {exc}; nothing was transferred",
-                                       region=exc.region, peer=exc.peer,
-                                       request=requests[k] if requests is not None else None) from None
+        try:  # the error path only: name the first bad index
+            self._check_bounds(g.local, g.remote, lo[i], ro[i], ln[i])
+        except OutOfBoundsError as exc:
+            k = i if index is None else index[i]
+            raise OutOfBoundsError(f"request {k} of the batch: {exc}; nothing was transferred",
+                                   region=exc.region, peer=exc.peer,
+                                   request=requests[k] if requests is not None else None) from None
 
     def _hold(self, unit: Any) -> None:
         """Lease the local region and take a queue_depth slot; raise (holding nothing) if either fails."""
@@ -1574,7 +1541,7 @@ class _Plan:
         self.requests = requests
         self.count = len(requests) if requests is not None else 0
         self.groups: list[_GroupSpec] = []
-        self.singles: list[tuple[int, Request, Region, int, float, bool, Any]] = []
+        self.singles: list[tuple[int, Request, Region, int, int, int, float, bool, Any]] = []
         self.locals: dict[int, tuple[Region, bool]] = {}
 
 

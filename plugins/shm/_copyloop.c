@@ -26,7 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MP_ABI 2
+#define MP_ABI 3
 #define MP_IOV 1024 /* IOV_MAX on Linux */
 
 int mp_abi(void) { return MP_ABI; }
@@ -137,10 +137,17 @@ static void *helper(void *arg) {
     return NULL;
 }
 
+/* Fork: the job lock is held across it (prepare takes it, waiting for a shared copy in
+ * progress to end, which is bounded), so the child inherits it in a known state, held by
+ * the forking thread, and simply unlocks it: re-initialising a mutex another thread may
+ * hold is undefined behaviour. Only the forking thread survives: no helper, no job. */
+static void fork_prepare(void) { pthread_mutex_lock(&S.job); }
+
+static void fork_parent(void) { pthread_mutex_unlock(&S.job); }
+
 static void forked_child(void) {
-    /* Only the forking thread survives a fork: no helper, no job in progress. */
-    pthread_mutex_init(&S.job, NULL);
     S.started = S.sleeping = S.running = S.users = 0;
+    pthread_mutex_unlock(&S.job);
 }
 
 /* Caller holds S.job. 1 when the helper runs. */
@@ -149,7 +156,7 @@ static int helper_up(void) {
         return 1;
     static int atfork = 0;
     if (!atfork) {
-        if (pthread_atfork(NULL, NULL, forked_child) != 0)
+        if (pthread_atfork(fork_prepare, fork_parent, forked_child) != 0)
             return 0;
         atfork = 1;
     }
@@ -219,13 +226,22 @@ int64_t mp_copy(char *dst, const char *src, int64_t n, int pidfd) {
     return mp_alive(pidfd);
 }
 
-/* The first index i in [0, n) with off[i] < 0, len[i] < 0 or off[i] + len[i] > size,
- * or, when every piece lies inside [0, size), -1 - (the sum of len). */
+/* [off, off + len) inside [0, size): the one bounds rule (mpcomm.engine.checks.fits), in
+ * unsigned arithmetic that cannot wrap. Every loop below that moves bytes asks it again
+ * for each piece at the point of use, against the region sizes it was handed: whatever
+ * the arrays hold by then, no piece moves a byte outside either region. */
+static inline int mp_fits(int64_t off, int64_t len, int64_t size) {
+    return off >= 0 && len >= 0 && size >= 0 && (uint64_t)len <= (uint64_t)size
+           && (uint64_t)off <= (uint64_t)size - (uint64_t)len;
+}
+
+/* The first index i in [0, n) whose piece does not fit (mp_fits), or, when every piece
+ * lies inside [0, size), -1 - (the sum of len). */
 int64_t mp_check(const int64_t *off, const int64_t *len, int64_t n, int64_t size) {
     int64_t sum = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t o = off[i], l = len[i];
-        if (o < 0 || l < 0 || o > size || l > size - o || sum > INT64_MAX - 1 - l)
+        if (!mp_fits(o, l, size) || sum > INT64_MAX - 1 - l)
             return i;
         sum += l;
     }
@@ -245,13 +261,21 @@ int64_t mp_check2(const int64_t *roff, const int64_t *loff, const int64_t *len, 
 
 /* Copy pieces start.. (dst + doff[i] <- src + soff[i], len[i]) until at least
  * `budget` bytes moved or n is reached; returns the next index, or -ESRCH when
- * the owner died (checked once, after the copies). */
-int64_t mp_copy_many(char *dst, const int64_t *doff, const char *src, const int64_t *soff, const int64_t *len,
-                     int64_t start, int64_t n, int64_t budget, int pidfd) {
+ * the owner died (checked once, after the copies). A piece outside dst's `dsize`
+ * or src's `ssize` bytes is not copied: the call stops before it (returning its
+ * index), or returns -ERANGE when it is the first piece. */
+int64_t mp_copy_many(char *dst, int64_t dsize, const int64_t *doff, const char *src, int64_t ssize,
+                     const int64_t *soff, const int64_t *len, int64_t start, int64_t n, int64_t budget, int pidfd) {
     int64_t moved = 0, i = start;
     while (i < n) {
-        memcpy(dst + doff[i], src + soff[i], (size_t)len[i]);
-        moved += len[i];
+        int64_t d = doff[i], s = soff[i], k = len[i]; /* read once: what is checked is what is used */
+        if (!mp_fits(d, k, dsize) || !mp_fits(s, k, ssize)) {
+            if (i == start)
+                return -ERANGE;
+            break;
+        }
+        memcpy(dst + d, src + s, (size_t)k);
+        moved += k;
         i++;
         if (moved >= budget)
             break;
@@ -262,70 +286,52 @@ int64_t mp_copy_many(char *dst, const int64_t *doff, const char *src, const int6
 
 /* Cross-memory attach for pieces start.. : local + loff[i] <-> remote + roff[i]
  * (len[i] each) in process `pid`, up to MP_IOV pieces per system call, resuming
- * partial transfers, until `budget` bytes moved or n is reached. Returns the
- * next index or -errno (ESRCH: gone, EPERM: ptrace policy, EFAULT: unmapped).
- * The owner's pidfd is checked before the copies, so the pid still names that
- * process (not a reused pid). No check after: a copy that succeeded found the
- * process's memory in place, i.e. it had not exited (unlike a memfd mapping,
- * which outlives its owner). */
-int64_t mp_cma_many(int pid, int wr, char *local, const int64_t *loff, char *remote, const int64_t *roff,
-                    const int64_t *len, int64_t start, int64_t n, int64_t budget, int pidfd) {
+ * partial transfers, until `budget` bytes moved or n is reached (pieces are moved
+ * whole). Returns the next index or -errno (ESRCH: gone, EPERM: ptrace policy,
+ * EFAULT: unmapped). The owner's pidfd is checked before the copies, so the pid
+ * still names that process (not a reused pid). No check after: a copy that
+ * succeeded found the process's memory in place, i.e. it had not exited (unlike a
+ * memfd mapping, which outlives its owner). Each piece is read from the arrays
+ * once and checked (mp_fits) against the local region's `lsize` and the remote
+ * one's `rsize` bytes before it goes into an iovec; a piece that does not fit is
+ * not moved: the call stops before it (returning its index), or returns -ERANGE
+ * when it is the first piece. */
+int64_t mp_cma_many(int pid, int wr, char *local, int64_t lsize, const int64_t *loff, char *remote, int64_t rsize,
+                    const int64_t *roff, const int64_t *len, int64_t start, int64_t n, int64_t budget, int pidfd) {
     struct iovec lv[MP_IOV], rv[MP_IOV];
-    int64_t i = start, moved = 0;
-    int64_t skip = 0; /* bytes of piece i already moved */
     int a = mp_alive(pidfd);
     if (a < 0)
         return a;
+    int64_t i = start, moved = 0;
     while (i < n && moved < budget) {
-        int k = 0;
-        int64_t want = 0;
-        for (int64_t j = i; j < n && k < MP_IOV && moved + want < budget; j++) {
-            int64_t s = j == i ? skip : 0;
-            if (len[j] - s == 0)
+        int k = 0, bad = 0;
+        int64_t want = 0, j = i;
+        for (; j < n && k < MP_IOV && moved + want < budget; j++) {
+            int64_t lo = loff[j], ro = roff[j], l = len[j]; /* read once: what is checked is what is used */
+            if (!mp_fits(lo, l, lsize) || !mp_fits(ro, l, rsize)) {
+                bad = 1;
+                break;
+            }
+            if (l == 0)
                 continue;
-            lv[k].iov_base = local + loff[j] + s;
-            rv[k].iov_base = remote + roff[j] + s;
-            lv[k].iov_len = rv[k].iov_len = (size_t)(len[j] - s);
-            want += len[j] - s;
+            lv[k].iov_base = local + lo;
+            rv[k].iov_base = remote + ro;
+            lv[k].iov_len = rv[k].iov_len = (size_t)l;
+            want += l;
             k++;
         }
-        if (k == 0) { /* only empty pieces are left */
-            i = n;
-            skip = 0;
-            break;
+        if (k == 0) {
+            if (bad)
+                return j == start ? -ERANGE : j;
+            return n; /* only empty pieces were left */
         }
-        ssize_t got = wr ? process_vm_writev(pid, lv, (unsigned long)k, rv, (unsigned long)k, 0)
-                            : process_vm_readv(pid, lv, (unsigned long)k, rv, (unsigned long)k, 0);
-        if (got < 0) {
-            if (errno == EINTR)
-                continue;
-            return -errno;
-        }
-        if (got == 0)
-            return -EFAULT;
-        moved += got;
-        /* advance over what moved */
-        int64_t g = got;
-        while (g > 0 && i < n) {
-            int64_t rest = len[i] - skip;
-            if (g >= rest) {
-                g -= rest;
-                i++;
-                skip = 0;
-            } else {
-                skip += g;
-                g = 0;
-            }
-        }
-        while (skip == 0 && i < n && len[i] == 0)
-            i++;
-    }
-    if (skip != 0) { /* the budget ran out inside a piece: finish it (indices are whole) */
-        int64_t rest = len[i] - skip;
-        while (rest > 0) {
-            struct iovec l1 = {local + loff[i] + len[i] - rest, (size_t)rest};
-            struct iovec r1 = {remote + roff[i] + len[i] - rest, (size_t)rest};
-            ssize_t got = wr ? process_vm_writev(pid, &l1, 1, &r1, 1, 0) : process_vm_readv(pid, &l1, 1, &r1, 1, 0);
+        /* Move the k gathered iovecs completely, resuming a partial transfer. */
+        int first = 0;
+        while (first < k) {
+            ssize_t got = wr ? process_vm_writev(pid, lv + first, (unsigned long)(k - first), rv + first,
+                                                 (unsigned long)(k - first), 0)
+                             : process_vm_readv(pid, lv + first, (unsigned long)(k - first), rv + first,
+                                                (unsigned long)(k - first), 0);
             if (got < 0) {
                 if (errno == EINTR)
                     continue;
@@ -333,9 +339,24 @@ int64_t mp_cma_many(int pid, int wr, char *local, const int64_t *loff, char *rem
             }
             if (got == 0)
                 return -EFAULT;
-            rest -= got;
+            moved += got;
+            size_t g = (size_t)got;
+            while (g > 0 && first < k) {
+                if (g >= lv[first].iov_len) {
+                    g -= lv[first].iov_len;
+                    first++;
+                } else {
+                    lv[first].iov_base = (char *)lv[first].iov_base + g;
+                    rv[first].iov_base = (char *)rv[first].iov_base + g;
+                    lv[first].iov_len -= g;
+                    rv[first].iov_len -= g;
+                    g = 0;
+                }
+            }
         }
-        i++;
+        i = j;
+        if (bad)
+            break; /* the next call starts at the piece that does not fit, and refuses it */
     }
     return i;
 }
@@ -343,7 +364,7 @@ int64_t mp_cma_many(int pid, int wr, char *local, const int64_t *loff, char *rem
 /* One contiguous CMA range (the single-request path). 0 or -errno. */
 int64_t mp_cma(int pid, int wr, char *local, char *remote, int64_t n, int pidfd) {
     int64_t zero = 0;
-    int64_t r = mp_cma_many(pid, wr, local, &zero, remote, &zero, &n, 0, 1, INT64_MAX, pidfd);
+    int64_t r = mp_cma_many(pid, wr, local, n, &zero, remote, n, &zero, &n, 0, 1, INT64_MAX, pidfd);
     return r < 0 ? r : 0;
 }
 

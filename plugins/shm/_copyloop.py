@@ -16,7 +16,11 @@ debug level and shown in the transport's availability text (``mpcomm
 plugins`` / doctor).
 
 Return conventions (both implementations): copy functions return 0 or the
-next piece index on success and ``-errno`` on failure; ``-ESRCH`` means the
+next piece index on success and ``-errno`` on failure; the batch copies
+(:meth:`CopyLoop.copy_many`, :meth:`CopyLoop.cma_many`) take the size of each
+region and check every piece against it at the point of use, with the rule of
+``mpcomm.engine.checks.fits``: a piece that does not fit is not moved (the call
+stops before it, or returns ``-ERANGE`` when it is the first); ``-ESRCH`` means the
 process owning the target memory has exited (its pidfd polled readable:
 after a memfd copy, whose pages outlive their owner; before a CMA copy, so a
 reused pid is never written — a CMA copy that succeeds found the process's
@@ -43,7 +47,7 @@ from . import _native
 
 log = logging.getLogger("mpcomm.transport.shm")
 
-ABI = 2
+ABI = 3
 SOURCE = Path(__file__).with_name("_copyloop.c")
 _ENV = "MPCOMM_SHM_NATIVE"
 
@@ -112,14 +116,18 @@ class CopyLoop:
             return "local", bad, 0
         return "", -1, total
 
-    def copy_many(self, dst: int, doffs: Any, src: int, soffs: Any, lens: Any, start: int, n: int, budget: int,
-                  pidfd: int) -> int:
+    def copy_many(self, dst: int, dsize: int, doffs: Any, src: int, ssize: int, soffs: Any, lens: Any, start: int,
+                  n: int, budget: int, pidfd: int) -> int:
         mc = _native.memcpy
         moved = 0
         i = start
         while i < n:
-            k = lens[i]
-            mc(dst + doffs[i], src + soffs[i], k)
+            d, s, k = doffs[i], soffs[i], lens[i]
+            if not (0 <= k <= dsize and k <= ssize and 0 <= d <= dsize - k and 0 <= s <= ssize - k):
+                if i == start:
+                    return -errno.ERANGE
+                break
+            mc(dst + d, src + s, k)
             moved += k
             i += 1
             if moved >= budget:
@@ -137,8 +145,8 @@ class CopyLoop:
             return -(exc.errno or errno.EIO)
         return 0  # it found the memory in place: the process had not exited
 
-    def cma_many(self, pid: int, write: int, local: int, loffs: Any, remote: int, roffs: Any, lens: Any,
-                 start: int, n: int, budget: int, pidfd: int) -> int:
+    def cma_many(self, pid: int, write: int, local: int, lsize: int, loffs: Any, remote: int, rsize: int, roffs: Any,
+                 lens: Any, start: int, n: int, budget: int, pidfd: int) -> int:
         a = self.alive(pidfd)
         if a < 0:
             return a
@@ -147,10 +155,14 @@ class CopyLoop:
         moved = 0
         i = start
         while i < n and moved < budget:
-            k = lens[i]
+            lo, ro, k = loffs[i], roffs[i], lens[i]
+            if not (0 <= k <= lsize and k <= rsize and 0 <= lo <= lsize - k and 0 <= ro <= rsize - k):
+                if i == start:
+                    return -errno.ERANGE
+                break
             if k:
-                lv.append((local + loffs[i], k))
-                rv.append((remote + roffs[i], k))
+                lv.append((local + lo, k))
+                rv.append((remote + ro, k))
             moved += k
             i += 1
         try:
@@ -181,8 +193,8 @@ class NativeLoop(CopyLoop):
         self.cma = fn("mp_cma", ci, ci, vp, vp, i64, ci)  # type: ignore[method-assign]
         self._check = fn("mp_check", vp, vp, i64, i64)
         self._check2 = fn("mp_check2", vp, vp, vp, i64, i64, i64)
-        self._copy_many = fn("mp_copy_many", vp, vp, vp, vp, vp, i64, i64, i64, ci)
-        self._cma_many = fn("mp_cma_many", ci, ci, vp, vp, vp, vp, vp, i64, i64, i64, ci)
+        self._copy_many = fn("mp_copy_many", vp, i64, vp, vp, i64, vp, vp, i64, i64, i64, ci)
+        self._cma_many = fn("mp_cma_many", ci, ci, vp, i64, vp, vp, i64, vp, vp, i64, i64, i64, ci)
         self._share = fn("mp_share_config", i64, i64)
         if module is not None:
             # The same C functions without ctypes' argument conversion: the single-request path.
@@ -202,14 +214,15 @@ class NativeLoop(CopyLoop):
             return "", -1, -1 - r
         return ("remote", r, 0) if r < n else ("local", r - n, 0)
 
-    def copy_many(self, dst: int, doffs: Any, src: int, soffs: Any, lens: Any, start: int, n: int, budget: int,
-                  pidfd: int) -> int:
-        return self._copy_many(dst, _addr(doffs), src, _addr(soffs), _addr(lens), start, n, budget, pidfd)
+    def copy_many(self, dst: int, dsize: int, doffs: Any, src: int, ssize: int, soffs: Any, lens: Any, start: int,
+                  n: int, budget: int, pidfd: int) -> int:
+        return self._copy_many(dst, dsize, _addr(doffs), src, ssize, _addr(soffs), _addr(lens), start, n, budget,
+                               pidfd)
 
-    def cma_many(self, pid: int, write: int, local: int, loffs: Any, remote: int, roffs: Any, lens: Any,
-                 start: int, n: int, budget: int, pidfd: int) -> int:
-        return self._cma_many(pid, write, local, _addr(loffs), remote, _addr(roffs), _addr(lens), start, n, budget,
-                              pidfd)
+    def cma_many(self, pid: int, write: int, local: int, lsize: int, loffs: Any, remote: int, rsize: int, roffs: Any,
+                 lens: Any, start: int, n: int, budget: int, pidfd: int) -> int:
+        return self._cma_many(pid, write, local, lsize, _addr(loffs), remote, rsize, _addr(roffs), _addr(lens), start,
+                              n, budget, pidfd)
 
 
 _lock = threading.Lock()

@@ -212,6 +212,11 @@ class _Mapping:
                 return True
             return False
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no copy runs through this mapping; True once none does."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.inflight == 0, timeout)
+
     def _release(self) -> None:
         mm, self.mm = self.mm, None
         if mm is not None:
@@ -780,8 +785,11 @@ class ShmTransport(Transport):
             return
         write = op.kind == "write"
         off = op.remote_offset
-        if r.token != m.token or not (m.can_write if write else m.can_read) or off < 0 or off + n > m.size:
+        if r.token != m.token or not (m.can_write if write else m.can_read) or not 0 <= off <= m.size - n:
             raise self._refusal(op, m, write)
+        if not 0 <= op.local_offset <= op.local.size - n:  # checked again at the point of use
+            raise OutOfBoundsError(f"[{op.local_offset}, {op.local_offset + n}) is outside the local region "
+                                   f"{op.local.name!r} of {op.local.size} bytes", region=op.local.name)
         if n <= _SMALL and not self.copy_mode:
             local = op.local.address + op.local_offset
             remote = m.base + off
@@ -841,11 +849,13 @@ class ShmTransport(Transport):
             return None
         write = kind == "write"
         limit = min(self._inline, self._chunk)
-        lock, size, base, laddr, pidfd = m.lock, m.size, m.base, local.address, m.pidfd
+        lock, size, base, laddr, lsize, pidfd = m.lock, m.size, m.base, local.address, local.size, m.pidfd
         copy1, cma1, pid, cma = self._copy1, self._cma1, m.pid, m.kind != "map"
 
         def move(lo: int, ro: int, n: int) -> bool:
-            if n > limit or ro + n > size:
+            # Both ranges against the sizes held here, whatever the caller checked: the rule of
+            # mpcomm.engine.checks (n <= size and off <= size - n), which cannot wrap.
+            if not (0 <= n <= limit and 0 <= ro <= size - n and 0 <= lo <= lsize - n):
                 return False
             long = n > _SMALL
             if long:
@@ -1039,7 +1049,7 @@ class ShmTransport(Transport):
         """Copy the group ``chunk`` bytes per native call; indices done before a failure complete."""
         n = g.count
         ro, lo, ln = g.remote_offsets, g.local_offsets, g.lengths
-        la = g.local.address
+        la, lsize = g.local.address, g.local.size
         loop, chunk = self._loop, self._chunk
         i = 0
         err: BaseException | None = None
@@ -1056,13 +1066,17 @@ class ShmTransport(Transport):
                                           region=g.remote.name, peer=g.remote.address)
                     break
                 if self.copy_mode:
-                    rc = self._copy(m, write, la + lo[i], m.base + ro[i], ln[i])
-                    nxt = rc if rc else i + 1
+                    a, b, k = lo[i], ro[i], ln[i]
+                    if not (0 <= k <= lsize and k <= m.size and 0 <= a <= lsize - k and 0 <= b <= m.size - k):
+                        nxt = -errno.ERANGE  # checked again at the point of use, as the copy loops do
+                    else:
+                        rc = self._copy(m, write, la + a, m.base + b, k)
+                        nxt = rc if rc else i + 1
                 elif m.kind == "map":
-                    nxt = loop.copy_many(m.base, ro, la, lo, ln, i, n, chunk, m.pidfd) if write else \
-                        loop.copy_many(la, lo, m.base, ro, ln, i, n, chunk, m.pidfd)
+                    nxt = loop.copy_many(m.base, m.size, ro, la, lsize, lo, ln, i, n, chunk, m.pidfd) if write else \
+                        loop.copy_many(la, lsize, lo, m.base, m.size, ro, ln, i, n, chunk, m.pidfd)
                 else:
-                    nxt = loop.cma_many(m.pid, write, la, lo, m.base, ro, ln, i, n, chunk, m.pidfd)
+                    nxt = loop.cma_many(m.pid, write, la, lsize, lo, m.base, m.size, ro, ln, i, n, chunk, m.pidfd)
                 if nxt < 0:
                     err = self._rc_error(nxt, g.kind, g.remote, m)
                     break
@@ -1162,6 +1176,10 @@ class ShmTransport(Transport):
         if code in (errno.EPERM, errno.EACCES):
             return PermissionDeniedError(f"shm: cross-memory attach to pid {m.pid} denied: {os.strerror(code)}",
                                          peer=r.address, region=r.name)
+        if code == errno.ERANGE:
+            return OutOfBoundsError(f"shm {kind}: a range of the batch is outside region {r.name!r} ({m.size} bytes) "
+                                    "or the local region; it was refused at the copy, nothing of it moved",
+                                    peer=r.address, region=r.name)
         if code == errno.EFAULT:
             return TransferError(f"shm: region {r.name!r} is no longer mapped in pid {m.pid}; the range may be "
                                  "partly written", peer=r.address, region=r.name)
@@ -1205,8 +1223,20 @@ class ShmTransport(Transport):
             served = list(self._served.values())
             self._served.clear()
         grace = self.ctx.config.runtime.abort_grace_ms / 1000
-        for m in maps:
-            m.revoke(EngineClosedError("the engine is closed"), grace)
+        busy = [m for m in maps if not m.revoke(EngineClosedError("the engine is closed"), grace)]
+        # A copy still running writes into (or reads from) a caller's buffer, which the engine
+        # hands back once close() returns: wait until it is over. It is bounded: every copy was
+        # aborted, stops at its next chunk (one native call of at most `chunk` bytes, and a
+        # memcpy or process_vm_* call terminates), and a worker job not started yet sees the
+        # abort first. No deadline shorter than that copy can be right, so there is none; a
+        # WARNING says why close() takes long.
+        waited = 0.0
+        while busy:
+            busy = [m for m in busy if not m.wait_idle(1.0)]
+            waited += 1.0
+            if busy:
+                self.log.warning("closing: %d shm copies still run into local buffers after %.0f s; close() "
+                                 "waits for them (the buffers are handed back only after)", len(busy), waited)
         with self._lock:
             near, self._near = list(self._near.values()), {}
         for pool in near:

@@ -198,12 +198,14 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
             r = 3;
         else if (got < RESP_SIZE)
             r = 2;
-        else if (h[0] != 'M' || h[1] != 'R' || h[2] > 1 || be64(h + 16) > (uint64_t)a[3])
+        else if (h[0] != 'M' || h[1] != 'R' || h[2] > 1 || be64(h + 16) > (uint64_t)(a[3] < 0 ? 0 : a[3]))
             r = 3;
         else {
             uint64_t length = be64(h + 16);
             int avail = 0;
-            if (length > 0 && (ioctl(fd, FIONREAD, &avail) < 0 || (uint64_t)avail < RESP_SIZE + length))
+            /* avail >= RESP_SIZE + length, written so that it cannot wrap (max_len is the caller's) */
+            if (length > 0 && (ioctl(fd, FIONREAD, &avail) < 0 || avail < RESP_SIZE
+                               || (uint64_t)avail - RESP_SIZE < length))
                 r = 2;
             else
                 r = recv(fd, h, RESP_SIZE, MSG_DONTWAIT) == RESP_SIZE ? 1 : 3;

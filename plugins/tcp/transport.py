@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import threading
 from typing import Any, ClassVar
 
 from mpcomm import Availability, Capabilities, Transport, TransportContext
 from mpcomm.control import listen
-from mpcomm.errors import MpcommError
+from mpcomm.errors import MpcommError, OutOfBoundsError
 from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes
 
@@ -188,6 +189,8 @@ class TcpTransport(Transport):
         if op.length == 0:
             op.complete(0)
             return
+        if not 0 <= op.local_offset <= op.local.size - op.length:
+            raise _outside(op.local, op.local_offset, op.length)
         pool = self._pool(op.peer, op.remote.address)
         if op.length < self._stripe_threshold or self._conns == 1:
             ranges: Any = ((0, op.length),)  # the common small request: one frame, no striping
@@ -222,6 +225,17 @@ class TcpTransport(Transport):
             return
         pool = self._pool(group.peer, group.remote.address)
         lens, loffs, roffs = group.lengths, group.local_offsets, group.remote_offsets
+        # The ranges again, where the payload views are cut (memoryview slicing would clip or
+        # wrap a bad local one, not refuse it) and the frame is built (the target refuses a bad
+        # remote one by dropping the connection): both against the sizes held here.
+        lsize, rsize = group.local.size, group.remote.size
+        if (min(lens) < 0 or min(loffs) < 0 or min(roffs) < 0 or max(map(operator.add, loffs, lens)) > lsize
+                or max(map(operator.add, roffs, lens)) > rsize):
+            for i in range(count):
+                if not (0 <= lens[i] <= lsize and 0 <= loffs[i] <= lsize - lens[i]):
+                    raise _outside(group.local, loffs[i], lens[i], i)
+                if not (lens[i] <= rsize and 0 <= roffs[i] <= rsize - lens[i]):
+                    raise _outside(group.remote, roffs[i], lens[i], i, "remote")
         total = sum(lens)
         runs = self._runs(lens, total, pool)
         read = group.kind == "read"
@@ -331,3 +345,9 @@ class TcpTransport(Transport):
 
 
 logging.getLogger("mpcomm.transport.tcp").addHandler(logging.NullHandler())
+
+
+def _outside(region: Any, off: int, n: int, index: int | None = None, side: str = "local") -> OutOfBoundsError:
+    which = "" if index is None else f"request {index} of the batch: "
+    return OutOfBoundsError(f"{which}[{off}, {off + n}) is outside the {side} region {region.name!r} of "
+                            f"{region.size} bytes; nothing was sent", region=region.name)

@@ -25,7 +25,7 @@ from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.ucx")
 
-ABI = 4
+ABI = 5
 SOURCE = Path(__file__).with_name("_ucxloop.c")
 
 _lock = threading.Lock()
@@ -69,8 +69,8 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
     lib = h.lib
     f = lib.mpcomm_ucx_rma_many
     f.restype = C.c_int64
-    f.argtypes = [C.c_void_p] * 5 + [C.c_void_p, C.c_int64, C.c_void_p, C.c_int64, C.c_void_p, C.c_int64,
-                                     C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64]
+    f.argtypes = [C.c_void_p] * 5 + [C.c_void_p, C.c_int64, C.c_int64, C.c_void_p, C.c_int64, C.c_int64,
+                                     C.c_void_p, C.c_int64, C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64]
     g = lib.mpcomm_ucx_rma_one
     g.restype = C.c_int64
     g.argtypes = [C.c_void_p] * 7 + [C.c_int64, C.c_int64, C.c_int64, C.c_void_p, C.c_void_p, C.c_void_p,

@@ -21,6 +21,7 @@ import time
 UCS_OK, UCS_INPROGRESS = 0, 1
 UCS_ERR_BUSY, UCS_ERR_TIMED_OUT, UCS_ERR_LAST = -15, -20, -100
 UCS_ERR_CANCELED, UCS_ERR_CONNECTION_RESET, UCS_ERR_ENDPOINT_TIMEOUT = -16, -25, -80
+UCS_ERR_OUT_OF_RANGE = -19  # also what rma_group reports for a piece outside its region (never issued)
 
 FEATURE_TAG, FEATURE_RMA, FEATURE_AMO32, FEATURE_AMO64, FEATURE_WAKEUP = 1, 2, 4, 8, 16
 THREAD_SINGLE, THREAD_SERIALIZED, THREAD_MULTI = 0, 1, 2
@@ -613,18 +614,27 @@ class Endpoint:
             i += 1
         return failed
 
-    def rma_group(self, write: bool, lbase: int, local_offsets, rbase: int, remote_offsets, lengths,
-                  rkey: "RemoteKey", memh: MemHandle | None = None, merge: int = 0) -> dict:
+    def rma_group(self, write: bool, lbase: int, lsize: int, local_offsets, rbase: int, rsize: int, remote_offsets,
+                  lengths, rkey: "RemoteKey", memh: MemHandle | None = None, merge: int = 0) -> dict:
         """rma_many over ``base + offset`` arrays (``array('q')``), in the compiled helper when
         there is one (issue, release and progress without the interpreter), else in Python.
         The worker is progressed while it reports work afterwards either way. With the helper,
         pieces adjacent on both sides go as one operation of up to ``merge`` bytes (0: never);
-        a refusal then names every index that operation covered."""
+        a refusal then names every index that operation covered. Every piece is checked where
+        it is issued against ``lsize`` and ``rsize`` (the rule of ``mpcomm.engine.checks.fits``):
+        one outside its region is never issued and reported as ``UCS_ERR_OUT_OF_RANGE``."""
         native = _native_helper()
         n = len(lengths)
         if native is None or self.error_status is not None or n == 0:
-            failed = self.rma_many(write, [lbase + x for x in local_offsets],
-                                   [rbase + x for x in remote_offsets], lengths, rkey, memh)
+            pieces = [(lo, ro, k) for lo, ro, k in zip(local_offsets, remote_offsets, lengths)]
+            ok = [i for i, (lo, ro, k) in enumerate(pieces)
+                  if 0 <= k <= lsize and k <= rsize and 0 <= lo <= lsize - k and 0 <= ro <= rsize - k]
+            got = self.rma_many(write, [lbase + pieces[i][0] for i in ok], [rbase + pieces[i][1] for i in ok],
+                                [pieces[i][2] for i in ok], rkey, memh)
+            failed = {ok[i]: st for i, st in got.items()}
+            if len(ok) != n:
+                good = set(ok)
+                failed.update((i, UCS_ERR_OUT_OF_RANGE) for i in range(n) if i not in good)
             self.progress_all()
             return failed
         key = ("many", memh)
@@ -639,7 +649,7 @@ class Endpoint:
         status = (C.c_int8 * n)()
         refused = native.mpcomm_ucx_rma_many(
             fns[0] if write else fns[1], fns[2], fns[3], self._h, self.worker._h,
-            arr.from_buffer(local_offsets), lbase, arr.from_buffer(remote_offsets), rbase,
+            arr.from_buffer(local_offsets), lbase, lsize, arr.from_buffer(remote_offsets), rbase, rsize,
             arr.from_buffer(lengths), n, rkey._h, C.byref(p), status, merge)
         if not refused:
             return {}

@@ -9,11 +9,20 @@
 #include <stdint.h>
 #include <stddef.h>
 
-#define MP_ABI 4
+#define MP_ABI 5
 
 int mpcomm_ucx_abi(void) { return MP_ABI; }
 
 typedef void *(*rma_fn)(void *, void *, size_t, uint64_t, void *, const void *);
+
+#define MP_OUT_OF_RANGE (-19) /* UCS_ERR_OUT_OF_RANGE: a piece outside its region, never issued */
+
+/* [off, off + len) inside [0, size): the one bounds rule (mpcomm.engine.checks.fits), in
+ * unsigned arithmetic that cannot wrap. */
+static inline int mp_fits(int64_t off, int64_t len, int64_t size) {
+    return off >= 0 && len >= 0 && size >= 0 && (uint64_t)len <= (uint64_t)size
+           && (uint64_t)off <= (uint64_t)size - (uint64_t)len;
+}
 typedef void (*free_fn)(void *);
 typedef unsigned (*progress_fn)(void *);
 
@@ -23,22 +32,34 @@ typedef unsigned (*progress_fn)(void *);
    Pieces that continue each other on both sides (loff[i] + len[i] == loff[i + 1] and
    the same remotely) go as one put/get of up to `merge` bytes (0: never merged): on a
    cma lane each put is one system call, so 64 adjacent 4 KiB pieces cost one call,
-   not 64. A refused merged operation marks every piece it covered. */
+   not 64. A refused merged operation marks every piece it covered. Every piece is read
+   once and checked (mp_fits) against the local region's `lsize` and the remote one's
+   `rsize` bytes where it is issued: one that does not fit is never issued, and its
+   status is MP_OUT_OF_RANGE (counted as refused). */
 int64_t mpcomm_ucx_rma_many(rma_fn fn, free_fn rfree, progress_fn progress, void *ep, void *worker,
-                            const int64_t *loff, int64_t lbase, const int64_t *roff, int64_t rbase,
-                            const int64_t *len, int64_t n, void *rkey, const void *param, int8_t *status,
-                            int64_t merge)
+                            const int64_t *loff, int64_t lbase, int64_t lsize, const int64_t *roff, int64_t rbase,
+                            int64_t rsize, const int64_t *len, int64_t n, void *rkey, const void *param,
+                            int8_t *status, int64_t merge)
 {
     int64_t refused = 0;
     for (int64_t i = 0; i < n;) {
-        int64_t j = i + 1, total = len[i];
-        while (j < n && merge > 0 && loff[j] == loff[j - 1] + len[j - 1] && roff[j] == roff[j - 1] + len[j - 1]
-               && total + len[j] <= merge) {
-            total += len[j];
+        int64_t lo = loff[i], ro = roff[i], total = len[i]; /* read once: what is checked is what is used */
+        if (!mp_fits(lo, total, lsize) || !mp_fits(ro, total, rsize)) {
+            status[i++] = MP_OUT_OF_RANGE;
+            refused++;
+            continue;
+        }
+        int64_t j = i + 1;
+        while (j < n && merge > 0) {
+            int64_t l2 = loff[j], r2 = roff[j], k = len[j];
+            /* adjacent on both sides, each piece in bounds (so the merged range is too) */
+            if (l2 != lo + total || r2 != ro + total || !mp_fits(l2, k, lsize) || !mp_fits(r2, k, rsize)
+                || k > merge - total)
+                break;
+            total += k;
             j++;
         }
-        void *r = fn(ep, (void *)(intptr_t)(lbase + loff[i]), (size_t)total, (uint64_t)(rbase + roff[i]), rkey,
-                     param);
+        void *r = fn(ep, (void *)(intptr_t)(lbase + lo), (size_t)total, (uint64_t)(rbase + ro), rkey, param);
         int8_t st = 0;
         if ((uintptr_t)r >= (uintptr_t)(intptr_t)-100) {   /* UCS_PTR_IS_ERR */
             st = (int8_t)(intptr_t)r;
@@ -178,7 +199,7 @@ static PyObject *py_lane_move(PyObject *self, PyObject *const *args, Py_ssize_t 
     long long n = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred())
         return NULL;
-    if (l == NULL || n <= 0 || n > l->limit || lo < 0 || ro < 0 || lo > l->lsize - n || ro > l->rsize - n)
+    if (l == NULL || n <= 0 || n > l->limit || !mp_fits(lo, n, l->lsize) || !mp_fits(ro, n, l->rsize))
         Py_RETURN_FALSE;
     __atomic_add_fetch(&l->ep_gate[1], 1, __ATOMIC_SEQ_CST);
     if (!__atomic_load_n(&l->ep_gate[0], __ATOMIC_SEQ_CST) || !__atomic_load_n(&l->att_gate[0], __ATOMIC_SEQ_CST)) {

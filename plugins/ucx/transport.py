@@ -164,6 +164,8 @@ def map_status(status: int, remote: Any, kind: str, where: str) -> MpcommError:
         return _error(PeerConnectionError, text, remote)
     if status == ucp.UCS_ERR_TIMED_OUT:
         return _error(TransferTimeout, text, remote)
+    if status == ucp.UCS_ERR_OUT_OF_RANGE:
+        return _error(OutOfBoundsError, text, remote)
     return _error(TransferError, text, remote)
 
 
@@ -1180,6 +1182,10 @@ class UcxTransport(Transport):
     def _start(self, w: _Work) -> MpcommError | None:
         """Check ``w`` against the target's word and issue it (lock held); the error refuses it."""
         op, att, peer, r = w.op, w.att, w.peer, w.op.remote
+        if not w.group and not 0 <= op.local_offset <= op.local.size - op.length:
+            # The local range again where it is issued (a group's pieces are checked by rma_group).
+            return _error(OutOfBoundsError, f"[{op.local_offset}, {op.local_offset + op.length}) is outside the "
+                                            f"local region {op.local.name!r} of {op.local.size} bytes", r)
         if att.ok_remote is not r:
             exc = self._check(w, att)
             if exc is not None:
@@ -1309,8 +1315,8 @@ class UcxTransport(Transport):
                 if w.next == 0:
                     op, base = w.op, att.base
                     lbase = op.local.address
-                    failed = ep.rma_group(w.kind == "write", lbase, op.local_offsets, base, op.remote_offsets,
-                                          op.lengths, rkey, w.memh, self._chunk)
+                    failed = ep.rma_group(w.kind == "write", lbase, op.local.size, op.local_offsets, base, att.size,
+                                          op.remote_offsets, op.lengths, rkey, w.memh, self._chunk)
                     for i, status in failed.items():
                         w.failed[i] = map_status(status, w.remote, w.kind, "request refused")
                     w.next = len(w.items)

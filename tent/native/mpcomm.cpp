@@ -229,6 +229,10 @@ void importBridge(Runtime &rt) {
     }
     rt.kind_write = PyUnicode_InternFromString("write");
     rt.kind_read = PyUnicode_InternFromString("read");
+    if (!rt.kind_write || !rt.kind_read) {
+        rt.error = "cannot create the request kinds: " + fetchPyError();
+        return;
+    }
     rt.status = MPCOMM_SUCCESS;
     rt.error.clear();
 }
@@ -356,7 +360,14 @@ struct MPComm::Impl {
             return setLast(MPCOMM_ERR_RUNTIME, fetchPyError());
         }
         PyObject *full = PyTuple_New(PyTuple_GET_SIZE(args) + 1);
-        PyTuple_SET_ITEM(full, 0, PyUnicode_FromString(name));
+        PyObject *pyname = full ? PyUnicode_FromString(name) : nullptr;
+        if (!pyname) {  // out of memory: nothing may be set into a tuple that is not there
+            Py_XDECREF(full);
+            Py_DECREF(fn);
+            Py_DECREF(args);
+            return setLast(MPCOMM_ERR_RUNTIME, fetchPyError());
+        }
+        PyTuple_SET_ITEM(full, 0, pyname);
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
             PyObject *a = PyTuple_GET_ITEM(args, i);
             Py_INCREF(a);
@@ -419,8 +430,9 @@ struct MPComm::Impl {
             args[6] = PyLong_FromSize_t(len);
             PyObject *r = nullptr;
             if (args[1] && args[3] && args[4] && args[5] && args[6]) {
-                static PyObject *name = PyUnicode_InternFromString("issue");
-                r = PyObject_VectorcallMethod(name, args, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+                static PyObject *name = nullptr;  // set once, under the GIL; retried if it failed
+                if (!name) name = PyUnicode_InternFromString("issue");
+                if (name) r = PyObject_VectorcallMethod(name, args, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
             }
             for (int i : {1, 3, 4, 5, 6}) Py_XDECREF(args[i]);
             return r;

@@ -81,6 +81,10 @@ ARGS = [
     (True, 0, 16, None), (0, False, 16, None), (0, 0, 16.0, None), (1.0, 0, 16, None), ("0", 0, 16, None),
     (0, 0, 10**30, None), (10**30, 0, 16, None), (0, 0, 16, 0), (0, 0, 16, -1), (0, 0, 16, math.nan),
     (0, 0, 16, math.inf), (0, 0, 16, True), (0, 0, 16, "1"), (0, 0, 16, 1e-9),
+    # near the int64 limits (issue 28: `lo + n > lsize` wrapped and the C lane moved from lo = 2**63 - 1)
+    (2**63 - 1, 0, 8, None), (0, 2**63 - 1, 8, None), (0, 0, 2**63 - 1, None), (2**63 - 8, 2**63 - 8, 8, None),
+    (2**62, 0, 2**62, None), (2**63 - 1, 0, None, None), (2**63, 0, 8, None), (2**64 - 1, 0, 8, None),
+    (0, 0, 2**64 - 1, None), (LSIZE - 1, 0, 2**63 - 1, None), (0, RSIZE + 1, 0, None),
 ]
 
 
@@ -268,3 +272,37 @@ def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pyt
         with pytest.raises(mpcomm.errors.RegionClosedError):
             ini.write(src, remote, 0, 4096)
         assert not ini._fast
+
+
+class _FailingLookup(Region):
+    """A region whose ``_refusing`` cannot be read (the C lane's lease looks it up by name)."""
+
+    fail = False
+
+    @property  # type: ignore[override]
+    def _refusing(self) -> bool:
+        if self.fail:
+            raise LookupError("no _refusing today")
+        return self.__dict__["_r"]
+
+    @_refusing.setter
+    def _refusing(self, value: bool) -> None:
+        self.__dict__["_r"] = value
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_failed_refusing_lookup_raises_it_and_holds_nothing(native: bool) -> None:
+    """Issue 28: the C lane took the lease entry back and woke closers (a call into Python)
+    with the lookup's exception still pending; it now raises that exception, like Region.acquire."""
+    p = Pair(native)
+    local = _FailingLookup(memoryview(bytearray(LSIZE)), name="src", access="rw")
+    p.local = local
+    p.fast = _FastPath("write", local, p.remote, p.move, p.link, "shm", ("shm",), "default",
+                       SimpleNamespace(e=p.engine, dispatch=p.fast.dispatch, _fast=p.table))
+    p.run = p.fast.runner() if native else p.fast._run
+    local.fail = True
+    with pytest.raises(LookupError, match="no _refusing today"):
+        p.run(0, 0, 16, None)
+    assert p.moves == [] and local.leases == 0
+    local.fail = False
+    assert p.run(0, 0, 16, None) is not None and local.leases == 0

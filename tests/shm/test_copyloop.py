@@ -123,7 +123,7 @@ def test_copy_many_respects_the_budget(loop: _copyloop.CopyLoop) -> None:
     lens = array("q", [512] * n)
     i, calls = 0, 0
     while i < n:
-        nxt = loop.copy_many(_addr(dst), doffs, _addr(src), soffs, lens, i, n, 2000, -1)
+        nxt = loop.copy_many(_addr(dst), len(dst), doffs, _addr(src), len(src), soffs, lens, i, n, 2000, -1)
         assert nxt == min(n, i + 4)  # 4 pieces of 512 reach the 2000-byte budget
         i, calls = nxt, calls + 1
     assert calls == 25
@@ -153,14 +153,16 @@ def test_cma_many_into_another_process(loop: _copyloop.CopyLoop, target: Target)
     try:
         i = 0
         while i < n:
-            i = loop.cma_many(target.pid, 1, _addr(src), loffs, base, roffs, lens, i, n, 1 << 20, pidfd)
+            i = loop.cma_many(target.pid, 1, _addr(src), len(src), loffs, base, 4 << 20, roffs, lens, i, n, 1 << 20,
+                              pidfd)
             assert i > 0, os.strerror(-i)
         want = bytearray(n * 1000)
         for k in range(n):
             want[roffs[k] : roffs[k] + lens[k]] = src[loffs[k] : loffs[k] + lens[k]]
         assert target.cmd("sha", "buf", 0, n * 1000) == hashlib.sha256(want).hexdigest()
         back = bytearray(n * 1000)
-        assert loop.cma_many(target.pid, 0, _addr(back), loffs, base, roffs, lens, 0, n, 1 << 40, pidfd) == n
+        assert loop.cma_many(target.pid, 0, _addr(back), len(back), loffs, base, 4 << 20, roffs, lens, 0, n, 1 << 40,
+                             pidfd) == n
         assert back == want
         assert loop.cma(target.pid, 1, _addr(src), 8, 16, pidfd) == -14  # EFAULT: nothing mapped at 8
     finally:
@@ -183,13 +185,15 @@ def test_cma_many_stops_at_an_unmapped_piece(loop: _copyloop.CopyLoop, target: T
     with mpcomm.Engine(transports=["tcp"]) as e:
         base = e.open(target.address, "buf").base_address
     src = bytearray(b"\x77" * 3 * 4096)
-    # piece 1 points at address 8 in the target: nothing is mapped there
-    roffs = array("q", [0, 8 - base, 8192])
+    # piece 1 points at address 8 in the target: nothing is mapped there (the "region" handed to
+    # the loop is the whole address space from 0, so the range check lets it through)
+    roffs = array("q", [base, 8, base + 8192])
     loffs = array("q", [0, 4096, 8192])
     lens = array("q", [4096, 4096, 4096])
     pidfd = os.pidfd_open(target.pid)
     try:
-        assert loop.cma_many(target.pid, 1, _addr(src), loffs, base, roffs, lens, 0, 3, 1 << 40, pidfd) == -14
+        assert loop.cma_many(target.pid, 1, _addr(src), len(src), loffs, 0, 1 << 62, roffs, lens, 0, 3, 1 << 40,
+                             pidfd) == -14
     finally:
         os.close(pidfd)
 

@@ -150,3 +150,24 @@ def test_the_module_and_the_plain_library_answer_alike(tmp_path, monkeypatch) ->
         b.send(b"x")
         for spin in (plain, busypoll._spin):
             assert spin(a.fileno(), 1_000_000) == 1
+
+
+@needs_module
+def test_next_reply_length_check_cannot_wrap() -> None:
+    """Issue 28 (one overflow-safe range check): ``avail < RESP_SIZE + length`` wrapped for a
+    length near 2**64, and a negative max_len let any length through; such a reply is the
+    reader thread's, and nothing of it is consumed."""
+    nr = busypoll.next_reply
+    assert nr is not None
+    a, b = socket.socketpair()
+    with a, b:
+        fd = a.fileno()
+        head = bytearray(wire.RESP.size)
+        frame = wire.RESP.pack(wire.RESP_MAGIC, wire.ST_ERR, 0, 0, 5, 2**64 - 10)
+        b.sendall(frame)
+        assert nr(fd, 0, 100, -1, head) == busypoll.REPLY_LEAVE
+        assert a.recv(len(frame), socket.MSG_DONTWAIT) == frame
+        frame = wire.RESP.pack(wire.RESP_MAGIC, wire.ST_ERR, 0, 0, 6, 2**63 - 1)
+        b.sendall(frame)
+        assert nr(fd, 0, 100, 2**63 - 1, head) == busypoll.REPLY_SHORT  # allowed, but never whole
+        assert a.recv(len(frame), socket.MSG_DONTWAIT) == frame

@@ -24,7 +24,8 @@ def lib() -> Any:
     return lib
 
 
-def _run(lib: Any, loff: list[int], roff: list[int], lens: list[int], merge: int,
+def _run(lib: Any, loff: list[int], roff: list[int], lens: list[int], merge: int, lsize: int = 1 << 40,
+         rsize: int = 1 << 40,
          refuse_at: int | None = None) -> tuple[list[tuple[int, int, int]], list[int], int]:
     calls: list[tuple[int, int, int]] = []
 
@@ -40,8 +41,9 @@ def _run(lib: Any, loff: list[int], roff: list[int], lens: list[int], merge: int
     arr = C.c_int64 * n
     lo, ro, ln = array("q", loff), array("q", roff), array("q", lens)
     refused = lib.mpcomm_ucx_rma_many(C.cast(keep[0], C.c_void_p), C.cast(keep[1], C.c_void_p),
-                                      C.cast(keep[2], C.c_void_p), None, None, arr.from_buffer(lo), 1000,
-                                      arr.from_buffer(ro), 5000, arr.from_buffer(ln), n, None, None, status, merge)
+                                      C.cast(keep[2], C.c_void_p), None, None, arr.from_buffer(lo), 1000, lsize,
+                                      arr.from_buffer(ro), 5000, rsize, arr.from_buffer(ln), n, None, None, status,
+                                      merge)
     return calls, list(status), refused
 
 
@@ -184,3 +186,17 @@ def test_a_lane_signals_the_progress_thread_only_while_it_has_work() -> None:
     assert s.move(0, 0, 64) is True and s.signals == 0
     s.active.add("work")
     assert s.move(0, 0, 64) is True and s.signals == 1
+
+
+def test_a_piece_outside_its_region_is_never_issued(lib: Any) -> None:
+    """The loop checks every piece where it issues it (issue 28): whatever the arrays hold, no put
+    reaches outside either region; such a piece is refused as UCS_ERR_OUT_OF_RANGE (-19)."""
+    top = (1 << 63) - 1
+    calls, status, refused = _run(lib, [0, 10, top, 20, 0], [0, 10, 0, 20, 95], [10, 10, 8, 10, 10], merge=1 << 20,
+                                  lsize=100, rsize=100)
+    # pieces 0-1 merge; piece 2 wraps past 2**63 locally, piece 4 ends past the remote region
+    assert calls == [(1000, 20, 5000), (1020, 10, 5020)]
+    assert status == [0, 0, -19, 0, -19] and refused == 2
+    # adjacent pieces whose second does not fit are not merged into the first
+    calls, status, refused = _run(lib, [0, 10], [0, 10], [10, 91], merge=1 << 20, lsize=100, rsize=200)
+    assert calls == [(1000, 10, 5000)] and status == [0, -19] and refused == 1

@@ -1,0 +1,118 @@
+"""The one bounds and timeout rule of every request lane.
+
+Every Python lane of the engine decides through these functions: the full
+path and the inline lane (``Pipeline._check_bounds``), the bound lanes
+(``_plain`` for ``_FastPath._run`` and ``_PostPath.run``), the vectorised
+batches (``write_many``/``read_many``/``submit``/``prepare_many``, through
+:func:`first_bad`) and the timeout of each (:func:`timeout_seconds`).
+
+The rule, for a range ``[off, off + n)`` of a region of ``size`` bytes, is
+written the way native code must write it, in unsigned arithmetic, so it
+cannot wrap::
+
+    n <= size && off <= size - n        (off, n, size >= 0)
+
+The native code mirrors it and must stay in step: ``fits()`` in
+``core/engine/_fastlane.c`` (the C bound lane), ``mp_fits()`` in
+``plugins/shm/_copyloop.c`` (the copy loops re-check every piece at the point
+of use) and ``mp_fits()`` in ``plugins/ucx/_ucxloop.c``. The test that holds
+them together is ``tests/core/test_lane_agreement.py`` (a hypothesis-driven
+differential test over every lane and transport with offsets and lengths at
+0, ±1, 2**31, 2**32, 2**63-1, 2**64-1 and size±1), with the native helpers
+also built under AddressSanitizer by ``tests/core/test_native_sanitized.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from operator import add
+from typing import Any
+
+from ..errors import MpcommError, OutOfBoundsError
+
+__all__ = ["fits", "span", "check_span", "first_bad", "timeout_ok", "timeout_seconds"]
+
+_INF = math.inf
+_MAX_INT = int(sys.float_info.max)
+
+
+def fits(off: int, n: int, size: int) -> bool:
+    """``[off, off + n)`` lies inside ``[0, size)`` (an empty range may sit at ``size``)."""
+    return 0 <= n <= size and 0 <= off <= size - n
+
+
+def span(lo: int, ro: int, length: int | None, lsize: int, rsize: int) -> int | None:
+    """The bytes a request moves (``length``, or to the end of the local region when None),
+    or None when it does not fit both regions."""
+    if length is None:
+        length = lsize - lo
+    if 0 <= length <= lsize and length <= rsize and 0 <= lo <= lsize - length and 0 <= ro <= rsize - length:
+        return length
+    return None
+
+
+def check_span(lname: str, lsize: int, rname: str, rsize: int, peer: str | None, lo: int, ro: int,
+               length: int | None, request: Any = None) -> int:
+    """:func:`span`, raising OutOfBoundsError (naming the side and the region) where it says None."""
+    got = span(lo, ro, length, lsize, rsize)
+    if got is not None:
+        return got
+    if lo < 0 or ro < 0:
+        raise OutOfBoundsError(f"offsets must not be negative (local_offset={lo}, remote_offset={ro})",
+                               region=lname, request=request)
+    if lo > lsize:
+        raise OutOfBoundsError(f"local_offset {lo} is past the end of {lname!r} ({lsize} bytes)", region=lname,
+                               request=request)
+    if ro > rsize:
+        raise OutOfBoundsError(f"remote_offset {ro} is past the end of {rname!r} ({rsize} bytes)", region=rname,
+                               peer=peer, request=request)
+    if length is None:
+        length = lsize - lo
+    if length < 0:
+        raise OutOfBoundsError(f"length must not be negative, not {length}", region=lname, request=request)
+    if not fits(lo, length, lsize):
+        raise OutOfBoundsError(f"local [{lo}, {lo + length}) exceeds {lname!r} of {lsize} bytes", region=lname,
+                               request=request)
+    raise OutOfBoundsError(f"remote [{ro}, {ro + length}) exceeds {rname!r} of {rsize} bytes; nothing was "
+                           "transferred", region=rname, peer=peer, request=request)
+
+
+def first_bad(lo: Any, ro: Any, ln: Any, lsize: int, rsize: int) -> int:
+    """The first index ``i`` whose request does not fit (:func:`span` with ``ln[i]``), or -1.
+
+    Vectorised for the common case (min/max over the arrays, one C-level map):
+    with Python's unbounded ints, ``min >= 0`` and ``max(off + len) <= size``
+    is exactly :func:`fits` for every index; the loop runs only to name the
+    bad index.
+    """
+    n = len(ln)
+    if n == 0:
+        return -1
+    if (min(ln) >= 0 and min(lo) >= 0 and min(ro) >= 0 and max(map(add, lo, ln)) <= lsize
+            and max(map(add, ro, ln)) <= rsize):
+        return -1
+    for i in range(n):
+        if span(lo[i], ro[i], ln[i], lsize, rsize) is None:
+            return i
+    return -1  # pragma: no cover - unreachable
+
+
+def timeout_ok(timeout: Any) -> bool:
+    """The bound lanes' timeout test: None, or an exact float in (0, inf) or int in (0, the
+    largest float] (what ``_fastlane.c`` takes: PyLong_AsDouble fails beyond). Anything else
+    goes to the full path, whose :func:`timeout_seconds` accepts or refuses it."""
+    t = type(timeout)
+    return timeout is None or (t is float and 0 < timeout < _INF) or (t is int and 0 < timeout <= _MAX_INT)
+
+
+def timeout_seconds(timeout: Any, default: float) -> float:
+    """A request's timeout in seconds (``default`` for None); MpcommError unless positive and finite."""
+    t = default if timeout is None else timeout
+    try:
+        ok = t > 0 and not math.isinf(t)
+    except (TypeError, ValueError, OverflowError):  # not a number, or an int no float holds
+        ok = False
+    if not ok:
+        raise MpcommError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return t
