@@ -8,6 +8,7 @@ again on the next transport of the route, within the request's deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from concurrent.futures import CancelledError
@@ -78,6 +79,8 @@ def test_writes_fail_over_to_tcp_and_every_byte_arrives(faulty) -> None:
 def test_reads_fail_over_and_the_local_range_is_rewritten(faulty) -> None:
     target, initiator = _pair({"fail_every": 1})  # every read on faulty fails half-way
     with target, initiator:
+        # A cool-down a loaded machine cannot outrun before the check at the end (50 ms by default).
+        initiator.health.policy = dataclasses.replace(initiator.health.policy, base_cooldown=30.0)
         size = 2 << 20
         kv = target.allocate(size, "kv")
         data = os.urandom(size)
