@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import time
 from concurrent.futures import CancelledError
 
 import pytest
 
 import mpcomm
-from mpcomm.errors import OutOfBoundsError, PermissionDeniedError, StaleRegionError
+from mpcomm.errors import OutOfBoundsError, PeerConnectionError, PermissionDeniedError, StaleRegionError
 
 RULES = [{"name": "faulty-first", "transports": ["faulty", "tcp"]}]
 TIMEOUT = 20.0
@@ -142,6 +143,29 @@ def test_errors_retrying_cannot_fix_are_not_retried(faulty, refuse: str, exc: ty
         with pytest.raises(exc):
             t2.result(TIMEOUT)
         assert faulty.counters["injected"] == 2
+
+
+def test_a_probe_ending_in_a_plugin_exception_frees_the_slot(faulty) -> None:
+    """A transport whose post() raises (a plugin bug) fails the probe; the next request probes again."""
+    target, initiator = _pair({"refuse": "a mode the plugin does not know"})  # post() raises ValueError
+    with target, initiator:
+        target.allocate(1 << 16, "kv")
+        remote = initiator.open(target.address, "kv")
+        h = initiator.health
+        for _ in range(h.policy.pause_after):
+            h.failure(target.address, "faulty", PeerConnectionError("reset by the test"))
+        assert h.paused(target.address, "faulty")
+        for attempt in range(1, 4):
+            deadline = time.monotonic() + 10
+            while h.paused(target.address, "faulty"):  # the cool-down (50 ms)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            t = initiator.write(b"\x5a" * 4096, remote, timeout=TIMEOUT)
+            with pytest.raises(mpcomm.MpcommError, match="transport faulty failed"):
+                t.result(TIMEOUT)
+            assert t.transport == "faulty"
+            assert faulty.counters["injected"] == attempt  # it reached the transport: admitted as the probe
+            assert h.path_state(target.address, "faulty")["probing"] is False
 
 
 def test_a_cancelled_request_is_not_retried(faulty) -> None:
