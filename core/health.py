@@ -13,12 +13,21 @@ paths, with no success in between) is quarantined with the same back-off, so
 requests to healthy peers are not held up by one that keeps failing; after
 its quarantine one probe goes through, as for a path.
 
-Only failures that say something about the path count:
-:func:`is_retryable` tells which errors retrying on another transport can fix
-(the error's ``retryable`` attribute from :mod:`mpcomm.errors`, except bounds,
-permission, cancellation, stale regions and timeouts whose transport could
-not confirm the stop). The others are the request's fault and are neither
-retried nor counted.
+Only failures that say something about the path count
+(:func:`counts_against_path`): :func:`is_retryable` tells which errors
+retrying on another transport can fix (the error's ``retryable`` attribute
+from :mod:`mpcomm.errors`, except bounds, permission, cancellation, stale
+regions and timeouts whose transport could not confirm the stop); the others
+are the request's fault and are neither retried nor counted. Nor is a
+request's own deadline: a :class:`~mpcomm.errors.TransferTimeout` reported
+once the request's deadline has passed says only that the caller allowed too
+little time, whoever reports it (the transport's copy loop or the engine's
+timer). A caller's 1 ms deadline on 64 MiB must not pause a healthy path.
+
+A probe slot is held by one request; whatever ends it (success, a counted
+failure, an uncounted one, the deadline, a cancel) frees it: a
+:meth:`HealthTracker.success` or :meth:`HealthTracker.failure` report does,
+and :meth:`HealthTracker.release_probe` for an ending that is no report.
 
 :class:`ConnectBackoff` rate-limits connection attempts per peer address:
 after a failed connect, new requests to that address fail fast (without
@@ -72,6 +81,7 @@ __all__ = [
     "HealthTracker",
     "ManualClock",
     "MonotonicClock",
+    "counts_against_path",
     "is_retryable",
 ]
 
@@ -119,6 +129,21 @@ def is_retryable(exc: BaseException) -> bool:
     if isinstance(exc, AccessError):
         return False  # the target's own checks refused it
     return bool(exc.retryable)
+
+
+def counts_against_path(exc: BaseException, *, deadline_passed: bool = False) -> bool:
+    """Does this failed attempt say something about the path it was made on?
+
+    Only transport and connection failures do (:func:`is_retryable`), and a
+    timeout only while the request still had time: ``deadline_passed`` says
+    the request's own deadline had passed when the attempt ended, so its
+    :class:`~mpcomm.errors.TransferTimeout` is the caller's budget running
+    out, not the path failing. A timeout before the deadline (a handshake or
+    a peer's answer that took longer than its own limit) counts.
+    """
+    if not is_retryable(exc):
+        return False
+    return not (deadline_passed and isinstance(exc, TransferTimeout))
 
 
 @dataclass(frozen=True)
@@ -241,10 +266,13 @@ class HealthTracker:
             self._paths.pop((peer, transport), None)
             self._peers.pop(peer, None)
 
-    def failure(self, peer: str, transport: str, error: BaseException | None = None) -> bool:
-        """Count a failed attempt; returns whether it counted (a request's own
-        fault, e.g. out of bounds, does not count against the path)."""
-        if error is not None and not is_retryable(error):
+    def failure(self, peer: str, transport: str, error: BaseException | None = None, *,
+                deadline_passed: bool = False) -> bool:
+        """Count a failed attempt; returns whether it counted (see
+        :func:`counts_against_path`: a request's own fault, e.g. out of bounds,
+        or its own deadline, does not count against the path). Either way
+        the path's probe slot is free afterwards."""
+        if error is not None and not counts_against_path(error, deadline_passed=deadline_passed):
             self.release_probe(peer, transport)
             return False
         now = self.clock.now()
@@ -442,7 +470,7 @@ class FailoverPlan:
         """Record a failed attempt; True when the request may go on to the next transport."""
         self.attempts.append((transport, exc))
         self._last_error = exc
-        self.tracker.failure(self.peer, transport, exc)
+        self.tracker.failure(self.peer, transport, exc, deadline_passed=self.time_left() <= 0)
         if not is_retryable(exc):
             self._stopped = True
             return False

@@ -49,7 +49,7 @@ from ..errors import (
     TransferTimeout,
     TransportUnavailable,
 )
-from ..health import is_retryable
+from ..health import counts_against_path, is_retryable
 from ..memory import Region, as_byte_view
 from ..peer import same_host
 from ..remote import RemoteRegion
@@ -911,6 +911,7 @@ class Pipeline:
 
     def _post_split(self, op: Operation, link: PeerLink, plan: SplitPlan, cands: tuple[Transport, ...], rule: str,
                     names: tuple[str, ...], inline: bool) -> None:
+        self._end_probe(op)  # the stripes carry it: each is admitted (and probes) on its own
         subs: list[Operation] = []
         try:
             for s in plan.stripes:
@@ -968,6 +969,7 @@ class Pipeline:
             return
         if error is None:
             self._succeeded(sub)
+        self._end_probe(sub)  # a stripe is never released: its own ending frees its probe
         name = sub.transport.name if sub.transport is not None else ""
         if self._backlog.get(name):  # a stripe holds no slot: release() would not drain for it
             try:
@@ -1067,8 +1069,11 @@ class Pipeline:
         else:
             peer = unit.remote.address
             for i in range(start, len(cands)):
-                if health.admit(peer, cands[i].name) != "paused":
+                admitted = health.admit(peer, cands[i].name)
+                if admitted != "paused":
                     unit._attempt = i
+                    # The probe slot this unit holds until it reports (see _end_probe).
+                    unit._probe = cands[i].name if admitted == "probe" else None
                     return cands[i]
         state = "quarantined" if self.e.health.quarantined(unit.remote.address) else "cooling down after failures"
         raise PeerConnectionError(f"every path to {unit.remote.address} is {state}; try again later",
@@ -1082,10 +1087,16 @@ class Pipeline:
         cands = getattr(unit, "_cands", ())
         health = self.e.health
         peer = unit.remote.address
-        if t is not None and unit.abort_exc is None:
-            # Only the transport's own failures count against the path: a
-            # deadline, a cancel or a closing engine say nothing about it.
+        if t is not None and unit.abort_exc is None and counts_against_path(
+                error, deadline_passed=unit.time_left() <= 0):
+            # Only the transport's own failures count against the path: the
+            # request's deadline (reported by the transport or by our timer), a
+            # cancel or a closing engine say nothing about it. The report ends
+            # the path's probe, if this unit held it.
+            unit._probe = None
             health.failure(peer, t.name, error)
+        else:
+            self._end_probe(unit)
         if (t is None or unit.abort_exc is not None or not is_retryable(error) or self.e._closed
                 or unit.time_left() <= 0 or getattr(unit, "_tries", 1) >= health.policy.max_attempts):
             return False
@@ -1233,6 +1244,7 @@ class Pipeline:
 
     def _resolve_unconfirmed(self, unit: Any, err: BaseException) -> None:
         unit._unconfirmed = True
+        self._end_probe(unit)  # resolved by its deadline: the transport's late report says nothing
         if isinstance(unit, Operation):
             unit.transfer._record(err, 0)
             self._push(unit)
@@ -1324,12 +1336,26 @@ class Pipeline:
     def _succeeded(self, unit: Any) -> None:
         health = self.e.health
         if health.any_failures() and unit.transport is not None:
+            unit._probe = None  # the success report ends the probe
             health.success(unit.remote.address, unit.transport.name)
+
+    def _end_probe(self, unit: Any) -> None:
+        """Free the probe slot ``unit`` holds, if any, with no verdict on the path.
+
+        Every ending that is not a success or a counted failure comes here
+        (deadline, cancel, close, the request's own error, a unit that fails
+        before it is posted): a slot left taken refuses the path for good.
+        """
+        name = getattr(unit, "_probe", None)
+        if name is not None:
+            unit._probe = None
+            self.e.health.release_probe(unit.remote.address, name)
 
     def _release(self, unit: Any) -> None:
         dl = unit._dl
         if dl is not None:
             self.e._timer.cancel(dl)
+        self._end_probe(unit)
         if unit._tracked:
             with self._inflight_lock:
                 self._inflight.discard(unit)

@@ -1062,8 +1062,7 @@ class ShmTransport(Transport):
                     err = m.error
                     break
                 if i and time.monotonic() > g.deadline:
-                    err = TransferTimeout(f"shm batch of {n} passed its deadline after {i} requests",
-                                          region=g.remote.name, peer=g.remote.address)
+                    err = _deadline_passed(g, f"shm batch of {n} passed its deadline after {i} requests")
                     break
                 if self.copy_mode:
                     a, b, k = lo[i], ro[i], ln[i]
@@ -1101,8 +1100,7 @@ class ShmTransport(Transport):
             if m.error is not None:
                 raise m.error
             if pos and time.monotonic() > op.deadline:
-                raise TransferTimeout(f"shm {op.kind} of {length} bytes passed its deadline after {pos} bytes",
-                                      region=op.remote.name, peer=op.remote.address)
+                raise _deadline_passed(op, f"shm {op.kind} of {length} bytes passed its deadline after {pos} bytes")
             k = min(chunk, length - pos)
             rc = self._copy(m, write, local + pos, remote + pos, k)
             if rc:
@@ -1271,6 +1269,19 @@ def _pin(cpus: tuple[int, ...], log: logging.Logger) -> None:
         os.sched_setaffinity(0, cpus)
     except (OSError, ValueError) as exc:  # a cpuset that excludes them: copy from wherever we are
         log.debug("shm: could not pin a copy thread to CPUs %s: %s", cpus, exc)
+
+
+def _deadline_passed(op: Any, why: str) -> BaseException:
+    """The copy loop saw ``op``'s deadline pass: stop it as the engine's timer would.
+
+    The timeout is recorded as the request's abort (first reason wins, so a
+    timer or cancel that came first stays the reason), which tells the engine
+    it is the caller's deadline and no failure of the path: it must not cool
+    down a healthy peer because a caller allowed 1 ms for 64 MiB.
+    """
+    err = TransferTimeout(why, region=op.remote.name, peer=op.remote.address)
+    op.abort(err)
+    return op.abort_exc or err
 
 
 def _again(err: MpcommError, r: Any) -> MpcommError:

@@ -205,13 +205,24 @@ class Conn:
             self._shut(socket.SHUT_RDWR)  # the reader wakes and reports
 
     def _shut(self, how: int) -> None:
-        self.broken = True
-        self.rcv.notify_all()  # a parked reader goes to meet the end and report
+        self._end_locked()
         if self.sock is not None:
             try:
                 self.sock.shutdown(how)
             except OSError:
                 pass
+
+    def _end_locked(self) -> None:
+        """Mark the connection ended (lock held) and wake every thread parked on it.
+
+        The writer waits on ``cv`` for work for up to ``idle_close``; a reader
+        that met the end of a dead peer's connection retires it from the pool,
+        so nothing else (not ``Pool.close``) would wake that writer: it would
+        outlive the connection by ``idle_close`` (30 s by default).
+        """
+        self.broken = True
+        self.cv.notify_all()  # the writer sees ``broken`` and ends
+        self.rcv.notify_all()  # a parked reader goes to meet the end and report
 
     # -- the writer ------------------------------------------------------------------------
 
@@ -564,7 +575,7 @@ class Conn:
         """The connection is gone: every piece still on it ends, from this (the last) thread touching it."""
         self.pool.retire(self)
         with self.lock:
-            self.broken = True
+            self._end_locked()
             self.ready = False
             pieces = [(p, p.state) for p in self.pending.values() if p.state != DONE]
             if self.current is not None and self.current.state != DONE:
@@ -589,8 +600,7 @@ class Conn:
 
     def close(self) -> None:
         with self.lock:
-            self._shut(socket.SHUT_RDWR)
-            self.cv.notify_all()
+            self._shut(socket.SHUT_RDWR)  # wakes the writer and the reader
 
 
 def _load(conn: Conn) -> int:

@@ -8,14 +8,16 @@ again on the next transport of the route, within the request's deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import time
 from concurrent.futures import CancelledError
 
 import pytest
 
 import mpcomm
-from mpcomm.errors import OutOfBoundsError, PermissionDeniedError, StaleRegionError
+from mpcomm.errors import OutOfBoundsError, PeerConnectionError, PermissionDeniedError, StaleRegionError
 
 RULES = [{"name": "faulty-first", "transports": ["faulty", "tcp"]}]
 TIMEOUT = 20.0
@@ -78,6 +80,8 @@ def test_writes_fail_over_to_tcp_and_every_byte_arrives(faulty) -> None:
 def test_reads_fail_over_and_the_local_range_is_rewritten(faulty) -> None:
     target, initiator = _pair({"fail_every": 1})  # every read on faulty fails half-way
     with target, initiator:
+        # A cool-down a loaded machine cannot outrun before the check at the end (50 ms by default).
+        initiator.health.policy = dataclasses.replace(initiator.health.policy, base_cooldown=30.0)
         size = 2 << 20
         kv = target.allocate(size, "kv")
         data = os.urandom(size)
@@ -139,6 +143,29 @@ def test_errors_retrying_cannot_fix_are_not_retried(faulty, refuse: str, exc: ty
         with pytest.raises(exc):
             t2.result(TIMEOUT)
         assert faulty.counters["injected"] == 2
+
+
+def test_a_probe_ending_in_a_plugin_exception_frees_the_slot(faulty) -> None:
+    """A transport whose post() raises (a plugin bug) fails the probe; the next request probes again."""
+    target, initiator = _pair({"refuse": "a mode the plugin does not know"})  # post() raises ValueError
+    with target, initiator:
+        target.allocate(1 << 16, "kv")
+        remote = initiator.open(target.address, "kv")
+        h = initiator.health
+        for _ in range(h.policy.pause_after):
+            h.failure(target.address, "faulty", PeerConnectionError("reset by the test"))
+        assert h.paused(target.address, "faulty")
+        for attempt in range(1, 4):
+            deadline = time.monotonic() + 10
+            while h.paused(target.address, "faulty"):  # the cool-down (50 ms)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            t = initiator.write(b"\x5a" * 4096, remote, timeout=TIMEOUT)
+            with pytest.raises(mpcomm.MpcommError, match="transport faulty failed"):
+                t.result(TIMEOUT)
+            assert t.transport == "faulty"
+            assert faulty.counters["injected"] == attempt  # it reached the transport: admitted as the probe
+            assert h.path_state(target.address, "faulty")["probing"] is False
 
 
 def test_a_cancelled_request_is_not_retried(faulty) -> None:

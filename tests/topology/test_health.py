@@ -20,7 +20,15 @@ from mpcomm.errors import (
     TransferTimeout,
     UnknownRegionError,
 )
-from mpcomm.health import EpochWatch, HealthMetrics, HealthPolicy, HealthTracker, ManualClock, is_retryable
+from mpcomm.health import (
+    EpochWatch,
+    HealthMetrics,
+    HealthPolicy,
+    HealthTracker,
+    ManualClock,
+    counts_against_path,
+    is_retryable,
+)
 
 CONN = PeerConnectionError("reset")
 
@@ -64,6 +72,38 @@ def test_cooldown_grows_and_probe_is_single() -> None:
     assert h.admit("p", "rdma") == "probe"
     h.success("p", "rdma")
     assert h.admit("p", "rdma") == "ok" and h.path_state("p", "rdma")["failures"] == 0
+
+
+def test_a_requests_own_deadline_never_counts_against_the_path() -> None:
+    h, clock = tracker()
+    assert not counts_against_path(TransferTimeout("deadline"), deadline_passed=True)
+    assert counts_against_path(PeerConnectionError("reset"), deadline_passed=True)  # a broken link, whenever
+    assert not h.failure("p", "shm", TransferTimeout("the caller's 1 ms"), deadline_passed=True)
+    assert h.path_state("p", "shm")["failures"] == 0 and h.admit("p", "shm") == "ok"
+    # A timeout while the request still had time (a handshake past its own limit) is the path's.
+    assert h.failure("p", "shm", TransferTimeout("handshake did not finish in time"))
+    clock.advance(1.01)
+    assert h.admit("p", "shm") == "probe"
+    # The probe ends by its own deadline: not counted, and its slot is free for the next request.
+    assert not h.failure("p", "shm", TransferTimeout("the probe's deadline"), deadline_passed=True)
+    assert h.path_state("p", "shm") == {"failures": 1, "paused_for": 0.0, "probing": False}
+    assert h.admit("p", "shm") == "probe"
+    h.release_probe("p", "shm")  # cancelled: freed again
+    assert h.admit("p", "shm") == "probe"
+    h.success("p", "shm")
+    assert h.admit("p", "shm") == "ok"
+
+
+def test_a_peers_probe_slot_is_freed_by_an_uncounted_ending() -> None:
+    h, clock = tracker(quarantine_after=2)
+    h.failure("p", "a", CONN)
+    h.failure("p", "b", CONN)
+    assert h.quarantined("p")
+    clock.advance(2.01)
+    assert h.admit("p", "a") == "probe"
+    assert h.quarantined("p")  # one probe at a time
+    h.failure("p", "a", TransferTimeout("the probe's deadline"), deadline_passed=True)
+    assert not h.quarantined("p") and h.admit("p", "a") == "probe"
 
 
 def test_cooldown_is_capped() -> None:
@@ -265,6 +305,14 @@ def test_attempts_and_deadline_bound_the_walk() -> None:
     with pytest.raises(TransferTimeout, match="the deadline passed"):
         run(plan, {t: PeerConnectionError("slow death") for t in "abc"}, clock2, cost=0.6)
     assert len(plan.attempts) == 2  # the third never started: no time left
+
+
+def test_a_timeout_at_the_deadline_does_not_count_in_a_plan() -> None:
+    h, clock = tracker()
+    plan = FailoverPlan(["shm", "tcp"], "p", h, deadline=clock.now() + 1.0)
+    with pytest.raises(TransferTimeout):
+        run(plan, {"shm": TransferTimeout("deadline"), "tcp": 1}, clock, cost=1.5)
+    assert h.path_state("p", "shm")["failures"] == 0 and not h.paused("p", "shm")
 
 
 def test_everything_paused_says_so() -> None:
