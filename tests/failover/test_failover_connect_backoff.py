@@ -26,6 +26,7 @@ from mpcomm.errors import PeerConnectionError, StaleRegionError
 
 HERE = Path(__file__).resolve().parent
 START_MS, CAP_MS = 100, 400
+FAIL_FAST_S = 2.0  # against the 5 s timeout of each request in _hammer
 
 
 def _closed_port() -> int:
@@ -134,7 +135,9 @@ def test_a_down_peer_is_dialled_a_handful_of_times_and_used_once_it_is_back(tmp_
             assert h["connect_failures"]["by_peer"] == {address: dials}, "the engine's count is not the dials seen"
             assert h["connect_backoffs"]["by_peer"] == {address: len(refusals)}
             assert len(refusals) == n - dials, "every request that did not dial was refused by the back-off"
-            assert slowest < 0.5, f"a request to the down peer took {slowest:.3f}s: it did not fail fast"
+            # Failing fast means not waiting for a dial or for the request's 5 s timeout; the bound sits
+            # well below that and well above what a machine shared with busy loops adds (0.6 s was seen).
+            assert slowest < FAIL_FAST_S, f"a request to the down peer took {slowest:.3f}s: it did not fail fast"
             err = refusals[-1]
             assert err.retryable and err.peer == address
             assert "last connect attempt failed" in str(err) and "retry after" in str(err), str(err)
@@ -148,7 +151,7 @@ def test_a_down_peer_is_dialled_a_handful_of_times_and_used_once_it_is_back(tmp_
             n2, refusals2, slowest2 = _hammer(initiator, address, remote, 1.0)
             failed2 = initiator.stats()["health"]["connect_failures"]["total"] - before
             assert n2 >= 100 and 1 <= failed2 <= 4, f"{failed2} refused connects for {n2} requests in a second"
-            assert slowest2 < 0.5
+            assert slowest2 < FAIL_FAST_S
             assert "refused" in str(refusals2[-1].__cause__), str(refusals2[-1])
 
             # 3. The peer comes back on the same port: used once the current window passes.
