@@ -62,8 +62,29 @@ def python_link_info() -> tuple[list[str], str | None]:
     return [f"-L{libdir}", f"-l{name}", f"-Wl,-rpath,{libdir}"], None
 
 
+def editable_root(checkout: str | os.PathLike[str]) -> Path:
+    """The MPCOMM_ROOT of an editable install of ``checkout``: in its git-ignored build/, not its source."""
+    return Path(checkout) / "build" / "native"
+
+
+def native_root(pkg_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the provider of this mpcomm lives: the package dir (a wheel install), else, for an
+    editable install of a checkout, :func:`editable_root` beside it (if it was built there)."""
+    if pkg_dir is None:
+        import mpcomm
+
+        pkg_dir = Path(mpcomm.__file__).resolve().parent
+    pkg = Path(pkg_dir)
+    if (pkg / "lib" / SONAME).exists() or (pkg / STATUS_FILE).exists():
+        return pkg
+    checkout = pkg.parent
+    if (checkout / "pyproject.toml").is_file() and (editable_root(checkout) / STATUS_FILE).exists():
+        return editable_root(checkout)
+    return pkg
+
+
 def build_native(dest: str | os.PathLike[str], src: str | os.PathLike[str] = NATIVE_SRC, *,
-                 python: str | None = None, quiet: bool = True) -> dict[str, Any]:
+                 python: str | None = None, quiet: bool = True, for_wheel: bool = False) -> dict[str, Any]:
     """Compile libmpcomm.so and lay out the MPCOMM_ROOT under ``dest``; returns the status."""
     dest, src = Path(dest), Path(src)
     dest.mkdir(parents=True, exist_ok=True)
@@ -115,11 +136,7 @@ def build_native(dest: str | os.PathLike[str], src: str | os.PathLike[str] = NAT
 
 def native_status(pkg_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """What is installed under the mpcomm package dir: built, or the recorded reason."""
-    if pkg_dir is None:
-        import mpcomm
-
-        pkg_dir = Path(mpcomm.__file__).resolve().parent
-    pkg = Path(pkg_dir)
+    pkg = native_root(pkg_dir)
     lib = pkg / "lib" / SONAME
     recorded: dict[str, Any] = {}
     try:
