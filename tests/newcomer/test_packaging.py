@@ -246,3 +246,27 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path: Path) -> None:
             target.kill()
             target.wait(10)
     assert _files(site) == before, "something was written into site-packages at run time"
+
+
+def test_editable_install_builds_helpers_in_place_and_the_provider_outside_the_source(tmp_path: Path) -> None:
+    """pip install -e: the helpers land beside their packages (git-ignored) where imports find them; the
+    MPComm provider goes to build/native/, and nothing of it into core/."""
+    src = _source_copy(tmp_path / "src")
+    py = _venv(tmp_path / "venv")
+    inst = subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", "-q", "install", "-e",
+                           str(src)], capture_output=True, text=True, timeout=300)
+    assert inst.returncode == 0, inst.stdout[-3000:] + inst.stderr[-3000:]
+    for out in ("core/include", "core/lib", "core/native-status.json"):
+        assert not (src / out).exists(), out
+    assert (src / "build" / "native" / "lib" / "libmpcomm.so.1").exists()
+    helpers = sorted(str(p.relative_to(src)) for p in [*src.glob("core/**/*.so"), *src.glob("plugins/**/*.so")])
+    assert len(helpers) == 4, helpers
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", *helpers], capture_output=True,
+                             text=True, timeout=60)
+    assert ignored.stdout.split() == helpers, ignored.stdout + ignored.stderr  # every one git-ignored
+    code = ("import mpcomm.native_helper as n, mpcomm.tent.build as b; assert not n.missing(), n.missing(); "
+            "print(b.native_root())")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    run = subprocess.run([str(py), "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(src / "build" / "native")
