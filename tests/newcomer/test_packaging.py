@@ -117,12 +117,25 @@ def _source_copy(dest: Path) -> Path:
     return dest
 
 
-def test_wheel_ships_the_license_and_metadata(tmp_path: Path) -> None:
-    src = _source_copy(tmp_path / "src")
-    proc = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(src)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("mpcomm-*.whl")
+def _venv(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, capture_output=True, timeout=120)
+    return path / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built once per module by pip in a fresh venv from a clean copy of the source."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = _source_copy(tmp / "src")
+    builder = _venv(tmp / "build-venv")
+    built = subprocess.run([str(builder), "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps",
+                            "-w", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (whl,) = (tmp / "dist").glob("mpcomm-*.whl")
+    return whl
+
+
+def test_wheel_ships_the_license_and_metadata(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     licenses = [n for n in names if re.search(r"\.dist-info/(licenses/)?LICENSE$", n)]
     assert licenses, names
@@ -178,29 +191,17 @@ def test_ci_runs_the_test_command_in_a_fresh_venv(tmp_path: Path) -> None:
     assert after == before, "the nested install built into this checkout's core/lib"
 
 
-def _venv(path: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, capture_output=True, timeout=120)
-    return path / "bin" / "python"
-
-
 def _files(d: Path) -> set[str]:
     return {str(p.relative_to(d)) for p in d.rglob("*") if "__pycache__" not in p.parts}
 
 
-def test_wheel_installs_and_runs_without_a_compiler(tmp_path: Path) -> None:
+def test_wheel_installs_and_runs_without_a_compiler(wheel: Path, tmp_path: Path) -> None:
     """The wheel, built in one fresh venv, installed into another whose PATH has no compiler: every compiled
     helper imports, two engines move bytes, nothing is written into site-packages, and a C++ host compiled
     against the installed include/ and lib/ makes the Mooncake adapter's calls between two processes with
     the installed libmpcomm.so.1, which finds that venv's interpreter by itself (no MPCOMM_PYTHON)."""
     from mpcomm.tent.build import compile_host
 
-    src = _source_copy(tmp_path / "src")
-    builder = _venv(tmp_path / "build-venv")
-    pip = [str(builder), "-m", "pip", "--disable-pip-version-check", "-q"]
-    built = subprocess.run([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(src)],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("mpcomm-*.whl")
     assert "-cp3" in wheel.name and "linux" in wheel.name, wheel.name
 
     py = _venv(tmp_path / "run-venv")
