@@ -7,7 +7,8 @@
 //
 // 1. A host that already runs Python (Py_IsInitialized is in the process):
 //    nothing to load; the implementation binds to that interpreter.
-// 2. Else the interpreter to embed: MPCOMM_PYTHON, else the environment this
+// 2. Else the interpreter to embed: MPCOMM_PYTHON, else `python` of the [tent]
+//    table in the MPCOMM_CONFIG file, else the environment this
 //    library is installed in (<prefix>/lib/pythonX.Y/site-packages/mpcomm/lib
 //    -> <prefix>/bin/python3), else the one recorded at build time relative to
 //    this library (an editable install's build/native/lib). That interpreter is
@@ -73,12 +74,53 @@ std::string ownDirectory() {
 
 bool executable(const std::string &p) { return !p.empty() && access(p.c_str(), X_OK) == 0; }
 
+// `python = "..."` of the [tent] table in the TOML file MPCOMM_CONFIG names, or "". A line scan,
+// not a TOML parser (no Python runs yet): a basic or literal string on the key's own line.
+std::string configPython(std::string &file) {
+    const char *path = std::getenv("MPCOMM_CONFIG");
+    if (!path || !*path) return "";
+    file = path;
+    FILE *f = std::fopen(path, "r");
+    if (!f) return "";
+    std::string found;
+    bool inTent = false;
+    char buf[4096];
+    auto trim = [](std::string v) {
+        size_t a = v.find_first_not_of(" \t\r\n"), b = v.find_last_not_of(" \t\r\n");
+        return a == std::string::npos ? std::string() : v.substr(a, b - a + 1);
+    };
+    while (std::fgets(buf, sizeof buf, f)) {
+        std::string line = trim(buf);
+        if (line.empty() || line[0] == '#') continue;
+        if (line[0] == '[') {
+            inTent = line == "[tent]";
+            continue;
+        }
+        if (!inTent || line.compare(0, 6, "python") != 0) continue;
+        std::string rest = trim(line.substr(6));
+        if (rest.empty() || rest[0] != '=') continue;
+        rest = trim(rest.substr(1));
+        if (rest.size() >= 2 && (rest[0] == '"' || rest[0] == '\'')) {
+            size_t end = rest.find(rest[0], 1);
+            if (end != std::string::npos) found = rest.substr(1, end - 1);
+        }
+    }
+    std::fclose(f);
+    return found;
+}
+
 // The interpreter to embed, and where that choice came from (for messages).
 std::string chooseInterpreter(std::string &from) {
     const char *env = std::getenv("MPCOMM_PYTHON");
     if (env && *env) {
         from = "MPCOMM_PYTHON";
         return env;
+    }
+    std::string file;
+    std::string configured = configPython(file);
+    if (!configured.empty()) {
+        from = "tent.python in " + file;
+        return configured;
     }
     std::string dir = ownDirectory();
     auto pos = dir.rfind("/site-packages/mpcomm/lib");

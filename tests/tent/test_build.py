@@ -98,6 +98,21 @@ def test_a_missing_or_wrong_interpreter_is_an_error_code_not_a_crash(wheel_root:
         assert lines["INIT"].startswith("-13 ") and words in lines["INIT"], (python, proc.stdout)
         assert lines["LATER"].startswith("-13 ") and words in lines["LATER"], (python, proc.stdout)
         assert lines["INIT2"] == "-13", proc.stdout
+    # The [tent] python key of the MPCOMM_CONFIG file names the interpreter when MPCOMM_PYTHON is unset.
+    cfg = tmp_path / "mpcomm.toml"
+    cfg.write_text(f'[transport]\nsecret = ""\n\n[tent]\n# the interpreter\npython = "{tmp_path / "nowhere"}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "MPCOMM_PYTHON"}
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, env={**env, "MPCOMM_CONFIG": str(cfg)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{tmp_path / 'nowhere'} (from tent.python in {cfg}), does not exist" in proc.stdout, proc.stdout
+    from mpcomm.config import load_config
+
+    assert load_config(str(cfg)).tent.python == str(tmp_path / "nowhere")  # the same file validates for the engine
+    # ... and a real interpreter named there starts: the provider loads its libpython and runs.
+    cfg.write_text(f'[tent]\npython = "{sys.executable}"\n')
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                          env={**env, "MPCOMM_CONFIG": str(cfg), "MPCOMM_TENT_BIND": "127.0.0.1"})
+    assert proc.returncode == 0 and "INIT 0 " in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_a_missing_library_is_reported_even_without_a_record(tmp_path: Path) -> None:
