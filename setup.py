@@ -55,7 +55,8 @@ class optional_build_ext(build_ext):
             super().run()
         except Exception as exc:  # no compiler at all (DistutilsPlatformError and kin)
             for ext in self.extensions:
-                self._failed.setdefault(ext.name, f"no usable C compiler ({exc})")
+                if not Path(self.get_ext_fullpath(ext.name)).exists():
+                    self._failed.setdefault(ext.name, f"no usable C compiler ({exc})")
         self._record()
 
     def build_extension(self, ext):
