@@ -1,18 +1,42 @@
-"""Install-time build of mpcomm's native MPComm provider (libmpcomm.so).
+"""Install-time build of mpcomm's native parts; everything else is in pyproject.toml.
 
-Everything else about the distribution is in pyproject.toml. The native part
-is built where a C++ compiler and Python headers exist and skipped otherwise,
-with the reason recorded for ``mpcomm doctor`` (see tent/build.py).
+Two kinds of native code, both compiled here (when the wheel or the editable
+install is built) and never at run time:
+
+* The compiled helpers (engine inline lane, shm copy loop, ucx put loop, tcp
+  busy-poll): ordinary setuptools ``Extension`` modules. setuptools is already
+  the build backend, so this needs no extra build dependency (meson-python or
+  scikit-build-core would add meson/ninja or CMake to every build for four
+  single-file C modules). Each is optional: where the build has no compiler
+  (or Python headers), the install still succeeds, records which failed and
+  why (``mpcomm/native-build.json``), and mpcomm runs its pure-Python
+  fallbacks (``mpcomm doctor`` says what that costs; see docs/packaging.md).
+* The MPComm provider ``libmpcomm.so.1`` for Mooncake TENT (tent/build.py):
+  into the wheel's ``mpcomm/`` (an MPCOMM_ROOT), or for an editable install
+  into ``build/native/`` (never into the source tree).
 """
 
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
-from setuptools import Command, setup
+from setuptools import Command, Extension, setup
 from setuptools.command.build import build
+from setuptools.command.build_ext import build_ext
 from setuptools.dist import Distribution
 
 HERE = Path(__file__).resolve().parent
+
+#: import name -> C source; the same table as mpcomm.native_helper.HELPERS (a test compares them).
+#: Each source builds as an extension module (MP_PYMODULE) whose C functions are also called through ctypes.
+HELPERS = {
+    "mpcomm.engine._mpcomm_fastlane": "core/engine/_fastlane.c",
+    "mpcomm.plugins.shm._mpcomm_copyloop": "plugins/shm/_copyloop.c",
+    "mpcomm.plugins.ucx._mpcomm_ucxloop": "plugins/ucx/_ucxloop.c",
+    "mpcomm.plugins.tcp._mpcomm_busypoll": "plugins/tcp/_busypoll.c",
+}
+BUILD_RECORD = "native-build.json"  # mpcomm.native_helper.BUILD_RECORD
 
 
 def _builder():
@@ -22,8 +46,45 @@ def _builder():
     return mod
 
 
+class optional_build_ext(build_ext):
+    """build_ext where a helper that fails to compile is recorded and skipped, never fatal."""
+
+    def run(self):
+        self._failed = {}
+        try:
+            super().run()
+        except Exception as exc:  # no compiler at all (DistutilsPlatformError and kin)
+            for ext in self.extensions:
+                if not Path(self.get_ext_fullpath(ext.name)).exists():
+                    self._failed.setdefault(ext.name, f"no usable C compiler ({exc})")
+        self._record()
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # CompileError, LinkError, a missing cc or Python.h
+            why = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+            self._failed[ext.name] = f"{type(exc).__name__}: {why[0][:300]}"
+            print(f"mpcomm: optional helper {ext.name} not built ({self._failed[ext.name]}); "
+                  "its pure-Python fallback will serve", file=sys.stderr)
+
+    def _record(self):
+        pkg = Path(self.get_ext_fullpath("mpcomm.x")).parent  # where mpcomm's own files go (in place or build_lib)
+        out = pkg / BUILD_RECORD
+        if self._failed:
+            pkg.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"failed": self._failed}, indent=1) + "\n")
+        elif out.exists():
+            out.unlink()  # all built now: no stale reasons
+
+    def get_outputs(self):
+        outs = super().get_outputs()
+        rec = Path(self.get_ext_fullpath("mpcomm.x")).parent / BUILD_RECORD
+        return [*outs, str(rec)] if rec.exists() else outs
+
+
 class build_native(Command):
-    """Compile libmpcomm.so into the mpcomm package directory (an MPCOMM_ROOT)."""
+    """Compile the MPComm provider (libmpcomm.so.1) into an MPCOMM_ROOT."""
 
     description = "build mpcomm's MPComm provider library"
     user_options = []
@@ -36,9 +97,11 @@ class build_native(Command):
         self.set_undefined_options("build_py", ("build_lib", "build_lib"))
 
     def run(self):
-        # An editable install imports mpcomm from core/, so MPCOMM_ROOT is core/.
-        dest = HERE / "core" if self.editable_mode else Path(self.build_lib) / "mpcomm"
-        status = _builder().build_native(dest, HERE / "tent" / "native")
+        b = _builder()
+        # An editable install must not write into the source tree: its MPCOMM_ROOT is build/native/,
+        # which mpcomm.tent.build.native_root() finds beside the checkout.
+        dest = b.editable_root(HERE) if self.editable_mode else Path(self.build_lib) / "mpcomm"
+        status = b.build_native(dest, HERE / "tent" / "native", for_wheel=not self.editable_mode)
         if status["built"]:
             print(f"mpcomm: built {status['library']}")
         else:
@@ -59,10 +122,14 @@ class build_with_native(build):
 
 
 class BinaryDistribution(Distribution):
-    """libmpcomm.so embeds this Python's libpython: the wheel is per interpreter and platform."""
+    """Extension modules and libmpcomm.so.1 are per interpreter and platform, even where none built."""
 
     def has_ext_modules(self):
         return True
 
 
-setup(distclass=BinaryDistribution, cmdclass={"build": build_with_native, "build_native": build_native})
+setup(
+    distclass=BinaryDistribution,
+    ext_modules=[Extension(name, [src], define_macros=[("MP_PYMODULE", "1")]) for name, src in HELPERS.items()],
+    cmdclass={"build": build_with_native, "build_native": build_native, "build_ext": optional_build_ext},
+)

@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from mpcomm import native_helper
 from mpcomm.tent.doctor import native_provider_check
 
 from . import nodecheck, plugins_cmd
@@ -38,6 +39,17 @@ def plugin_checks(found: dict[str, Any]) -> list[Check]:
         checks.append(Check("plugins", "usable_transport", Status.FAIL, "no transport is available",
                             "install mpcomm with its tcp plugin (always available) or check MPCOMM_PLUGINS"))
     return checks
+
+
+def native_helper_checks() -> list[Check]:
+    """One WARN per compiled helper the install lacks (with what running without it costs), else one PASS."""
+    gone = native_helper.missing()
+    if not gone:
+        return [Check("plugins", "compiled_helpers", Status.PASS,
+                      f"all {len(native_helper.HELPERS)} built at install ({', '.join(w for w, _ in native_helper.HELPERS.values())})")]
+    return [Check("plugins", f"compiled:{what}", Status.WARN, f"missing: {why}",
+                  "reinstall mpcomm where a C compiler and Python headers are available, or use a binary wheel")
+            for what, why in gone.items()]
 
 
 def manifest_extra(found: dict[str, Any]) -> dict[str, str]:
@@ -82,6 +94,7 @@ def doctor(
         return
     checks = nodecheck.run_checks(min_shm_bytes=parse_size(min_shm), min_memlock_bytes=parse_size(min_memlock))
     checks += plugin_checks(found)
+    checks += native_helper_checks()  # accelerations missing from this install, and their measured cost
     checks.append(native_provider_check())  # libmpcomm.so for Mooncake TENT (docs/tent.md)
     worst = nodecheck.worst_status(checks)
     if json_:

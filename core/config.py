@@ -66,6 +66,9 @@
     metadata = ""              # "" = peer-to-peer; "etcd://127.0.0.1:2379[,host:port][/prefix]"
     lease_ttl_s = 10           # a killed engine's published regions vanish after this
 
+    [tent]                     # the MPComm provider (libmpcomm.so.1) for C++ hosts; see docs/tent.md
+    python = ""                # the interpreter to embed when the host has none ("" = the installing env's)
+
     [[route]]                  # issue 10: route rules, matched in order (see mpcomm.routing)
     name = "same-host"
     same_host = true
@@ -187,6 +190,14 @@ class TlsSection:
 
 
 @dataclass(frozen=True)
+class TentSection:
+    """The MPComm provider for C++ hosts. ``python`` is read by libmpcomm.so.1 itself (from the file
+    MPCOMM_CONFIG names, before any Python runs); it is here so that the file validates."""
+
+    python: str = ""
+
+
+@dataclass(frozen=True)
 class ClusterSection:  # issue 10
     metadata: str = ""
     lease_ttl_s: int = 10
@@ -201,6 +212,7 @@ _SECTIONS = {
     "health": HealthSection,
     "tls": TlsSection,
     "cluster": ClusterSection,  # issue 10
+    "tent": TentSection,
 }
 
 #: Inclusive ranges of every integer key; values outside are ConfigErrors naming the key.
@@ -257,6 +269,7 @@ class Config:
     tls: TlsSection = field(default_factory=TlsSection)
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    tent: TentSection = field(default_factory=TentSection)
     #: ``[[route]]`` tables as written (shape-checked here; transport names are
     #: checked against the installed plugins when an engine builds its RoutePolicy).
     route: tuple[dict[str, Any], ...] = ()

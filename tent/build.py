@@ -3,13 +3,15 @@
 The result is a valid ``MPCOMM_ROOT``::
 
     <pkg>/include/mpcomm.h
-    <pkg>/lib/libmpcomm.so.1          (soname libmpcomm.so.1)
-    <pkg>/lib/libmpcomm.so -> libmpcomm.so.1
+    <pkg>/lib/libmpcomm.so.1          (soname libmpcomm.so.1; links no libpython)
+    <pkg>/lib/libmpcomm_pythonX.Y.so  (the implementation it loads at init, after libpython)
+    <pkg>/lib/libmpcomm.so -> libmpcomm.so.1 (in a wheel: a one-line ld script naming it)
     <pkg>/lib/cmake/mpcomm/mpcommConfig.cmake, mpcommConfigVersion.cmake (1.4.0, SameMajorVersion)
     <pkg>/native-status.json          (what was built, or why not)
 
-``setup.py`` runs it at install time (into ``core/`` for an editable install,
-where ``mpcomm.__file__`` lives); ``python -m mpcomm.tent.build`` reruns it.
+``setup.py`` runs it at install time (into the wheel's ``mpcomm/``; for an
+editable install into the checkout's ``build/native/``, never the source tree);
+``python -m mpcomm.tent.build`` reruns it.
 It never raises for a missing compiler or missing Python headers: it records
 the reason, which ``mpcomm doctor`` reports. Standard library only, because
 setup.py loads this file before mpcomm is importable.
@@ -29,6 +31,8 @@ from typing import Any
 
 PROVIDER_VERSION = "1.4.0"
 SONAME = "libmpcomm.so.1"
+#: The implementation libmpcomm.so.1 loads at init (beside it): per Python X.Y, like an extension module.
+IMPL_NAME = "libmpcomm_python{pyver}.so"
 STATUS_FILE = "native-status.json"
 NATIVE_SRC = Path(__file__).resolve().parent / "native"
 
@@ -62,8 +66,33 @@ def python_link_info() -> tuple[list[str], str | None]:
     return [f"-L{libdir}", f"-l{name}", f"-Wl,-rpath,{libdir}"], None
 
 
+def editable_root(checkout: str | os.PathLike[str]) -> Path:
+    """The MPCOMM_ROOT of an editable install of ``checkout``: in its git-ignored build/, not its source."""
+    return Path(checkout) / "build" / "native"
+
+
+def _checkout_of(pkg: Path) -> Path | None:
+    """The source checkout an editable install imports ``pkg`` (its core/) from, else None."""
+    top = pkg.parent
+    return top if (top / "pyproject.toml").is_file() and (top / "tent" / "native").is_dir() else None
+
+
+def native_root(pkg_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the provider of this mpcomm lives (its MPCOMM_ROOT): the package dir of a wheel
+    install, or :func:`editable_root` of the checkout an editable install imports from."""
+    if pkg_dir is None:
+        import mpcomm
+
+        pkg_dir = Path(mpcomm.__file__).resolve().parent
+    pkg = Path(pkg_dir)
+    if (pkg / "lib" / SONAME).exists() or (pkg / STATUS_FILE).exists():
+        return pkg
+    checkout = _checkout_of(pkg)
+    return editable_root(checkout) if checkout is not None else pkg
+
+
 def build_native(dest: str | os.PathLike[str], src: str | os.PathLike[str] = NATIVE_SRC, *,
-                 python: str | None = None, quiet: bool = True) -> dict[str, Any]:
+                 python: str | None = None, quiet: bool = True, for_wheel: bool = False) -> dict[str, Any]:
     """Compile libmpcomm.so and lay out the MPCOMM_ROOT under ``dest``; returns the status."""
     dest, src = Path(dest), Path(src)
     dest.mkdir(parents=True, exist_ok=True)
@@ -75,51 +104,63 @@ def build_native(dest: str | os.PathLike[str], src: str | os.PathLike[str] = NAT
     include = sysconfig.get_paths().get("include") or ""
     if not (Path(include) / "Python.h").exists():
         return _fail(dest, f"Python headers missing ({include}/Python.h); install the python3-dev package")
-    link, why = python_link_info()
-    if why:
-        return _fail(dest, why)
     python = python or os.environ.get("MPCOMM_PYTHON") or sys.executable
+    pyver = f"{sys.version_info[0]}.{sys.version_info[1]}"
     inc, lib = dest / "include", dest / "lib"
     cmake = lib / "cmake" / "mpcomm"
     for d in (inc, cmake):
         d.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src / "mpcomm.h", inc / "mpcomm.h")
+    # A wheel finds its interpreter from where it is installed (site-packages); an editable
+    # install's build/native/lib records its own, relative to the library, so moving the
+    # checkout with its venv keeps working. Never an absolute path, never a link to libpython.
+    rel = "" if for_wheel else os.path.relpath(python, lib)
+    impl_name = IMPL_NAME.format(pyver=pyver)
+    common = [cxx, "-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", f"-I{src}"]
+    steps = [
+        # The implementation: mpcomm.cpp over the Python C API, its Python symbols left for the
+        # libpython that libmpcomm.so.1 loads (RTLD_GLOBAL) or the host already runs.
+        (impl_name, [*common, f"-I{include}", "-Dmpcomm=mpcomm_impl", str(src / "mpcomm.cpp"),
+                     str(src / "mpcomm_impl_entry.cpp"), "-ldl", "-pthread"]),
+        # The library hosts link: no Python at all until init().
+        (SONAME, [*common, f'-DMPCOMM_PY_VERSION="{pyver}"', f'-DMPCOMM_PYTHON_REL="{rel}"',
+                  str(src / "mpcomm_front.cpp"), f"-Wl,-soname,{SONAME}", "-ldl", "-pthread"]),
+    ]
+    for name, cmd in steps:
+        tmp = lib / (name + ".tmp")
+        try:
+            proc = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return _fail(dest, f"compiler failed to run: {exc}")
+        if proc.returncode != 0:
+            return _fail(dest, f"compiling {name} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib / name)
     out = lib / SONAME
-    tmp = lib / (SONAME + ".tmp")
-    cmd = [cxx, "-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall",
-           f"-I{inc}", f"-I{include}", f'-DMPCOMM_DEFAULT_PYTHON="{python}"',
-           str(src / "mpcomm.cpp"), "-o", str(tmp), f"-Wl,-soname,{SONAME}", *link, "-ldl", "-pthread"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return _fail(dest, f"compiler failed to run: {exc}")
-    if proc.returncode != 0:
-        return _fail(dest, f"compiling libmpcomm.so failed: {proc.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)
     link_path = lib / "libmpcomm.so"
     if link_path.is_symlink() or link_path.exists():
         link_path.unlink()
-    try:
+    if for_wheel:
+        # A wheel (a zip) cannot hold a symlink: the link-time name is a one-line GNU ld script
+        # naming the versioned file (ld looks beside the script), not a second copy of the library.
+        link_path.write_text(f"/* the link-time name of {SONAME} (a wheel cannot hold a symlink) */\n"
+                             f"INPUT({SONAME})\n")
+    else:
         link_path.symlink_to(SONAME)
-    except OSError:
-        shutil.copyfile(out, link_path)
     for name in ("mpcommConfig.cmake", "mpcommConfigVersion.cmake"):
         shutil.copyfile(src / name, cmake / name)
-    status = {"built": True, "version": PROVIDER_VERSION, "library": str(out), "python": python,
-              "compiler": cxx, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    status = {"built": True, "version": PROVIDER_VERSION, "library": str(out), "implementation": impl_name,
+              "python_version": pyver, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if not for_wheel:
+        status.update(python=python, python_relative=rel, compiler=cxx)
     (dest / STATUS_FILE).write_text(json.dumps(status, indent=1) + "\n")
     if not quiet:
-        print(f"mpcomm: built {out} (embeds {python})")
+        print(f"mpcomm: built {out} (Python {pyver}, loaded at init)")
     return status
 
 
 def native_status(pkg_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """What is installed under the mpcomm package dir: built, or the recorded reason."""
-    if pkg_dir is None:
-        import mpcomm
-
-        pkg_dir = Path(mpcomm.__file__).resolve().parent
-    pkg = Path(pkg_dir)
+    pkg = native_root(pkg_dir)
     lib = pkg / "lib" / SONAME
     recorded: dict[str, Any] = {}
     try:
@@ -174,14 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m mpcomm.tent.build", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dest", help="package directory to build into (default: the installed mpcomm's)")
+    ap.add_argument("--dest", help="MPCOMM_ROOT to build into (default: the installed mpcomm's package dir, "
+                                   "or build/native/ of the checkout an editable install uses)")
     args = ap.parse_args(argv)
     dest = args.dest
     if dest is None:
         import mpcomm
 
-        dest = str(Path(mpcomm.__file__).resolve().parent)
-    status = build_native(dest, quiet=False)
+        pkg = Path(mpcomm.__file__).resolve().parent
+        checkout = _checkout_of(pkg)
+        dest = str(editable_root(checkout) if checkout is not None else pkg)
+    status = build_native(dest, quiet=False, for_wheel=False)
     if not status["built"]:
         print(f"mpcomm: native provider not built: {status['reason']}", file=sys.stderr)
         return 1

@@ -52,6 +52,7 @@ from ..errors import (
 )
 from ..health import ConnectBackoff, HealthTracker
 from ..memory import Region, allocate_host, as_byte_view
+from .. import native_helper
 from ..metadata import MetadataStore, NodeRecord, PeerToPeerMetadata, RegionRecord, open_metadata
 from ..peer import PeerInfo, format_endpoint, host_identity, is_wildcard, parse_endpoint
 from ..registry import PluginSet, load_plugins
@@ -125,6 +126,7 @@ class Engine:
         autoload: bool | None = None,
         metadata: str | MetadataStore | None = None,
     ) -> None:
+        native_helper.warn_missing_once()  # once per process: which compiled helpers the install lacks, and the cost
         cfg = load_config(config)
         overrides: dict[str, Any] = {}
         if endpoint is not None:

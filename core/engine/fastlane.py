@@ -1,10 +1,11 @@
-"""The bound inline lane in C: ``_fastlane.c``, built once where a compiler and Python.h exist.
+"""The bound inline lane in C: ``_fastlane.c``, built when mpcomm was installed.
 
 :class:`~mpcomm.engine.requests._FastPath` runs each request of a bound pair
 through :func:`lane`'s callable when this module is available, and through
-its own ``_run`` (the same checks in Python) otherwise. Built by
-:mod:`mpcomm.native_helper` into the private cache like the plugins'
-helpers. ``MPCOMM_FASTLANE=0`` turns it off (read at each binding, so a
+its own ``_run`` (the same checks in Python) otherwise. The extension module
+``mpcomm.engine._mpcomm_fastlane`` is built by setup.py and loaded by
+:mod:`mpcomm.native_helper`, like the plugins' helpers; nothing is compiled
+at run time. ``MPCOMM_FASTLANE=0`` turns it off (read at each binding, so a
 test or an operator can compare the two lanes in one process).
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -22,7 +22,7 @@ from .. import native_helper
 log = logging.getLogger("mpcomm.engine")
 
 ABI = 1
-SOURCE = Path(__file__).with_name("_fastlane.c")
+MODULE = "mpcomm.engine._mpcomm_fastlane"
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -32,7 +32,7 @@ reason = "not loaded yet"
 
 
 def module() -> ModuleType | None:
-    """The extension module, or None (disabled, no compiler or Python.h, or it failed to build)."""
+    """The extension module, or None (disabled, or not built when mpcomm was installed)."""
     global _module, _tried, reason
     if os.environ.get("MPCOMM_FASTLANE", "1") == "0":
         reason = "disabled by MPCOMM_FASTLANE=0"
@@ -41,14 +41,11 @@ def module() -> ModuleType | None:
         if not _tried:
             _tried = True
             try:
-                h = native_helper.load(SOURCE, "engine", "fastlane", ABI, "mpcomm_fastlane_abi",
-                                       "_mpcomm_fastlane", native_helper.python_include())
+                h = native_helper.load(MODULE, ABI, "mpcomm_fastlane_abi")
             except Exception as exc:  # noqa: BLE001 - optional: any failure leaves the Python lane
                 h = f"loading it failed ({exc})"
             if isinstance(h, str):
                 reason = h
-            elif h.module is None:
-                reason = "built without Python.h: the Python lane serves"
             else:
                 _module, reason = h.module, "in use"
             if _module is None:

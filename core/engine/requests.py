@@ -315,7 +315,7 @@ class Pipeline:
         """The engine's route policy is set: decide once whether the inline lane can ever apply."""
         self._inline_ok = not self._lazy and not self.e.telemetry.enabled and not self._splits()
         if self._inline_ok:
-            fastlane.module()  # built (once per user and source) here, not inside the first bound request
+            fastlane.module()  # imported here, not inside the first bound request
 
     # -- prepare ----------------------------------------------------------------------
 

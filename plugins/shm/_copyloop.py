@@ -1,19 +1,17 @@
 """The shm copy loop: a small compiled helper, or the same functions in Python.
 
-:func:`get` returns one :class:`CopyLoop` per process. The compiled one comes
-from ``_copyloop.c`` (next to this file), built at first use with the system
-C compiler (``$CC`` or ``cc``) into a per-user cache directory and loaded with
-``ctypes.CDLL`` — which releases the GIL for the whole call, so a batch of N
-pieces costs one call outside the interpreter. The file name holds a hash of
-the source, the interpreter's cache tag and ABI and the machine, so a changed
-source or another Python never loads a stale build; the build lands under a
-temporary name and is renamed into place (atomic, so concurrent processes can
-race safely). Nothing is written into the package directory.
+:func:`get` returns one :class:`CopyLoop` per process. The compiled one is
+``_copyloop.c`` (next to this file), built when mpcomm was installed into the
+extension module ``mpcomm.plugins.shm._mpcomm_copyloop`` (setup.py; nothing is
+compiled at run time). Its batch functions are called through ``ctypes.CDLL``
+on the same file — which releases the GIL for the whole call, so a batch of N
+pieces costs one call outside the interpreter — and its single copies through
+the module (no ctypes argument conversion).
 
-Without a compiler (or with ``MPCOMM_SHM_NATIVE=0``) the Python fallback does
-the same work with one ctypes ``memcpy`` per piece; the reason is logged at
-debug level and shown in the transport's availability text (``mpcomm
-plugins`` / doctor).
+Without the module (the install had no compiler) or with
+``MPCOMM_SHM_NATIVE=0`` the Python fallback does the same work with one
+ctypes ``memcpy`` per piece; the reason is shown in the transport's
+availability text (``mpcomm plugins`` / doctor), and doctor says what it costs.
 
 Return conventions (both implementations): copy functions return 0 or the
 next piece index on success and ``-errno`` on failure; the batch copies
@@ -36,19 +34,16 @@ import os
 import select
 import threading
 from operator import add
-from pathlib import Path
 from typing import Any
 
 from mpcomm import native_helper
-from mpcomm.native_helper import compiler as _compiler
-from mpcomm.native_helper import python_include as _python_include
 
 from . import _native
 
 log = logging.getLogger("mpcomm.transport.shm")
 
 ABI = 3
-SOURCE = Path(__file__).with_name("_copyloop.c")
+MODULE = "mpcomm.plugins.shm._mpcomm_copyloop"
 _ENV = "MPCOMM_SHM_NATIVE"
 
 
@@ -178,7 +173,7 @@ class NativeLoop(CopyLoop):
     native = True
 
     def __init__(self, lib: ctypes.CDLL, path: str, module: Any = None) -> None:
-        super().__init__(f"compiled copy loop ({path}{', extension module' if module is not None else ''})")
+        super().__init__(f"compiled copy loop ({path})")
         self.path = path
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
@@ -230,7 +225,7 @@ _loop: CopyLoop | None = None
 
 
 def get() -> CopyLoop:
-    """The process's copy loop (builds the helper on the first call; never raises)."""
+    """The process's copy loop (loads the helper on the first call; never raises)."""
     global _loop
     loop = _loop
     if loop is not None:
@@ -251,37 +246,18 @@ def fallback(reason: str = "python fallback: disabled by plugins.shm.native") ->
 
 
 def status() -> str:
-    """What :func:`get` uses or would use, without building anything (for availability text)."""
+    """What :func:`get` uses or would use (for availability text)."""
     if _loop is not None:
         return _loop.reason
     if os.environ.get(_ENV, "1") == "0":
         return f"python fallback: disabled by {_ENV}=0"
-    if not SOURCE.is_file():
-        return f"python fallback: {SOURCE.name} is not installed beside the plugin"
-    d = _cache_dir()
-    if d is not None:
-        for name in (_lib_name(module=True), _lib_name()):
-            if (d / name).is_file():
-                return f"compiled copy loop ({d / name})"
-    if not _compiler():
-        return "python fallback: no C compiler (set CC or install cc)"
-    return "compiled copy loop (built at first use)"
-
-
-def _lib_name(module: bool = False) -> str:
-    return native_helper.artifact_name("copyloop", SOURCE, ABI, module)
-
-
-def _cache_dir() -> Path | None:
-    return native_helper.cache_dir("shm")
+    return get().reason
 
 
 def _load() -> CopyLoop:
     if os.environ.get(_ENV, "1") == "0":
         return CopyLoop(f"python fallback: disabled by {_ENV}=0")
-    # With Python.h the same source also builds as an extension module (cheaper single copies);
-    # without it, or if that build fails, the plain library serves every call through ctypes.
-    h = native_helper.load(SOURCE, "shm", "copyloop", ABI, "mp_abi", "_mpcomm_copyloop", _python_include())
+    h = native_helper.load(MODULE, ABI, "mp_abi")
     if isinstance(h, str):
         return CopyLoop(f"python fallback: {h}")
     return NativeLoop(h.lib, str(h.path), h.module)

@@ -9,14 +9,13 @@ So the tcp transport polls, briefly, where a frame is due soon:
   request (``busy_poll_us``);
 * the **initiator**'s ``result()`` caller, for the reply it waits for.
 
-The poll runs in a small compiled helper (``_busypoll.c``, built once by
-:mod:`mpcomm.native_helper`; an extension module where Python.h is installed,
-else called through ctypes), which releases the GIL:
-the other threads of the process run meanwhile. At most ``limit()`` threads
-of a process poll at a time (counted by the module, or one of ``limit()``
-locks taken without waiting for the ctypes library); the others block as
-before. Without a C compiler, or with ``MPCOMM_TCP_BUSY_POLL=0``, nobody
-polls: everything works, each wait simply blocks (:data:`reason` says why).
+The poll runs in a small compiled helper (``_busypoll.c``, built when mpcomm
+was installed into the extension module ``mpcomm.plugins.tcp._mpcomm_busypoll``;
+never at run time), which releases the GIL: the other threads of the process
+run meanwhile. At most ``limit()`` threads of a process poll at a time
+(counted by the module); the others block as before. Where the install built
+no helper, or with ``MPCOMM_TCP_BUSY_POLL=0``, nobody polls: everything
+works, each wait simply blocks (:data:`reason` says why).
 
 The extension module also has the two waits of a small request whole
 (:data:`next_request` for the target, :data:`next_reply` for the initiator's
@@ -27,11 +26,9 @@ library without the module, or with ``MPCOMM_TCP_NATIVE_WAITS=0``.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
-from pathlib import Path
 from typing import Any, Callable
 
 from mpcomm import native_helper
@@ -39,7 +36,7 @@ from mpcomm import native_helper
 log = logging.getLogger("mpcomm.transport.tcp")
 
 ABI = 2
-SOURCE = Path(__file__).with_name("_busypoll.c")
+MODULE = "mpcomm.plugins.tcp._mpcomm_busypoll"
 _ENV = "MPCOMM_TCP_BUSY_POLL"
 _ENV_WAITS = "MPCOMM_TCP_NATIVE_WAITS"  # 0: the Python twins of next_request/next_reply (diagnostics, tests)
 
@@ -63,11 +60,6 @@ def limit() -> int:
     return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
-# One plain lock per thread allowed to poll, taken without waiting: a C-level acquire and
-# release per wait (a BoundedSemaphore is a Python Condition: about 3 µs a wait here).
-_slots = tuple(threading.Lock() for _ in range(limit()))
-
-
 def load() -> Callable[[int, int], int] | None:
     """The compiled ``spin_readable(fd, budget_ns)``, or None (see :data:`reason`)."""
     global _spin, _tried, reason, _module, next_request, next_reply
@@ -79,26 +71,19 @@ def load() -> Callable[[int, int], int] | None:
             reason = f"disabled by {_ENV}=0"
             return None
         try:
-            h = native_helper.load(SOURCE, "tcp", "busypoll", ABI, "mpcomm_tcp_abi", "_mpcomm_busypoll",
-                                   native_helper.python_include())
+            h = native_helper.load(MODULE, ABI, "mpcomm_tcp_abi")
         except Exception as exc:  # noqa: BLE001 - optional: without it every wait blocks
             h = f"loading the helper failed ({exc})"
         if isinstance(h, str):
             reason = h
             log.debug("tcp: busy-polling not available: %s", reason)
             return None
-        if h.module is not None:  # no ctypes conversion per call (see _busypoll.c)
-            h.module.set_spin_limit(limit())
-            _module = h.module
-            _spin = h.module.spin_readable
-            if os.environ.get(_ENV_WAITS, "1") != "0":
-                next_request, next_reply = h.module.next_request, h.module.next_reply
-        else:
-            f = h.lib.mpcomm_tcp_spin_readable
-            f.restype = ctypes.c_int
-            f.argtypes = [ctypes.c_int, ctypes.c_longlong]
-            _spin = f
-        reason = f"compiled helper ({h.path}{', extension module' if h.module is not None else ''})"
+        h.module.set_spin_limit(limit())  # the module counts its pollers (see _busypoll.c)
+        _module = h.module
+        _spin = h.module.spin_readable
+        if os.environ.get(_ENV_WAITS, "1") != "0":
+            next_request, next_reply = h.module.next_request, h.module.next_reply
+        reason = f"compiled helper ({h.path})"
         return _spin
 
 
@@ -111,12 +96,4 @@ def wait_readable(fd: int, budget_ns: int) -> bool:
     spin = _spin if _tried else load()
     if spin is None or budget_ns <= 0:
         return False
-    if _module is not None:
-        return spin(fd, budget_ns) == 1
-    for slot in _slots:
-        if slot.acquire(False):
-            try:
-                return spin(fd, budget_ns) == 1
-            finally:
-                slot.release()
-    return False
+    return spin(fd, budget_ns) == 1

@@ -2,12 +2,12 @@
 
 A batch of N small puts costs two ctypes calls per put from Python (issue, and the
 progress call that completes it) -- about 3 µs each here, against 0.7 µs in C. The
-helper (``_ucxloop.c``, beside this file) is built once by :mod:`mpcomm.native_helper`
-with the system C compiler into a private cache directory; it calls UCX through the
-function pointers the ctypes binding already resolved, so it needs neither UCX
-headers nor linking. Where ``Python.h`` is installed the same source also builds
-as an extension module (:func:`module`), which the small-request path uses: no
-ctypes argument conversion per request. Where no compiler is available, or
+helper (``_ucxloop.c``, beside this file) is built when mpcomm is installed into the
+extension module ``mpcomm.plugins.ucx._mpcomm_ucxloop`` (setup.py; never at run time);
+it calls UCX through the function pointers the ctypes binding already resolved, so it
+needs neither UCX headers nor linking. The batch loops are called through ctypes on the
+module's file; the small-request path calls the module itself (:func:`module`): no
+ctypes argument conversion per request. Where the install built no helper, or
 ``MPCOMM_UCX_NATIVE=0``, :func:`load` returns None and the binding falls back to
 the same loops in Python.
 """
@@ -18,7 +18,6 @@ import ctypes as C
 import logging
 import os
 import threading
-from pathlib import Path
 from types import ModuleType
 
 from mpcomm import native_helper
@@ -26,7 +25,7 @@ from mpcomm import native_helper
 log = logging.getLogger("mpcomm.transport.ucx")
 
 ABI = 5
-SOURCE = Path(__file__).with_name("_ucxloop.c")
+MODULE = "mpcomm.plugins.ucx._mpcomm_ucxloop"
 
 _lock = threading.Lock()
 _lib: C.CDLL | None = None
@@ -37,7 +36,7 @@ reason = "not loaded yet"
 
 
 def load() -> C.CDLL | None:
-    """The compiled helper, or None (no compiler, disabled, or it failed: the Python loop is used)."""
+    """The compiled helper, or None (not built at install, disabled, or it failed: the Python loop is used)."""
     global _lib, _module, _tried, reason
     with _lock:
         if _tried:
@@ -62,8 +61,7 @@ def module() -> ModuleType | None:
 
 
 def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
-    h = native_helper.load(SOURCE, "ucx", "ucxloop", ABI, "mpcomm_ucx_abi", "_mpcomm_ucxloop",
-                           native_helper.python_include())
+    h = native_helper.load(MODULE, ABI, "mpcomm_ucx_abi")
     if isinstance(h, str):
         return None, None, h
     lib = h.lib
@@ -75,7 +73,7 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
     g.restype = C.c_int64
     g.argtypes = [C.c_void_p] * 7 + [C.c_int64, C.c_int64, C.c_int64, C.c_void_p, C.c_void_p, C.c_void_p,
                                      C.c_int64, C.c_void_p]
-    mod = h.module
+    mod: ModuleType | None = h.module
     if mod is not None and (mod.CALL_SIZE != C.sizeof(RmaCall) or mod.LANE_SIZE != C.sizeof(Lane)):
         mod = None
     return lib, mod, f"compiled helper ({h.path}{', extension module' if mod is not None else ''})"

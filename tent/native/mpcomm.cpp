@@ -30,6 +30,12 @@
 #endif
 
 namespace mpcomm {
+
+// The interpreter to start when the host runs no Python, MPCOMM_PYTHON is unset and the library
+// is not inside a site-packages: set by libmpcomm.so.1 (mpcomm_front.cpp), which found it and
+// loaded its libpython before this library (mpcomm_impl_entry.cpp's set_python).
+std::string defaultPython = MPCOMM_DEFAULT_PYTHON;
+
 namespace {
 
 thread_local int t_last_code = MPCOMM_SUCCESS;
@@ -277,10 +283,10 @@ void startRuntime() {
     config.install_signal_handlers = 0;  // the host's signals stay the host's
     config.parse_argv = 0;
     // MPCOMM_PYTHON, else the environment the library is installed in, else
-    // the interpreter it was built with (an editable install).
+    // the one libmpcomm.so.1 located (an editable install: recorded relative to the library).
     std::string beside = pythonBesideLibrary();
     const char *py = std::getenv("MPCOMM_PYTHON");
-    if (!py || !*py) py = beside.empty() ? MPCOMM_DEFAULT_PYTHON : beside.c_str();
+    if (!py || !*py) py = beside.empty() ? defaultPython.c_str() : beside.c_str();
     if (py && *py && access(py, X_OK) != 0) {
         PyConfig_Clear(&config);
         rt.error = std::string("the interpreter to embed, ") + py +

@@ -1,11 +1,12 @@
 # CMake package config of mpcomm's MPComm provider (find_package(mpcomm CONFIG)).
 # The prefix is the mpcomm package directory: <prefix>/include/mpcomm.h and
-# <prefix>/lib/libmpcomm.so; this file lives in <prefix>/lib/cmake/mpcomm/.
+# <prefix>/lib/libmpcomm.so.1 (the versioned file: in a wheel, lib/libmpcomm.so is a one-line
+# ld script, since a zip holds no symlink); this file lives in <prefix>/lib/cmake/mpcomm/.
 get_filename_component(_mpcomm_prefix "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)
 
 set(mpcomm_INCLUDE_DIR "${_mpcomm_prefix}/include")
 set(mpcomm_INCLUDE_DIRS "${mpcomm_INCLUDE_DIR}")
-set(mpcomm_LIBRARY "${_mpcomm_prefix}/lib/libmpcomm.so")
+set(mpcomm_LIBRARY "${_mpcomm_prefix}/lib/libmpcomm.so.1")
 set(mpcomm_LIBRARIES "${mpcomm_LIBRARY}")
 
 if(NOT EXISTS "${mpcomm_INCLUDE_DIR}/mpcomm.h" OR NOT EXISTS "${mpcomm_LIBRARY}")

@@ -110,18 +110,32 @@ def _source_copy(dest: Path) -> Path:
     if not (ROOT / "pyproject.toml").exists():
         pytest.skip("no source tree")
     shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "native-status.json"))
+        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "native-status.json",
+        "*.so", "native-build.json"))  # an editable install's in-place helpers (git-ignored)
     for out in ("core/lib", "core/include"):  # the provider's build outputs (git-ignored)
         shutil.rmtree(dest / out, ignore_errors=True)
     return dest
 
 
-def test_wheel_ships_the_license_and_metadata(tmp_path: Path) -> None:
-    src = _source_copy(tmp_path / "src")
-    proc = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(src)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("mpcomm-*.whl")
+def _venv(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, capture_output=True, timeout=120)
+    return path / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built once per module by pip in a fresh venv from a clean copy of the source."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = _source_copy(tmp / "src")
+    builder = _venv(tmp / "build-venv")
+    built = subprocess.run([str(builder), "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps",
+                            "-w", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (whl,) = (tmp / "dist").glob("mpcomm-*.whl")
+    return whl
+
+
+def test_wheel_ships_the_license_and_metadata(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     licenses = [n for n in names if re.search(r"\.dist-info/(licenses/)?LICENSE$", n)]
     assert licenses, names
@@ -132,10 +146,11 @@ def test_wheel_ships_the_license_and_metadata(tmp_path: Path) -> None:
     assert "License-Expression: Apache-2.0" in meta
     assert "Project-URL: Documentation, README.md" in meta
     assert "mpcomm/cli/records.py" in names and "mpcomm/records.py" not in names
-    # The optional helpers' sources: without them an installed copy runs the Python fallbacks only.
-    assert "mpcomm/plugins/shm/_copyloop.c" in names and "mpcomm/plugins/ucx/_ucxloop.c" in names
-    assert "mpcomm/engine/_fastlane.c" in names
-    assert "mpcomm/plugins/tcp/_busypoll.c" in names
+    # The compiled helpers, built with the wheel (nothing is compiled where it is installed).
+    for mod in ("engine/_mpcomm_fastlane", "plugins/shm/_mpcomm_copyloop", "plugins/ucx/_mpcomm_ucxloop",
+                "plugins/tcp/_mpcomm_busypoll"):
+        assert [n for n in names if n.startswith(f"mpcomm/{mod}.") and n.endswith(".so")], (mod, names)
+    assert not [n for n in names if n.endswith(".c")]  # their sources are in the sdist, not the wheel
     print("\n".join(sorted(n for n in names if "dist-info" in n)))
 
 
@@ -174,3 +189,85 @@ def test_ci_runs_the_test_command_in_a_fresh_venv(tmp_path: Path) -> None:
     assert (venv / "bin" / "mpcomm").exists() and (venv / "bin" / "pytest").exists()
     after = {p.name: p.stat().st_mtime_ns for p in lib.iterdir()} if lib.is_dir() else {}
     assert after == before, "the nested install built into this checkout's core/lib"
+
+
+def _files(d: Path) -> set[str]:
+    return {str(p.relative_to(d)) for p in d.rglob("*") if "__pycache__" not in p.parts}
+
+
+def test_wheel_installs_and_runs_without_a_compiler(wheel: Path, tmp_path: Path) -> None:
+    """The wheel, built in one fresh venv, installed into another whose PATH has no compiler: every compiled
+    helper imports, two engines move bytes, nothing is written into site-packages, and a C++ host compiled
+    against the installed include/ and lib/ makes the Mooncake adapter's calls between two processes with
+    the installed libmpcomm.so.1, which finds that venv's interpreter by itself (no MPCOMM_PYTHON)."""
+    from mpcomm.tent.build import compile_host
+
+    assert "-cp3" in wheel.name and "linux" in wheel.name, wheel.name
+
+    py = _venv(tmp_path / "run-venv")
+    inst = subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", "-q", "install", str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert inst.returncode == 0, inst.stdout[-3000:] + inst.stderr[-3000:]
+    site = Path(subprocess.run([str(py), "-c", "import mpcomm, os; print(os.path.dirname(mpcomm.__file__))"],
+                               capture_output=True, text=True, check=True, cwd=tmp_path, timeout=60).stdout.strip())
+    assert site.is_relative_to(tmp_path / "run-venv"), site
+
+    # No compiler anywhere on PATH; no MPCOMM_PYTHON: the library must find this venv's python itself.
+    path = f"{py.parent}:{tmp_path / 'empty'}"
+    for cc in ("cc", "gcc", "c++", "g++", "clang"):
+        assert shutil.which(cc, path=path) is None, cc
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MPCOMM_", "VIRTUAL_ENV", "PYTHON"))}
+    env.update(PATH=path, HOME=str(tmp_path / "home"), MPCOMM_TENT_BIND="127.0.0.1")
+    before = _files(site)
+    check = subprocess.run([str(py), str(ROOT / "scripts" / "check_installed.py")], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+    assert "WARNING" not in check.stderr, check.stderr  # no missing helper to warn about
+    print(check.stdout)
+
+    # The C++ host: compiled here (this process has a compiler), run in the compiler-free environment.
+    exe, why = compile_host(ROOT / "tests" / "tent" / "tent_host.cpp", tmp_path / "tent_host", site)
+    assert exe is not None, why
+    target = subprocess.Popen([str(exe), "target", "127.0.0.1:A", "0", str(1 << 20), "1"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert target.stdout is not None and target.stdin is not None
+        ready = target.stdout.readline().split()
+        assert ready and ready[0] == "READY", (ready, target.stderr.read() if target.poll() is not None else "")
+        port, addr = ready[1], ready[2]
+        bench = subprocess.run([str(exe), "bench", "127.0.0.1:A", port, addr, "4096", "200"], env=env,
+                               capture_output=True, text=True, timeout=120)
+        assert bench.returncode == 0 and "BENCH us_per_op=" in bench.stdout, bench.stdout + bench.stderr
+        print(bench.stdout.strip())
+        target.stdin.write("QUIT\n")
+        target.stdin.flush()
+        assert target.wait(30) == 0
+    finally:
+        if target.poll() is None:
+            target.kill()
+            target.wait(10)
+    assert _files(site) == before, "something was written into site-packages at run time"
+
+
+def test_editable_install_builds_helpers_in_place_and_the_provider_outside_the_source(tmp_path: Path) -> None:
+    """pip install -e: the helpers land beside their packages (git-ignored) where imports find them; the
+    MPComm provider goes to build/native/, and nothing of it into core/."""
+    src = _source_copy(tmp_path / "src")
+    py = _venv(tmp_path / "venv")
+    inst = subprocess.run([str(py), "-m", "pip", "--disable-pip-version-check", "-q", "install", "-e",
+                           str(src)], capture_output=True, text=True, timeout=300)
+    assert inst.returncode == 0, inst.stdout[-3000:] + inst.stderr[-3000:]
+    for out in ("core/include", "core/lib", "core/native-status.json"):
+        assert not (src / out).exists(), out
+    assert (src / "build" / "native" / "lib" / "libmpcomm.so.1").exists()
+    helpers = sorted(str(p.relative_to(src)) for p in [*src.glob("core/**/*.so"), *src.glob("plugins/**/*.so")])
+    assert len(helpers) == 4, helpers
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", *helpers], capture_output=True,
+                             text=True, timeout=60)
+    assert ignored.stdout.split() == helpers, ignored.stdout + ignored.stderr  # every one git-ignored
+    code = ("import mpcomm.native_helper as n, mpcomm.tent.build as b; assert not n.missing(), n.missing(); "
+            "print(b.native_root())")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    run = subprocess.run([str(py), "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(src / "build" / "native")

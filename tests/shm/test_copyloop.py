@@ -1,4 +1,4 @@
-"""The copy loop: the compiled helper builds into a private cache, falls back cleanly, and both agree."""
+"""The copy loop: the helper built at install loads (nothing compiled at run time), falls back cleanly, and both agree."""
 
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ print(json.dumps({"native": loop.native, "reason": loop.reason, "path": getattr(
 
 
 def _env(**extra: str) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("MPCOMM_SHM_NATIVE", "CC", "MPCOMM_CACHE_DIR")}
+    base = {k: v for k, v in os.environ.items() if k not in ("MPCOMM_SHM_NATIVE", "CC")}
     return {**base, **extra}
 
 
-def _probe(env: dict[str, str]) -> dict:
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180,
+def _probe(env: dict[str, str], pre: str = "") -> dict:
+    proc = subprocess.run([sys.executable, "-c", pre + PROBE], capture_output=True, text=True, timeout=180,
                           env=_env(**env))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -43,43 +43,26 @@ def _listing(d: Path) -> set[str]:
     return {p.name for p in d.iterdir()}
 
 
-def test_builds_into_a_private_cache_not_the_package(tmp_path: Path) -> None:
-    if not _copyloop._compiler():
-        pytest.skip("no C compiler here: the fallback test below covers this machine")
-    pkg = _copyloop.SOURCE.parent
+def test_loads_the_module_built_at_install_and_compiles_nothing(tmp_path: Path) -> None:
+    """No compiler on PATH, a fresh HOME: the prebuilt module serves and nothing is written anywhere."""
+    pkg = Path(_copyloop.__file__).parent
     before = _listing(pkg)
-    # Two processes building at once into a fresh cache: the rename makes it safe.
-    env = _env(MPCOMM_CACHE_DIR=str(tmp_path))
-    procs = [subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
-    outs = [json.loads(p.communicate(timeout=180)[0].strip().splitlines()[-1]) for p in procs]
-    for out in outs:
-        assert out["native"], out["reason"]
-        assert Path(out["path"]).parent == tmp_path / "shm"
-    built = list((tmp_path / "shm").iterdir())
-    assert [p.suffix for p in built] == [".so"], built  # no temporaries left behind
-    assert (tmp_path / "shm").stat().st_mode & 0o077 == 0
-    assert _listing(pkg) == before  # nothing written beside the source
-    again = _probe({"MPCOMM_CACHE_DIR": str(tmp_path), "CC": "/nonexistent/cc"})
-    assert again["native"] and again["path"] == outs[0]["path"]  # cached: no compiler needed any more
+    home = tmp_path / "home"
+    home.mkdir()
+    out = _probe({"CC": "/nonexistent/cc", "PATH": "/nonexistent", "HOME": str(home),
+                  "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONDONTWRITEBYTECODE": "1"})
+    if not out["native"]:
+        pytest.skip(f"the copy loop was not built at install: {out['reason']}")
+    assert Path(out["path"]).parent == pkg and Path(out["path"]).name.startswith("_mpcomm_copyloop.")
+    assert _listing(pkg) == before and not list(home.iterdir())
 
 
-def test_falls_back_without_a_compiler(tmp_path: Path) -> None:
-    out = _probe({"MPCOMM_CACHE_DIR": str(tmp_path), "CC": "/nonexistent/cc"})
-    assert not out["native"] and "no C compiler" in out["reason"]
+def test_falls_back_without_the_module() -> None:
+    hide = "import sys; sys.modules['mpcomm.plugins.shm._mpcomm_copyloop'] = None\n"  # as if the build had failed
+    out = _probe({}, pre=hide)
+    assert not out["native"] and "python fallback: not installed" in out["reason"], out
     out = _probe({"MPCOMM_SHM_NATIVE": "0"})
     assert not out["native"] and "MPCOMM_SHM_NATIVE=0" in out["reason"]
-
-
-def test_refuses_a_cache_others_can_write(tmp_path: Path) -> None:
-    shared = tmp_path / "shared"
-    (shared / "shm").mkdir(parents=True)
-    os.chmod(shared, 0o777)
-    os.chmod(shared / "shm", 0o777)
-    out = _probe({"MPCOMM_CACHE_DIR": str(shared), "XDG_CACHE_HOME": str(tmp_path / "private"),
-                  "CC": "/nonexistent/cc"})
-    assert not out["native"]  # the shared dir was skipped; the private one is empty and nothing can build
-    assert not list((shared / "shm").iterdir())
 
 
 def test_availability_names_the_copy_loop() -> None:
@@ -198,12 +181,12 @@ def test_cma_many_stops_at_an_unmapped_piece(loop: _copyloop.CopyLoop, target: T
         os.close(pidfd)
 
 
-def test_single_copies_skip_ctypes_where_python_h_is(target: Target) -> None:
-    """With Python.h the library is also an extension module: copy/cma are its functions, same results."""
+def test_single_copies_skip_ctypes(target: Target) -> None:
+    """The helper is an extension module: copy/cma are its functions (no ctypes conversion), same results."""
     loop = _copyloop.get()
-    if not loop.native or _copyloop._python_include() is None:
+    if not loop.native:
         pytest.skip(f"no compiled extension here: {loop.reason}")
-    assert type(loop.copy).__name__ == "builtin_function_or_method" and "extension module" in loop.reason
+    assert type(loop.copy).__name__ == "builtin_function_or_method" and "_mpcomm_copyloop" in loop.reason
     src = bytearray(os.urandom(4096))
     dst = bytearray(4096)
     assert loop.copy(_addr(dst), _addr(src), 4096, -1) == 0 and dst == src
@@ -228,14 +211,3 @@ def test_single_copies_skip_ctypes_where_python_h_is(target: Target) -> None:
         assert loop.cma(target.pid, True, _addr(src), 8, 16, pidfd) == -14  # EFAULT, as through ctypes
     finally:
         os.close(pidfd)
-
-
-def test_without_python_h_the_plain_library_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not _copyloop._compiler():
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv("MPCOMM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_copyloop, "_python_include", lambda: None)
-    loop = _copyloop._load()
-    assert loop.native and "extension module" not in loop.reason, loop.reason
-    src, dst = bytearray(b"x" * 64), bytearray(64)
-    assert loop.copy(_addr(dst), _addr(src), 64, -1) == 0 and dst == src  # the ctypes function
