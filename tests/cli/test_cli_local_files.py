@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -85,12 +86,17 @@ def test_get_into_a_character_device_writes_in_place(loaded: Server, tmp_path: P
     assert stat.S_ISCHR(now.st_mode) and (now.st_ino, now.st_rdev) == (system_null.st_ino, system_null.st_rdev)
 
 
-def test_get_into_a_directory_is_a_usage_error(loaded: Server, tmp_path: Path) -> None:
+def test_get_into_a_directory_or_a_socket_is_a_usage_error(loaded: Server, tmp_path: Path) -> None:
     target = tmp_path / "dir"
     target.mkdir()
     get = mpcomm("get", loaded.address, "kv", target, "--length", "10")
     assert get.returncode == EXIT_USAGE and "is a directory" in get.stderr
     assert list(target.iterdir()) == [] and _leftovers(tmp_path) == []
+    with socket.socket(socket.AF_UNIX) as listening:  # neither a file nor a FIFO nor a device: refused too
+        listening.bind(str(tmp_path / "sock"))
+        get = mpcomm("get", loaded.address, "kv", tmp_path / "sock", "--length", "10")
+    assert get.returncode == EXIT_USAGE and "not a regular file, FIFO or device" in get.stderr
+    assert stat.S_ISSOCK(os.lstat(tmp_path / "sock").st_mode)
 
 
 def test_get_with_a_255_character_file_name(loaded: Server, tmp_path: Path) -> None:
