@@ -21,6 +21,7 @@ import os
 import stat
 import tempfile
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,39 +44,67 @@ def ring_move(engine: mpcomm.Engine, op: str, remote: mpcomm.RemoteRegion, remot
 
     For a write, ``fill(view, pos)`` puts the bytes at ``pos`` into a slot before
     its request is issued; for a read, ``drain(view, pos)`` takes them out once
-    the request completed. Requests complete in order and a slot is reused only
-    after its request was drained, so ``fill`` and ``drain`` see positions in
-    increasing order. The first error is raised after the rest are cancelled.
+    the request completed. Both run on one helper thread, in increasing ``pos``
+    order, beside the requests (the local file's I/O overlaps the transfer
+    instead of adding to it); a slot is reused only after its fill was sent or
+    its drain finished. The first error, of a request or of fill/drain, is
+    raised after the rest are cancelled.
     """
     step = min(chunk, length)
-    slots = min(inflight, -(-length // step))
+    count = -(-length // step)
+    slots = min(inflight, count)
     ring = engine.allocate(step * slots)
     issue = engine.write if op == "write" else engine.read
-    pending: deque[tuple[mpcomm.Transfer, int, int, int]] = deque()
-    pos = index = 0
+    work = fill if op == "write" else drain
+    helper = ThreadPoolExecutor(1, thread_name_prefix="mpcomm-file")
+    local: list[Future[None] | None] = [None] * slots  # the slot's fill (write) or drain (read)
+    pending: deque[tuple[mpcomm.Transfer, int]] = deque()
+
+    def span(i: int) -> tuple[int, int, memoryview]:
+        pos = i * step
+        n = min(step, length - pos)
+        at = (i % slots) * step
+        return pos, n, ring.view[at:at + n]
+
+    def start_work(i: int) -> None:
+        if work is not None:
+            pos, _n, view = span(i)
+            local[i % slots] = helper.submit(work, view, pos)
+
+    def slot_ready(i: int) -> None:
+        f, local[i % slots] = local[i % slots], None
+        if f is not None:
+            f.result()
+
     failed = False
     try:
-        while pos < length or pending:
-            while pos < length and len(pending) < slots:
-                n = min(step, length - pos)
-                at = (index % slots) * step
-                if fill is not None:
-                    fill(ring.view[at:at + n], pos)
-                pending.append((issue(ring, remote, remote_offset + pos, n, local_offset=at, timeout=timeout),
-                                pos, n, at))
-                pos += n
+        if op == "write":
+            for i in range(slots):
+                start_work(i)
+        index = 0
+        while index < count or pending:
+            while index < count and len(pending) < slots:
+                slot_ready(index)  # write: its bytes are in; read: the slot's last bytes are out
+                pos, n, _view = span(index)
+                pending.append((issue(ring, remote, remote_offset + pos, n, local_offset=(index % slots) * step,
+                                      timeout=timeout), index))
                 index += 1
-            t, p, n, at = pending.popleft()
+            t, i = pending.popleft()
             t.result()
-            if drain is not None:
-                drain(ring.view[at:at + n], p)
-            advance(n)
+            if op == "read":
+                start_work(i)
+            elif i + slots < count:
+                start_work(i + slots)  # the slot is free: read ahead into it
+            advance(span(i)[1])
+        for i in range(count - slots, count):
+            slot_ready(i)  # the last drains
     except BaseException:
         failed = True
-        for t, *_ in pending:
+        for t, _ in pending:
             t.cancel(timeout=1.0)
         raise
     finally:
+        helper.shutdown(wait=True, cancel_futures=True)  # nothing touches the ring once it is unregistered
         try:
             engine.unregister(ring, timeout=5.0)
         except mpcomm.MpcommError:
@@ -88,16 +117,17 @@ def ring_move(engine: mpcomm.Engine, op: str, remote: mpcomm.RemoteRegion, remot
 
 @dataclass
 class SourceFile:
-    """FILE opened for ``put``: its size and mtime when opened, and the sha256 of what was read."""
+    """FILE opened for ``put``: its size and mtime when opened, and the sha256 of what was read
+    (``digest`` None when not asked for: hashing costs more than the copy)."""
 
     path: Path
     fd: int
     size: int
     mtime_ns: int
-    digest: "hashlib._Hash"
+    digest: "hashlib._Hash | None"
 
     @classmethod
-    def open(cls, path: Path) -> SourceFile:
+    def open(cls, path: Path, *, digest: bool = True) -> SourceFile:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
@@ -106,7 +136,7 @@ class SourceFile:
         if st.st_size == 0:
             os.close(fd)
             raise CliError(f"{path}: the file is empty; nothing to put", EXIT_USAGE)
-        return cls(path, fd, st.st_size, st.st_mtime_ns, hashlib.sha256())
+        return cls(path, fd, st.st_size, st.st_mtime_ns, hashlib.sha256() if digest else None)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -125,7 +155,8 @@ class SourceFile:
             if n == 0:
                 raise self.changed(f"it ended at {pos + got} bytes, {self.size} when it was opened")
             got += n
-        self.digest.update(view)
+        if self.digest is not None:
+            self.digest.update(view)
 
     def check_unchanged(self) -> None:
         """Raise unless the file still has the size and mtime it had when opened."""
@@ -157,13 +188,16 @@ def target_kind(path: Path) -> str:
 
 
 class Sink:
-    """Where ``get`` writes: a temporary file renamed over FILE at :meth:`commit`, or FILE itself."""
+    """Where ``get`` writes: a temporary file renamed over FILE at :meth:`commit`, or FILE itself.
 
-    def __init__(self, path: Path, kind: str) -> None:
+    ``digest`` is the sha256 of what was written (None when not asked for).
+    """
+
+    def __init__(self, path: Path, kind: str, *, digest: bool = True) -> None:
         self.path = path
         self.kind = kind
         self.written = 0
-        self.digest = hashlib.sha256()
+        self.digest = hashlib.sha256() if digest else None
         if kind == REPLACE:
             # Rename over the file a symlink names, in its directory, so the link stays a link.
             self.final = Path(os.path.realpath(path)) if path.is_symlink() else path
@@ -178,7 +212,8 @@ class Sink:
 
     def drain(self, view: memoryview, pos: int) -> None:
         """Write the bytes of ``pos`` (they come in order) and add them to the digest."""
-        self.digest.update(view)
+        if self.digest is not None:
+            self.digest.update(view)
         done = 0
         while done < len(view):
             try:

@@ -164,7 +164,7 @@ def put(
     off, chunk_n = parse_size(offset), parse_size(chunk)
     if chunk_n <= 0:
         raise CliError("--chunk must be positive", EXIT_USAGE)
-    source = SourceFile.open(file)
+    source = SourceFile.open(file, digest=verify or json_)  # the sha256 is shown only there
     try:
         size = source.size
         cfg = build_config(ctx, config)
@@ -180,7 +180,7 @@ def put(
                           fill=source.fill, advance=lambda n: progress.advance(task, n))
                 elapsed = stop_clock(progress, task)
             source.check_unchanged()  # a file that grew back to its size still has a new mtime
-            digest = source.digest.hexdigest()
+            digest = source.digest.hexdigest() if source.digest is not None else None
             verified = None
             if verify:
                 verified = _digest_remote(engine, remote, off, size, chunk=chunk_n, inflight=inflight,
@@ -238,14 +238,14 @@ def get(
         _check_range(remote, off, n)
         if n == 0:
             raise CliError(f"nothing to get: [{off}, {off}) of region {remote.name!r} is empty", EXIT_USAGE)
-        sink = Sink(file, kind)
+        sink = Sink(file, kind, digest=verify or json_)  # the sha256 is shown only there
         try:
             with progress_bar() as progress, operation_span("mpcomm.get", _span_attrs(remote, off, n)):
                 task = progress.add_task(f"get {file.name}", total=n, t0=time.perf_counter())
                 ring_move(engine, "read", remote, off, n, chunk=chunk_n, inflight=inflight, timeout=timeout,
                           drain=sink.drain, advance=lambda k: progress.advance(task, k))
                 elapsed = stop_clock(progress, task)
-            digest = sink.digest.hexdigest()
+            digest = sink.digest.hexdigest() if sink.digest is not None else None
             verified = None
             if verify:
                 verified = _digest_remote(engine, remote, off, n, chunk=chunk_n, inflight=inflight,

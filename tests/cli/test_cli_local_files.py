@@ -68,6 +68,21 @@ def test_get_into_a_fifo_feeds_its_reader_and_leaves_the_fifo(loaded: Server, tm
     assert _leftovers(tmp_path) == []
 
 
+def test_get_into_a_fifo_whose_reader_leaves_is_exit_2(loaded: Server, tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["head", "-c", "100", str(fifo)], stdout=subprocess.DEVNULL)
+    try:
+        get = mpcomm("get", loaded.address, "kv", fifo, "--chunk", "4KiB", "--inflight", "1")
+        assert reader.wait(timeout=20) == 0
+    finally:
+        reader.kill()
+        reader.wait()
+    assert get.returncode == EXIT_USAGE and f"{fifo}: write failed after" in get.stderr, get.stderr
+    assert get.stdout == "" and "Traceback" not in get.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a character device needs root")
 def test_get_into_a_character_device_writes_in_place(loaded: Server, tmp_path: Path) -> None:
     # Our own null device (same major/minor as /dev/null) in a temporary directory: the
