@@ -8,15 +8,20 @@ compared before and after, so a file that changed while it was read is exit 2
 
 ``get`` writes by what FILE is (:func:`target_kind`): a regular file (or a new
 path) gets a temporary file in the same directory, renamed over it only when
-every byte arrived; a FIFO or a device is written in place, never replaced (a
-FIFO's reader gets the bytes; ``/dev/null`` stays the device); a directory is
-refused. The temporary name is short and bounded (``.mpcomm-XXXXXXXX.tmp``),
-so a FILE whose name is at the file system's limit (255 bytes) still works.
+every byte arrived; a FIFO or a device is written in place through the ring,
+never replaced (a FIFO's reader gets the bytes; ``/dev/null`` stays the
+device); a directory is refused. The temporary file is ours alone, so it is
+mapped and the bytes land in it without a copy; its blocks are allocated
+first (``posix_fallocate``), so a full disk is a clear error, not a SIGBUS.
+The temporary name is short and bounded (``.mpcomm-XXXXXXXX.tmp``), so a FILE
+whose name is at the file system's limit (255 bytes) still works.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import mmap
 import os
 import stat
 import tempfile
@@ -35,6 +40,29 @@ REPLACE = "replace"  # a regular file, or nothing yet: temporary file + rename
 IN_PLACE = "in place"  # a FIFO or a device: opened and written, never replaced
 
 Slot = Callable[[memoryview, int], None]
+
+
+def move_direct(engine: mpcomm.Engine, op: str, local: mpcomm.Region, remote: mpcomm.RemoteRegion,
+                remote_offset: int, length: int, *, chunk: int, inflight: int, timeout: float | None,
+                advance: Callable[[int], None] = lambda n: None) -> None:
+    """Move ``length`` bytes between ``local`` (offset 0 on) and the remote range, in ``chunk`` requests,
+    ``inflight`` at a time; the first error is raised after the rest are cancelled."""
+    issue = engine.write if op == "write" else engine.read
+    pending: deque[tuple[mpcomm.Transfer, int]] = deque()
+    pos = 0
+    try:
+        while pos < length or pending:
+            while pos < length and len(pending) < inflight:
+                n = min(chunk, length - pos)
+                pending.append((issue(local, remote, remote_offset + pos, n, local_offset=pos, timeout=timeout), n))
+                pos += n
+            t, n = pending.popleft()
+            t.result()
+            advance(n)
+    except BaseException:
+        for t, _ in pending:
+            t.cancel(timeout=1.0)
+        raise
 
 
 def ring_move(engine: mpcomm.Engine, op: str, remote: mpcomm.RemoteRegion, remote_offset: int, length: int, *,
@@ -188,21 +216,31 @@ def target_kind(path: Path) -> str:
 
 
 class Sink:
-    """Where ``get`` writes: a temporary file renamed over FILE at :meth:`commit`, or FILE itself.
+    """Where ``get`` writes ``size`` bytes: a temporary file renamed over FILE at :meth:`commit`, or FILE itself.
 
-    ``digest`` is the sha256 of what was written (None when not asked for).
+    For a regular FILE, :attr:`map` is the temporary file mapped (register it
+    and read into it); otherwise it is None and :meth:`drain` writes FILE in
+    order. :meth:`hexdigest` is the sha256 of what arrived (None when not asked for).
     """
 
-    def __init__(self, path: Path, kind: str, *, digest: bool = True) -> None:
+    def __init__(self, path: Path, kind: str, size: int, *, digest: bool = True) -> None:
         self.path = path
         self.kind = kind
         self.written = 0
         self.digest = hashlib.sha256() if digest else None
+        self.map: mmap.mmap | None = None
         if kind == REPLACE:
             # Rename over the file a symlink names, in its directory, so the link stays a link.
             self.final = Path(os.path.realpath(path)) if path.is_symlink() else path
             self.tmp: Path | None = _temp_next_to(self.final)
-            self.fd = os.open(self.tmp, os.O_WRONLY)
+            self.fd = os.open(self.tmp, os.O_RDWR)
+            try:
+                _reserve(self.fd, size)
+                self.map = mmap.mmap(self.fd, size, access=mmap.ACCESS_WRITE)
+            except OSError as exc:
+                self.close()
+                raise CliError(f"{path}: cannot hold {size} bytes in {self.final.parent}: {exc.strerror}",
+                               EXIT_USAGE) from exc
         else:
             self.final, self.tmp = path, None
             try:  # no O_CREAT, no O_TRUNC: the FIFO or device is used as it is
@@ -223,9 +261,17 @@ class Sink:
                                EXIT_USAGE) from exc
         self.written += done
 
+    def hexdigest(self) -> str | None:
+        if self.digest is None:
+            return None
+        if self.map is not None:
+            self.digest.update(self.map)
+        return self.digest.hexdigest()
+
     def commit(self) -> None:
         """Make the bytes FILE's: fsync and rename the temporary file (in place: nothing left to do)."""
         if self.tmp is not None:
+            self._unmap()
             os.fsync(self.fd)
             os.close(self.fd)
             self.fd = -1
@@ -235,6 +281,7 @@ class Sink:
 
     def close(self) -> None:
         """Close; an uncommitted temporary file is removed (an existing FILE stays as it was)."""
+        self._unmap()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -244,6 +291,27 @@ class Sink:
             except OSError:
                 pass
             self.tmp = None
+
+
+    def _unmap(self) -> None:
+        if self.map is not None:
+            mm, self.map = self.map, None
+            mm.flush()
+            try:
+                mm.close()
+            except BufferError:  # a transport still holds a view (a failed request): the GC unmaps it
+                pass
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give the file ``size`` bytes of real blocks, so that a full disk is this error and not a SIGBUS
+    when the mapped pages are written (a file system without fallocate gets a sparse file)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)
 
 
 def _temp_next_to(file: Path) -> Path:

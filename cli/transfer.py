@@ -46,7 +46,7 @@ from ._common import (
     progress_bar,
     stop_clock,
 )
-from .localfile import REPLACE, Sink, SourceFile, ring_move, target_kind
+from .localfile import REPLACE, Sink, SourceFile, move_direct, ring_move, target_kind
 
 app = typer.Typer()
 
@@ -238,14 +238,23 @@ def get(
         _check_range(remote, off, n)
         if n == 0:
             raise CliError(f"nothing to get: [{off}, {off}) of region {remote.name!r} is empty", EXIT_USAGE)
-        sink = Sink(file, kind, digest=verify or json_)  # the sha256 is shown only there
+        sink = Sink(file, kind, n, digest=verify or json_)  # the sha256 is shown only there
         try:
             with progress_bar() as progress, operation_span("mpcomm.get", _span_attrs(remote, off, n)):
                 task = progress.add_task(f"get {file.name}", total=n, t0=time.perf_counter())
-                ring_move(engine, "read", remote, off, n, chunk=chunk_n, inflight=inflight, timeout=timeout,
-                          drain=sink.drain, advance=lambda k: progress.advance(task, k))
+                advance = lambda k: progress.advance(task, k)  # noqa: E731
+                if sink.map is not None:  # our temporary file, mapped: the bytes land in it directly
+                    dst = engine.register(sink.map, name=f"get:{file.name}")
+                    try:
+                        move_direct(engine, "read", dst, remote, off, n, chunk=chunk_n, inflight=inflight,
+                                    timeout=timeout, advance=advance)
+                    finally:
+                        engine.unregister(dst, timeout=5.0)
+                else:
+                    ring_move(engine, "read", remote, off, n, chunk=chunk_n, inflight=inflight, timeout=timeout,
+                              drain=sink.drain, advance=advance)
                 elapsed = stop_clock(progress, task)
-            digest = sink.digest.hexdigest() if sink.digest is not None else None
+            digest = sink.hexdigest()
             verified = None
             if verify:
                 verified = _digest_remote(engine, remote, off, n, chunk=chunk_n, inflight=inflight,

@@ -8,6 +8,7 @@ second actor that truncates the file ``put`` is reading.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -143,6 +144,24 @@ def test_get_replaces_a_regular_file_by_rename_and_keeps_a_symlink(loaded: Serve
     assert get.returncode == 0, get.stderr
     assert link.is_symlink() and out.read_bytes() == PATTERN[:2000]
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
+def test_get_onto_a_full_file_system_is_a_clear_error(loaded: Server, tmp_path: Path) -> None:
+    """The temporary file is mapped: its blocks are reserved first, so a full disk is exit 2 naming it (before:
+    the copy into the unbacked page failed, a SIGBUS or, over tcp, an error blamed on the peer, exit 3)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    script = (f"mount -t tmpfs -o size=256k none {small} && echo old > {small}/out.bin && "
+              f"{sys.executable} -m mpcomm.cli get {loaded.address} kv {small}/out.bin; echo \"rc=$?\"; "
+              f"cat {small}/out.bin; ls -a {small}")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("MPCOMM_")})
+    lines = proc.stdout.split()
+    assert f"rc={EXIT_USAGE}" in lines, (proc.stdout, proc.stderr)  # a 1 MiB region onto 256 KiB
+    assert "No space left on device" in proc.stderr and "Traceback" not in proc.stderr
+    assert lines[lines.index(f"rc={EXIT_USAGE}") + 1] == "old"  # the file is as it was
+    assert not any(name.startswith(".mpcomm-") for name in lines)  # and no temporary file is left
 
 
 # -- put: a file that changes while it is read -------------------------------------------
