@@ -170,7 +170,8 @@ class SourceFile:
         os.close(self.fd)
 
     def changed(self, why: str) -> CliError:
-        return CliError(f"{self.path} changed while it was read ({why}); what was sent is incomplete", EXIT_USAGE)
+        return CliError(f"{self.path} changed while it was read ({why}); the remote range may hold part of it "
+                        "or a mix of old and new bytes: put it again", EXIT_USAGE)
 
     def fill(self, view: memoryview, pos: int) -> None:
         """Read exactly ``len(view)`` bytes at ``pos`` into ``view`` (a slot of the ring)."""
