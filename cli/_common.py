@@ -38,7 +38,10 @@ from mpcomm.peer import format_endpoint, parse_endpoint
 
 from . import records
 
-#: Diagnostics (progress bars, tables for humans, errors) go here; data goes to stdout.
+#: Results (tables, summaries, records: what the command was asked for) go to stdout,
+#: diagnostics (progress bars, status lines, warnings, logs, errors) to stderr, so that
+#: ``mpcomm demo > out.txt`` keeps the result and the terminal keeps the chatter.
+out_console = Console()
 err_console = Console(stderr=True)
 
 # -- exit codes ------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 The root callback takes the options every command shares (``--config``,
 ``--otel``, ``--log-level``); each command lives in its own module with its
-own ``typer.Typer`` merged here with ``add_typer``. Data goes to stdout
-(``--json`` where it applies), diagnostics to stderr.
+own ``typer.Typer`` merged here with ``add_typer``. Every command's result
+(tables, summaries, records; ``--json`` where it applies) goes to stdout,
+diagnostics (progress, status lines, logs, errors) to stderr.
 """
 
 from __future__ import annotations

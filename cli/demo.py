@@ -29,6 +29,7 @@ from ._common import (
     format_seconds,
     format_size,
     handle_errors,
+    out_console,
     parse_size,
     print_json,
 )
@@ -115,6 +116,7 @@ def demo(
     for r in results:
         table.add_row(r["transport"] + (" (best)" if r["best"] else ""), format_rate(r["write_throughput"]),
                       format_rate(r["read_throughput"]), format_seconds(r["latency_4KiB_p50"]))
-    err_console.print(table)  # tables are for humans: stderr; --json for data on stdout
+    # The result, on stdout (the spinner and warnings above were diagnostics, on stderr).
+    out_console.print(table)
     for name, reason in skipped.items():
-        err_console.print(f"[dim]{name}: not used ({escape(reason)})[/]")
+        out_console.print(f"[dim]{name}: not used ({escape(reason)})[/]")

@@ -16,7 +16,7 @@ from mpcomm.tent.doctor import native_provider_check
 
 from . import nodecheck, plugins_cmd
 from .nodecheck import Check, Status
-from ._common import EXIT_FAILURE, JsonOption, err_console, handle_errors, parse_size, print_json
+from ._common import EXIT_FAILURE, JsonOption, handle_errors, out_console, parse_size, print_json
 
 app = typer.Typer()
 
@@ -106,8 +106,8 @@ def doctor(
         for c in checks:
             st = Status(c.status).value
             table.add_row(c.section, escape(c.name), f"[{_STYLE[st]}]{st.upper()}[/]", escape(c.value), escape(c.hint))
-        # Tables are for humans: stderr, at the terminal's width (rich folds the cells).
-        err_console.print(table)
-        err_console.print(f"overall: [{_STYLE[worst.value]}]{worst.value.upper()}[/]")
+        # The result: stdout, at the terminal's width (rich folds the cells).
+        out_console.print(table)
+        out_console.print(f"overall: [{_STYLE[worst.value]}]{worst.value.upper()}[/]")
     if worst is Status.FAIL:
         raise typer.Exit(EXIT_FAILURE)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from mpcomm.registry import load_plugins
 
-from ._common import JsonOption, err_console, handle_errors, print_json
+from ._common import JsonOption, handle_errors, out_console, print_json
 
 app = typer.Typer()
 
@@ -68,14 +68,14 @@ def plugins(json_: JsonOption = False) -> None:
             *(escape(str(v)) for v in (t["name"], t["distribution"], t["version"], t["native_version"] or "-")),
             "[green]yes[/]" if t["available"] else "[red]no[/]", escape(t["reason"]), escape(_caps(t["capabilities"])),
         )
-    # Tables are for humans: stderr, at the terminal's width (rich folds the cells).
-    err_console.print(table)
+    # The result: stdout, at the terminal's width (rich folds the cells).
+    out_console.print(table)
     if not data["transports"]:
-        err_console.print("no transport plugins found (MPCOMM_PLUGINS / MPCOMM_DISABLE_PLUGIN_AUTOLOAD?)")
+        out_console.print("no transport plugins found (MPCOMM_PLUGINS / MPCOMM_DISABLE_PLUGIN_AUTOLOAD?)")
     if data["failures"]:
         broken = Table(title="broken plugins (skipped)", title_justify="left")
         for col in ("plugin", "distribution", "reason"):
             broken.add_column(col, overflow="fold")
         for f in data["failures"]:
             broken.add_row(*(escape(str(f[k])) for k in ("name", "distribution", "reason")))
-        err_console.print(broken)
+        out_console.print(broken)

@@ -1,8 +1,11 @@
 """``mpcomm put`` / ``mpcomm get``: copy a local file into, or out of, a remote region.
 
-The file is mapped (no staging copy) and moved in chunks with a few requests
-in flight; a progress bar and the final throughput go to stderr, ``--json``
-puts the summary on stdout. ``--verify`` reads the remote range back and
+The bytes move in chunks with a few requests in flight, through a small
+registered ring that the local file is read into or written from (see
+:mod:`mpcomm.cli.localfile`: a file that changes while ``put`` reads it is
+exit 2; ``get`` replaces a regular file atomically and writes a FIFO or a
+device in place). A progress bar goes to stderr; the summary line, or with
+``--json`` the summary as JSON, is the result, on stdout. ``--verify`` reads the remote range back and
 compares sha256 digests (exit 4 on mismatch). Every bad input ends with one
 ``error:`` line and the documented exit code: a malformed address or an
 unreadable file is 2; an unknown peer, a wrong secret or token, an unknown
@@ -13,12 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import mmap
-import os
-import tempfile
 import time
-from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -39,15 +37,16 @@ from ._common import (
     JsonOption,
     build_config,
     client_engine,
-    err_console,
     format_rate,
     format_size,
     handle_errors,
+    out_console,
     parse_size,
     print_json,
     progress_bar,
     stop_clock,
 )
+from .localfile import REPLACE, Sink, SourceFile, move_direct, ring_move, target_kind
 
 app = typer.Typer()
 
@@ -115,36 +114,13 @@ def _span_attrs(remote: mpcomm.RemoteRegion, offset: int, length: int) -> dict[s
             "mpcomm.size": length}
 
 
-def move(engine: mpcomm.Engine, op: str, local: mpcomm.Region, remote: mpcomm.RemoteRegion, remote_offset: int,
-         length: int, *, chunk: int, inflight: int, timeout: float | None,
-         advance: Callable[[int], None] = lambda n: None) -> None:
-    """Move ``length`` bytes in ``chunk``-sized requests, ``inflight`` at a time; raise the first error."""
-    issue = engine.write if op == "write" else engine.read
-    pending: deque[tuple[mpcomm.Transfer, int]] = deque()
-    pos = 0
-    try:
-        while pos < length or pending:
-            while pos < length and len(pending) < inflight:
-                n = min(chunk, length - pos)
-                pending.append((issue(local, remote, remote_offset + pos, n, local_offset=pos, timeout=timeout), n))
-                pos += n
-            t, n = pending.popleft()
-            t.result()
-            advance(n)
-    except BaseException:
-        for t, _ in pending:
-            t.cancel(timeout=1.0)
-        raise
-
-
 def _digest_remote(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, offset: int, length: int, *, chunk: int,
                    inflight: int, timeout: float | None) -> str:
-    buf = engine.allocate(length)
-    try:
-        move(engine, "read", buf, remote, offset, length, chunk=chunk, inflight=inflight, timeout=timeout)
-        return hashlib.sha256(buf.view).hexdigest()
-    finally:
-        engine.unregister(buf, timeout=5.0)
+    """sha256 of the remote range, read back through a small ring (not a buffer of ``length`` bytes)."""
+    digest = hashlib.sha256()
+    ring_move(engine, "read", remote, offset, length, chunk=chunk, inflight=inflight, timeout=timeout,
+              drain=lambda view, _pos: digest.update(view))
+    return digest.hexdigest()
 
 
 def _summary(what: str, nbytes: int, seconds: float, remote: mpcomm.RemoteRegion, offset: int, file: Path,
@@ -156,9 +132,11 @@ def _summary(what: str, nbytes: int, seconds: float, remote: mpcomm.RemoteRegion
     }
     if json_:
         print_json(data)
+        return
     arrow = "->" if what == "put" else "<-"
     extra = "" if verified is None else (" verified" if verified else " VERIFY MISMATCH")
-    err_console.print(escape(f"{what}: {file} {arrow} {remote.name}@{remote.address}+{offset}: {format_size(nbytes)} in "
+    # The result: on stdout (the progress bar before it is a diagnostic, on stderr).
+    out_console.print(escape(f"{what}: {file} {arrow} {remote.name}@{remote.address}+{offset}: {format_size(nbytes)} in "
                       f"{seconds:.3f}s ({format_rate(rate)}){extra}"), highlight=False, soft_wrap=True)
 
 
@@ -186,37 +164,30 @@ def put(
     off, chunk_n = parse_size(offset), parse_size(chunk)
     if chunk_n <= 0:
         raise CliError("--chunk must be positive", EXIT_USAGE)
+    source = SourceFile.open(file, digest=verify or json_)  # the sha256 is shown only there
     try:
-        fd = os.open(file, os.O_RDONLY)
-    except OSError as exc:
-        raise CliError(f"{file}: {exc.strerror}", EXIT_USAGE) from exc
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            raise CliError(f"{file}: the file is empty; nothing to put", EXIT_USAGE)
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        size = source.size
+        cfg = build_config(ctx, config)
+        with client_engine(cfg, endpoint=endpoint, secret=secret, transports=transport) as engine:
+            remote = _remote(engine, address, region, descriptor)
+            if not remote.writable:
+                raise PermissionDeniedError(f"region {remote.name!r} on {remote.address} is read-only",
+                                            region=remote.name, peer=remote.address)
+            _check_range(remote, off, size)
+            with progress_bar() as progress, operation_span("mpcomm.put", _span_attrs(remote, off, size)):
+                task = progress.add_task(f"put {file.name}", total=size, t0=time.perf_counter())
+                ring_move(engine, "write", remote, off, size, chunk=chunk_n, inflight=inflight, timeout=timeout,
+                          fill=source.fill, advance=lambda n: progress.advance(task, n))
+                elapsed = stop_clock(progress, task)
+            source.check_unchanged()  # a file that grew back to its size still has a new mtime
+            digest = source.digest.hexdigest() if source.digest is not None else None
+            verified = None
+            if verify:
+                verified = _digest_remote(engine, remote, off, size, chunk=chunk_n, inflight=inflight,
+                                          timeout=timeout) == digest
+            _summary("put", size, elapsed, remote, off, file, digest, verified, json_)
     finally:
-        os.close(fd)
-    cfg = build_config(ctx, config)
-    with client_engine(cfg, endpoint=endpoint, secret=secret, transports=transport) as engine:
-        remote = _remote(engine, address, region, descriptor)
-        if not remote.writable:
-            raise PermissionDeniedError(f"region {remote.name!r} on {remote.address} is read-only",
-                                        region=remote.name, peer=remote.address)
-        _check_range(remote, off, size)
-        src = engine.register(mm, name=f"put:{file.name}")
-        with progress_bar() as progress, operation_span("mpcomm.put", _span_attrs(remote, off, size)):
-            task = progress.add_task(f"put {file.name}", total=size, t0=time.perf_counter())
-            move(engine, "write", src, remote, off, size, chunk=chunk_n, inflight=inflight, timeout=timeout,
-                 advance=lambda n: progress.advance(task, n))
-            elapsed = stop_clock(progress, task)
-        digest = hashlib.sha256(mm).hexdigest()
-        verified = None
-        if verify:
-            verified = _digest_remote(engine, remote, off, size, chunk=chunk_n, inflight=inflight,
-                                      timeout=timeout) == digest
-        engine.unregister(src, timeout=5.0)
-        _summary("put", size, elapsed, remote, off, file, digest, verified, json_)
+        source.close()
     if verified is False:
         raise CliError(f"--verify: the remote range's sha256 differs from {file}'s ({digest})", EXIT_VERIFY)
 
@@ -227,8 +198,8 @@ def get(
     ctx: typer.Context,
     address: Annotated[Optional[str], typer.Argument(help="Peer address host:port.", show_default=False)],
     region: Annotated[Optional[str], typer.Argument(help="Remote region name.", show_default=False)],
-    file: Annotated[Path, typer.Argument(help="Local file to write: replaced only once every byte arrived "
-                                         "(and --verify passed).", dir_okay=False, show_default=False)],
+    file: Annotated[Path, typer.Argument(help="Local file to write: a regular file is replaced only once every "
+                                         "byte arrived (and --verify passed); a FIFO or device is written in place.", dir_okay=False, show_default=False)],
     offset: OffsetOption = "0",
     length: Annotated[Optional[str], typer.Option(help="Bytes to copy (default: to the end of the region).",
                                                   show_default=False)] = None,
@@ -245,17 +216,18 @@ def get(
 ) -> None:
     """Copy REGION on the peer at ADDRESS (from --offset, --length bytes) into FILE.
 
-    The bytes land in a temporary file next to FILE, renamed over FILE only on
-    success: a failed get leaves an existing FILE as it was. With --descriptor,
-    pass "-" for ADDRESS and REGION to take both from it.
+    A regular FILE (or a new one) is written as a temporary file next to it,
+    renamed over FILE only on success: a failed get leaves an existing FILE as
+    it was. A FIFO or a device (/dev/null) is written in place, never
+    replaced; a directory is refused. With --descriptor, pass "-" for ADDRESS
+    and REGION to take both from it.
     """
     address = None if address == "-" else address
     region = None if region == "-" else region
     off, chunk_n = parse_size(offset), parse_size(chunk)
     if chunk_n <= 0:
         raise CliError("--chunk must be positive", EXIT_USAGE)
-    if file.is_dir():
-        raise CliError(f"{file}: is a directory", EXIT_USAGE)
+    kind = target_kind(file)
     cfg = build_config(ctx, config)
     with client_engine(cfg, endpoint=endpoint, secret=secret, transports=transport) as engine:
         remote = _remote(engine, address, region, descriptor)
@@ -266,70 +238,32 @@ def get(
         _check_range(remote, off, n)
         if n == 0:
             raise CliError(f"nothing to get: [{off}, {off}) of region {remote.name!r} is empty", EXIT_USAGE)
-        tmp = _temp_next_to(file)
-        try:
-            digest, elapsed, verified = _get_into(engine, remote, tmp, off, n, chunk=chunk_n, inflight=inflight,
-                                                  timeout=timeout, verify=verify, label=file.name)
-            if verified is False:
-                raise CliError(f"--verify: the remote range changed or arrived damaged (sha256 of what arrived: "
-                               f"{digest}); {file} was not replaced", EXIT_VERIFY)
-            os.replace(tmp, file)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _summary("get", n, elapsed, remote, off, file, digest, verified, json_)
-
-
-def _temp_next_to(file: Path) -> Path:
-    """A new file in FILE's directory (so the rename is atomic) with FILE's mode, or 0666 & ~umask."""
-    parent = file.parent if str(file.parent) else Path(".")
-    try:
-        fd, name = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".mpcomm-get", dir=parent)
-    except OSError as exc:
-        raise CliError(f"{file}: cannot create a file in {parent}: {exc.strerror}", EXIT_USAGE) from exc
-    try:
-        try:
-            mode = os.stat(file).st_mode & 0o7777
-        except OSError:
-            umask = os.umask(0)
-            os.umask(umask)
-            mode = 0o666 & ~umask
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-    return Path(name)
-
-
-def _get_into(engine: mpcomm.Engine, remote: mpcomm.RemoteRegion, path: Path, off: int, n: int, *, chunk: int,
-              inflight: int, timeout: float | None, verify: bool, label: str) -> tuple[str, float, bool | None]:
-    """Read ``n`` bytes into ``path`` (mmapped); returns (sha256, seconds, verified)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.ftruncate(fd, n)
-        mm = mmap.mmap(fd, n, access=mmap.ACCESS_WRITE)
-    finally:
-        os.close(fd)
-    try:
-        dst = engine.register(mm, name=f"get:{label}")
+        sink = Sink(file, kind, n, digest=verify or json_)  # the sha256 is shown only there
         try:
             with progress_bar() as progress, operation_span("mpcomm.get", _span_attrs(remote, off, n)):
-                task = progress.add_task(f"get {label}", total=n, t0=time.perf_counter())
-                move(engine, "read", dst, remote, off, n, chunk=chunk, inflight=inflight, timeout=timeout,
-                     advance=lambda k: progress.advance(task, k))
+                task = progress.add_task(f"get {file.name}", total=n, t0=time.perf_counter())
+                advance = lambda k: progress.advance(task, k)  # noqa: E731
+                if sink.map is not None:  # our temporary file, mapped: the bytes land in it directly
+                    dst = engine.register(sink.map, name=f"get:{file.name}")
+                    try:
+                        move_direct(engine, "read", dst, remote, off, n, chunk=chunk_n, inflight=inflight,
+                                    timeout=timeout, advance=advance)
+                    finally:
+                        engine.unregister(dst, timeout=5.0)
+                else:
+                    ring_move(engine, "read", remote, off, n, chunk=chunk_n, inflight=inflight, timeout=timeout,
+                              drain=sink.drain, advance=advance)
                 elapsed = stop_clock(progress, task)
+            digest = sink.hexdigest()
+            verified = None
+            if verify:
+                verified = _digest_remote(engine, remote, off, n, chunk=chunk_n, inflight=inflight,
+                                          timeout=timeout) == digest
+            if verified is False:
+                what = f"{file} was not replaced" if kind == REPLACE else f"{file} already got the bytes (in place)"
+                raise CliError(f"--verify: the remote range changed or arrived damaged (sha256 of what arrived: "
+                               f"{digest}); {what}", EXIT_VERIFY)
+            sink.commit()
         finally:
-            engine.unregister(dst, timeout=5.0)
-        mm.flush()
-        digest = hashlib.sha256(mm).hexdigest()
-    finally:
-        try:
-            mm.close()
-        except BufferError:  # a transport still holds a view (a failed request): the GC unmaps it
-            pass
-    verified = None
-    if verify:
-        verified = _digest_remote(engine, remote, off, n, chunk=chunk, inflight=inflight, timeout=timeout) == digest
-    return digest, elapsed, verified
+            sink.close()
+        _summary("get", n, elapsed, remote, off, file, digest, verified, json_)

@@ -1,4 +1,4 @@
-"""The CLI as people read it: the terminal's width, one unit family, data on stdout only."""
+"""The CLI as people read it: the terminal's width, one unit family, results on stdout, diagnostics on stderr."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ RATE = re.compile(r"\d(?:\.\d+)?\s?(B/s|KB/s|MB/s|GB/s|KiB/s|MiB/s|GiB/s|kB/s)")
 
 @pytest.mark.parametrize("columns", [60, 80, 132])
 @pytest.mark.parametrize("args", [("plugins",), ("doctor",), ("demo", "--size", "64KiB", "--reps", "1")])
-def test_tables_follow_the_terminal_width_on_stderr(args: tuple[str, ...], columns: int) -> None:
+def test_tables_follow_the_terminal_width_on_stdout(args: tuple[str, ...], columns: int) -> None:
     proc = mpcomm(*args, env=cli_env(COLUMNS=str(columns), MPCOMM_PLUGINS="tcp"))
     assert proc.returncode in (0, 1), proc.stderr  # doctor: 1 when a check FAILs on this machine
-    assert proc.stdout == ""  # tables are for humans: stderr
-    widths = [len(line) for line in proc.stderr.splitlines()]
-    assert widths and max(widths) <= columns, proc.stderr
+    # The table is the result: stdout (`mpcomm demo > out.txt` keeps it).
+    widths = [len(line) for line in proc.stdout.splitlines()]
+    assert widths and max(widths) <= columns, proc.stdout
 
 
 def test_progress_bar_and_summary_use_one_unit_family_and_agree(serve: Serve, tmp_path: Path) -> None:
@@ -30,9 +30,11 @@ def test_progress_bar_and_summary_use_one_unit_family_and_agree(serve: Serve, tm
                                                       "700000")):
         proc = mpcomm(*args, env=cli_env(COLUMNS="100"))
         assert proc.returncode == 0, proc.stderr
-        bar, summary = proc.stderr.strip().splitlines()[-2:]
-        assert {u for u in SIZE.findall(proc.stderr)} <= {"B", "KiB", "MiB", "GiB"}, proc.stderr
-        assert {u for u in RATE.findall(proc.stderr)} <= {"B/s", "KB/s", "MB/s", "GB/s"}, proc.stderr
+        bar = proc.stderr.strip().splitlines()[-1]  # the progress bar: a diagnostic
+        (summary,) = proc.stdout.strip().splitlines()  # the summary: the result
+        both = proc.stderr + proc.stdout
+        assert {u for u in SIZE.findall(both)} <= {"B", "KiB", "MiB", "GiB"}, both
+        assert {u for u in RATE.findall(both)} <= {"B/s", "KB/s", "MB/s", "GB/s"}, both
         assert "683.6KiB/683.6KiB" in bar and "683.6KiB in" in summary
         # The bar's rate is bytes so far over time so far: the summary's figure.
         assert RATE.search(bar).group(0) == RATE.search(summary).group(0), (bar, summary)  # type: ignore[union-attr]
