@@ -1,19 +1,17 @@
 """The native helpers built with ``-fsanitize=address,undefined``, and the native-path tests under them.
 
-``mpcomm.native_helper`` builds every helper with ``$CC`` (its extra words are
-compiler flags) into ``$MPCOMM_CACHE_DIR``: a child pytest gets a sanitizing
-``CC`` and a fresh cache directory, so the engine's C lane (``_fastlane.c``),
-the shm copy loop (``_copyloop.c``) and tcp's busy-poll helper are built
-instrumented at first use, and the child runs with ``libasan`` preloaded (the
-interpreter itself is not instrumented; ``malloc`` then is ASan's, so a byte
-outside a Python buffer lands in a red zone). Any report aborts the child.
+The helpers are built by setup.py's own ``build_ext`` (the build an install runs) with sanitizing
+``CFLAGS``/``LDFLAGS`` into a temporary ``--build-lib``; a child process puts those builds in front
+of the installed ones (each helper's package ``__path__``, before any helper is imported) and runs
+with ``libasan`` preloaded (the interpreter itself is not instrumented; ``malloc`` then is ASan's,
+so a byte outside a Python buffer lands in a red zone). Any report aborts the child.
 
-First a canary proves the sanitizer is live (an unchecked copy one byte past a
-buffer must be reported); then the native-path tests run: the C and Python
-bound lanes (tests/core/test_fastlane.py), the copy loops
-(tests/shm/test_copyloop.py, tests/regressions/test_native_path.py) and the
-differential lane test over shm and tcp (tests/core/test_lane_agreement.py).
-Bounded at about a minute here; skipped, saying why, without gcc's libasan.
+First a canary proves the sanitizer is live (an unchecked copy one byte past a buffer must be
+reported) and that the sanitized builds are the ones loaded; then the native-path tests run: the C
+and Python bound lanes (tests/core/test_fastlane.py), the copy loops (tests/shm/test_copyloop.py,
+tests/regressions/test_native_path.py) and the differential lane test over shm and tcp
+(tests/core/test_lane_agreement.py). Bounded at about a minute here; skipped, saying why, without
+gcc's libasan.
 """
 
 from __future__ import annotations
@@ -29,11 +27,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
 
-CANARY = """
+#: Run first in every child: the sanitized builds under BUILD_LIB shadow the installed helpers.
+PRELUDE = """
+import os, sys
+import mpcomm.engine, mpcomm.plugins.shm, mpcomm.plugins.tcp, mpcomm.plugins.ucx
+lib = os.environ["MPCOMM_TEST_SANITIZED_LIB"]
+for pkg in (mpcomm.engine, mpcomm.plugins.shm, mpcomm.plugins.tcp, mpcomm.plugins.ucx):
+    pkg.__path__.insert(0, os.path.join(lib, *pkg.__name__.split(".")))
+"""
+
+CANARY = PRELUDE + """
 import ctypes
 from mpcomm.plugins.shm import _copyloop
 loop = _copyloop.get()
 assert loop.native and "copyloop" in loop.reason, loop.reason
+built = sys.modules["mpcomm.plugins.shm._mpcomm_copyloop"].__file__
+assert built.startswith(lib), ("not the sanitized build", built)
 src = ctypes.create_string_buffer(4096)
 dst = ctypes.create_string_buffer(4096)
 print("copying one byte too many", flush=True)
@@ -65,9 +74,23 @@ def _asan() -> str:
     return path
 
 
-def _env(tmp_path: Path, libasan: str) -> dict[str, str]:
+def _build(tmp_path: Path) -> Path:
+    """setup.py's build_ext with sanitizing flags into tmp_path/lib; every helper must build."""
+    lib = tmp_path / "lib"
+    env = {**os.environ, "CC": "gcc", "CFLAGS": FLAGS, "LDFLAGS": FLAGS}
+    run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(lib),
+                          "--build-temp", str(tmp_path / "tmp")], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    built = sorted(p.name.split(".")[0] for p in lib.rglob("_mpcomm_*.so"))
+    assert built == ["_mpcomm_busypoll", "_mpcomm_copyloop", "_mpcomm_fastlane", "_mpcomm_ucxloop"], (
+        built, run.stdout[-3000:] + run.stderr[-3000:])
+    return lib
+
+
+def _env(lib: Path, libasan: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MPCOMM_")}
-    env.update(CC=f"gcc {FLAGS}", MPCOMM_CACHE_DIR=str(tmp_path / "cache"), LD_PRELOAD=libasan,
+    env.update(MPCOMM_TEST_SANITIZED_LIB=str(lib), LD_PRELOAD=libasan,
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
     return env
@@ -75,19 +98,19 @@ def _env(tmp_path: Path, libasan: str) -> dict[str, str]:
 
 def test_native_path_tests_pass_with_the_helpers_sanitized(tmp_path: Path) -> None:
     libasan = _asan()
-    env = _env(tmp_path, libasan)
+    lib = _build(tmp_path)
+    env = _env(lib, libasan)
     canary = subprocess.run([sys.executable, "-c", CANARY], capture_output=True, text=True, timeout=120, env=env,
                             cwd=ROOT)
     assert "copying one byte too many" in canary.stdout, canary.stderr[-3000:]
     assert canary.returncode != 0 and "AddressSanitizer" in canary.stderr, (
         "the sanitized build did not report an overflow", canary.returncode, canary.stdout, canary.stderr[-3000:])
-    built = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").rglob("*.so"))
-    assert "copyloop" in built, built
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+    script = PRELUDE + "import pytest\nsys.exit(pytest.main(sys.argv[1:]))\n"
+    run = subprocess.run([sys.executable, "-c", script, "-q", "-p", "no:cacheprovider", "-x",
                           "-k", "not ucx", *TESTS], capture_output=True, text=True, timeout=240, env=env,
                          cwd=ROOT)
     tail = (run.stdout[-4000:] + run.stderr[-4000:])
     assert run.returncode == 0, tail
     assert "AddressSanitizer" not in tail and "runtime error:" not in tail, tail
-    built = sorted({p.name.split("-")[0] for p in (tmp_path / "cache").rglob("*.so")})
-    assert {"copyloop", "fastlane"} <= set(built), built
+    assert " passed" in run.stdout and " failed" not in run.stdout, tail
+    print(run.stdout.strip().splitlines()[-1])
