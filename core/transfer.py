@@ -698,7 +698,7 @@ def _members_of(batch: Batch) -> list[Transfer]:
                 m.transport = batch.transport
                 m.status = POSTED if batch.status is not PENDING else PENDING
                 out[start + i] = m
-            part.__dict__.setdefault("members", []).append((start, out))
+            part.member_handles.append((start, out))
             if part.done:
                 _resolve_members(part)
         else:
@@ -708,7 +708,7 @@ def _members_of(batch: Batch) -> list[Transfer]:
 
 def _resolve_members(group: OperationGroup) -> None:
     """The group finished: settle the member handles made for it (if any)."""
-    for start, out in group.__dict__.get("members", ()):
+    for start, out in group.member_handles:
         for i in range(group.count):
             m = out[start + i]
             if m is None:

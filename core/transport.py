@@ -440,6 +440,9 @@ class OperationGroup:
         self._lock = threading.Lock()
         self._sink = sink
         self._members: list[Operation] | None = None
+        #: (first index, handles) of the per-request handles a Batch made for this group
+        #: (``Batch.members``); the engine settles them when the group finishes.
+        self.member_handles: list[tuple[int, list[Any]]] = []
 
     def __repr__(self) -> str:
         return f"<OperationGroup {self.kind} x{self.count} -> {self.remote.name} left={self._left}>"
