@@ -1,0 +1,251 @@
+"""The native data port (plugins/tcp/_dataport.c): served without the GIL, the same answers as the
+Python server, revocation that holds, and hostile frames that never crash the target."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tcp_support import closed, error_code, reply, req, wait_for
+
+import mpcomm
+from mpcomm.errors import MpcommError
+from mpcomm.plugins.tcp import dataport, wire
+
+pytestmark = pytest.mark.skipif(dataport.load() is None, reason=f"native data port: {dataport.reason}")
+
+U64 = (1 << 64) - 1
+
+
+def _port(engine: mpcomm.Engine) -> Any:
+    port = engine.transports["tcp"].dataport
+    assert port is not None, "the tcp transport serves plain connections natively by default"
+    return port
+
+
+# -- a target whose interpreter is busy --------------------------------------------------------
+
+_SPINNER = textwrap.dedent("""
+    import sys, threading, time, mpcomm
+    e = mpcomm.Engine(transports=["tcp"])
+    e.register(bytearray(1 << 20), name="kv")
+    print(e.address, flush=True)
+    sys.stdin.readline()                   # the initiator is connected and authenticated
+    def spin():
+        print("spinning", flush=True)
+        while True:                        # never releases the GIL but every 10 s, when asked
+            pass
+    sys.setswitchinterval(10)              # a thread waiting for the GIL asks for it after 10 s
+    threading.Thread(target=spin, daemon=True).start()
+    time.sleep(600)
+""")
+
+
+def _p50(ini: mpcomm.Engine, src: Any, remote: Any, n: int) -> float:
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        ini.write(src, remote, 0, 4096).result(5)
+        lat.append(time.perf_counter() - t)
+    return sorted(lat)[len(lat) // 2]
+
+
+def test_a_target_spinning_in_python_still_serves_a_write(make_engine: Any) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        src.view[:] = b"s" * 4096
+        idle = _p50(ini, src, remote, 50)  # also: the one connection is dialled and authenticated
+        proc.stdin.write("go\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert proc.stdout.readline().strip() == "spinning"  # type: ignore[union-attr]
+        time.sleep(0.2)  # the spinner has the GIL; with a 10 s switch interval it keeps it
+        t0 = time.monotonic()
+        busy = _p50(ini, src, remote, 50)  # each within its 5 s timeout (the Python server: ~10 s each)
+        back = bytearray(4096)
+        ini.read(back, remote, 0).result(5)
+        took = time.monotonic() - t0
+        assert bytes(back) == b"s" * 4096
+        assert took < 9, f"50 writes and a read took {took:.1f} s against a target holding its GIL"
+        print(f"\nspinning target: 4 KiB write p50 {busy * 1e6:.0f} us vs idle {idle * 1e6:.0f} us "
+              f"(ratio {busy / idle:.2f})")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# -- revocation ------------------------------------------------------------------------------
+
+def test_unregister_during_an_inflight_write_stops_every_later_byte(spawn: Any, make_engine: Any) -> None:
+    size = 8 << 20
+    tgt = spawn({"kv": [size, "buffer"]}, config={"runtime": {"abort_grace_ms": 300}})
+    remote = make_engine().open(tgt.address, "kv", timeout=5)
+    s = tgt.raw()
+    s.sendall(req(wire.OP_WRITE, remote=remote, offset=0, length=size, deadline=time.time() + 60))
+    sent = [0]
+    stop = threading.Event()
+
+    def pump() -> None:  # 64 KiB every 5 ms: the write is still in flight when unregister comes
+        piece = b"\xab" * (64 << 10)
+        try:
+            while sent[0] < size and not stop.is_set():
+                s.sendall(piece)
+                sent[0] += len(piece)
+                time.sleep(0.005)
+        except OSError:
+            pass
+
+    th = threading.Thread(target=pump)
+    th.start()
+    assert wait_for(lambda: sent[0] >= 1 << 20, 10)
+    zero = hashlib.sha256(bytes(size)).hexdigest()
+    t0 = time.monotonic()
+    tgt.cmd("unregister kv")  # returns: no byte lands from here on
+    took = time.monotonic() - t0
+    after = tgt.sha("kv", 0, size)
+    assert after != zero  # bytes were landing before
+    th.join(10)  # the pump ends: its connection was cut (or it sent everything into the void)
+    stop.set()
+    time.sleep(0.3)
+    assert tgt.sha("kv", 0, size) == after, "a byte landed after unregister returned"
+    assert sent[0] < size, "the write finished: nothing was in flight at unregister"
+    assert took < 5, f"unregister took {took:.1f} s (grace 0.3 s)"
+    assert closed(s, 5)
+    s.close()
+
+
+def test_unregister_waits_for_a_write_that_finishes_within_the_grace(spawn: Any, make_engine: Any) -> None:
+    size = 4 << 20
+    tgt = spawn({"kv": [size, "buffer"]}, config={"runtime": {"abort_grace_ms": 5000}})
+    remote = make_engine().open(tgt.address, "kv", timeout=5)
+    s = tgt.raw()
+    s.sendall(req(wire.OP_WRITE, remote=remote, offset=0, length=size, deadline=time.time() + 60))
+    s.sendall(b"\x01" * (size // 2))
+    time.sleep(0.2)
+
+    def finish() -> None:
+        time.sleep(0.5)
+        s.sendall(b"\x01" * (size - size // 2))
+
+    th = threading.Thread(target=finish)
+    th.start()
+    tgt.cmd("unregister kv")  # waits for the write in flight, which completes
+    th.join(5)
+    assert tgt.sha("kv", 0, size) == hashlib.sha256(b"\x01" * size).hexdigest()
+    status, _rid, _count, _body = reply(s)
+    assert status == wire.ST_OK
+    s.sendall(req(wire.OP_READ, remote=remote, offset=0, length=8))
+    status, _rid, _count, body = reply(s)
+    assert status == wire.ST_ERR and error_code(body) == "unknown_region"
+    s.close()
+
+
+# -- hostile frames ----------------------------------------------------------------------------
+
+def _batch(op: int, remote: Any, offs: list[int], lens: list[int], total: int | None = None) -> bytes:
+    head = req(op, remote=remote, count=len(offs), length=sum(lens) & U64 if total is None else total)
+    return head + struct.pack(f"<{len(offs)}Q", *offs) + struct.pack(f"<{len(lens)}Q", *lens)
+
+
+@pytest.mark.parametrize("server", ["native", "python"])
+def test_hostile_frames_get_refusals_or_a_closed_connection_never_a_crash(
+        spawn: Any, make_engine: Any, monkeypatch: pytest.MonkeyPatch, server: str) -> None:
+    if server == "python":
+        monkeypatch.setenv(dataport.ENV, "0")
+    tgt = spawn(config={"runtime": {"abort_grace_ms": 200}})
+    ini = make_engine()
+    remote = ini.open(tgt.address, "kv", timeout=5)
+    size = 1 << 20
+
+    def refused(frame: bytes, code: str) -> None:
+        s = tgt.raw()
+        s.sendall(frame)
+        status, _rid, _count, body = reply(s)
+        assert status == wire.ST_ERR and error_code(body) == code, body
+        s.close()
+
+    def cut(frame: bytes, within: float = 5) -> None:
+        s = tgt.raw()
+        try:
+            s.sendall(frame)
+        except OSError:
+            pass
+        assert closed(s, within)
+        s.close()
+
+    for off, n in [((1 << 63) - 1, 8), (U64, 1), (U64, 0), (0, U64), (1, U64), (size, 1), (size + 1, 0),
+                   (1 << 32, 1 << 32), ((1 << 63) - 1, 1 << 63)]:
+        refused(req(wire.OP_READ, remote=remote, offset=off, length=n), "out_of_bounds")
+    for off in [(1 << 63) - 1, U64, size]:  # a refused write's payload (8 bytes) is drained
+        refused(req(wire.OP_WRITE, remote=remote, offset=off, length=8) + b"x" * 8, "out_of_bounds")
+    refused(req(wire.OP_READ, region_id=U64, token=remote.token, epoch=int(remote.epoch, 16)), "unknown_region")
+    refused(req(wire.OP_READ, remote=remote, offset=0, length=8, deadline=1.0), "timeout")
+    cut(req(magic=b"XX"))  # bad magic
+    cut(req(wire.OP_READV, remote=remote, count=0xFFFFFFFF))  # huge count
+    cut(req(op=99, remote=remote))  # unknown op
+    cut(req(wire.OP_READ, remote=remote, deadline=float("nan")))
+    cut(_batch(wire.OP_READV, remote, [U64], [8]))  # a negative offset (int64)
+    cut(_batch(wire.OP_READV, remote, [0] * 4, [1 << 62] * 4))  # lengths whose sum wraps to the header's 0
+    cut(_batch(wire.OP_READV, remote, [0], [8], total=16))  # lengths that do not add up
+    # A write announcing 2^64-1 bytes: drained until its deadline and the grace, then closed.
+    cut(req(wire.OP_WRITE, remote=remote, offset=0, length=U64, deadline=time.time() + 0.3) + b"y" * 4096, 10)
+    # A batch whose hull overflows the region: per index, the in-range one is served.
+    s = tgt.raw()
+    s.sendall(_batch(wire.OP_READV, remote, [(1 << 63) - 1, 64], [8, 8]))
+    status, _rid, count, body = reply(s)
+    assert status == wire.ST_PARTIAL and count == 2 and body[:2] == b"\x01\x00"
+    s.close()
+    assert tgt.alive
+    data = b"z" * 4096
+    ini.write(data, remote, 128).result(5)
+    assert tgt.sha("kv", 128, 4096) == hashlib.sha256(data).hexdigest()
+
+
+# -- the table agrees with RegionTable.serve ---------------------------------------------------
+
+_EDGES = [0, 1, 2, (1 << 31) - 1, 1 << 31, (1 << 31) + 1, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, (1 << 63) - 2,
+          (1 << 63) - 1, 1 << 63, U64 - 1, U64]
+_SIZE = 4096
+_num = st.one_of(st.sampled_from(_EDGES + [_SIZE - 1, _SIZE, _SIZE + 1]), st.integers(0, U64))
+
+
+@pytest.fixture(scope="module")
+def table_engine() -> Any:
+    e = mpcomm.Engine(transports=["tcp"])
+    rw = e.register(bytearray(_SIZE), name="rw")
+    ro = e.register(bytes(_SIZE), name="ro")
+    yield e, rw, ro
+    e.close()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(off=_num, n=_num, which=st.sampled_from(["rw", "ro", "unknown"]), token_ok=st.booleans(),
+       epoch_ok=st.booleans(), access=st.sampled_from(["r", "w"]))
+def test_native_table_gives_the_outcome_of_regions_serve(table_engine: Any, off: int, n: int, which: str,
+                                                          token_ok: bool, epoch_ok: bool, access: str) -> None:
+    engine, rw, ro = table_engine
+    t = engine.transports["tcp"]
+    region = rw if which == "rw" else ro
+    rid = region.id if which != "unknown" else U64 - region.id
+    token = region.token if token_ok else region.token ^ 1
+    epoch = int(engine.info().epoch, 16) ^ (0 if epoch_ok else 1)
+    native = _port(engine).check(rid, token, epoch, off, n, access)
+    try:
+        t.ctx.regions.serve(rid, token, f"{epoch:016x}", off, n, access).release()
+        python = None
+    except MpcommError as exc:
+        python = (exc.code, str(exc))
+    assert native == python
