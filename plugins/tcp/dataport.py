@@ -96,10 +96,14 @@ class NativePort:
                                  handshake_ms=float(ctx.config.transport.handshake_timeout_ms),
                                  max_batch=int(o["max_batch"]), chunk=int(o["chunk"]), busy_ns=busy)
         self.END_CLOSED, self.END_PROTOCOL, self.END_ERROR = module.END_CLOSED, module.END_PROTOCOL, module.END_ERROR
+        # Ids in the table: unregister of a buffer never published (one request's ephemeral
+        # registration) then costs no call that releases and retakes the GIL.
+        self._ids: set[int] = set()
 
     def publish(self, region: Any) -> None:
         """Add ``region`` to the table (its buffer stays exported until :meth:`revoke`)."""
         self._port.publish(region.id, region.token, region.access, region.view, repr(region.name))
+        self._ids.add(region.id)
 
     def revoke(self, region: Any) -> bool:
         """Remove ``region``; when this returns no request moves a byte of it.
@@ -111,7 +115,12 @@ class NativePort:
         connection), and this returns once they let go. The GIL is released
         while it waits.
         """
-        return bool(self._port.revoke(region.id, self.grace))
+        if region.id not in self._ids:
+            return False
+        try:
+            return bool(self._port.revoke(region.id, self.grace))
+        finally:
+            self._ids.discard(region.id)
 
     def check(self, region_id: int, token: int, epoch: int, offset: int, length: int,
               access: str) -> tuple[str, str] | None:

@@ -1,6 +1,8 @@
-"""The tcp transport: pure-Python one-sided reads and writes over TCP, served by the target.
+"""The tcp transport: one-sided reads and writes over TCP, served by the target.
 
-Layout: :mod:`.wire` (the frames), :mod:`.server` (the target side),
+Layout: :mod:`.wire` (the frames), :mod:`.server` (the target side; plain
+connections' requests are served by :mod:`.dataport`, the same loop in C
+without the GIL),
 :mod:`.client` (pipelined connections of the initiator), this module (the
 :class:`~mpcomm.Transport` that ties them to the engine).
 
