@@ -271,9 +271,7 @@ static int wait_fd(int fd, short ev, double end) {
         if (left <= 0)
             return IO_DEADLINE;
         struct pollfd q = {fd, ev, 0};
-        int ms = (int)(left * 1000.0) + 1;
-        if (left > 3600)
-            ms = 3600 * 1000;
+        int ms = left > 3600 ? 3600 * 1000 : (int)(left * 1000.0) + 1; /* no cast of a huge double */
         int r = poll(&q, 1, ms);
         if (r > 0)
             return 0;

@@ -90,7 +90,7 @@ def test_a_target_spinning_in_python_still_serves_a_write(make_engine: Any) -> N
 # -- revocation ------------------------------------------------------------------------------
 
 def test_unregister_during_an_inflight_write_stops_every_later_byte(spawn: Any, make_engine: Any) -> None:
-    size = 8 << 20
+    size = 32 << 20  # at 64 KiB per 5 ms the write needs 2.5 s or more: it is in flight at unregister
     tgt = spawn({"kv": [size, "buffer"]}, config={"runtime": {"abort_grace_ms": 300}})
     remote = make_engine().open(tgt.address, "kv", timeout=5)
     s = tgt.raw()
