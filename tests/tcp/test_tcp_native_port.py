@@ -249,3 +249,88 @@ def test_native_table_gives_the_outcome_of_regions_serve(table_engine: Any, off:
     except MpcommError as exc:
         python = (exc.code, str(exc))
     assert native == python
+
+
+# -- the native server answers frames as the Python server does ---------------------------------
+
+_SMALL = st.sampled_from([0, 1, 7, 8, 4095, 4096, 4097])
+_OFF = st.sampled_from(_EDGES + [(1 << 20) - 8, 1 << 20, (1 << 20) + 1])
+
+
+@pytest.fixture(scope="module")
+def twin_targets() -> Any:
+    """The same target twice: one served by the native loop, one by server.py."""
+    from tcp_support import Target
+
+    native = Target()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(dataport.ENV, "0")
+        python = Target()
+    try:
+        yield native, python
+    finally:
+        native.close()
+        python.close()
+
+
+def _exchange(tgt: Any, frame: bytes) -> tuple[Any, ...]:
+    """What the target answers ``frame``: ("reply", status, count, body) or ("closed",)."""
+    s = tgt.raw()
+    try:
+        s.sendall(frame)
+        status, _rid, count, body = reply(s)
+        return ("reply", status, count, body)
+    except (ConnectionError, OSError, AssertionError):
+        return ("closed",)
+    finally:
+        s.close()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(op=st.sampled_from([wire.OP_READ, wire.OP_WRITE, wire.OP_READV, wire.OP_WRITEV]),
+       offs=st.lists(_OFF, min_size=1, max_size=4), lens=st.lists(_SMALL, min_size=1, max_size=4),
+       big=st.sampled_from([None, (1 << 63) - 1, 1 << 63, U64]), fill=st.integers(1, 255))
+def test_native_and_python_servers_answer_the_same(twin_targets: Any, op: int, offs: list[int], lens: list[int],
+                                                    big: int | None, fill: int) -> None:
+    n = min(len(offs), len(lens))
+    offs, lens = offs[:n], lens[:n]
+    answers = []
+    for tgt in twin_targets:
+        remote = mpcomm.RemoteRegion.from_dict(_remote_of(tgt))
+        if op in (wire.OP_READ, wire.OP_WRITE):
+            length = lens[0] if big is None or op == wire.OP_WRITE else big  # writes carry their payload
+            frame = req(op, remote=remote, offset=offs[0], length=length, count=0)
+            if op == wire.OP_WRITE:
+                frame += bytes([fill]) * length
+        else:
+            frame = _batch(op, remote, offs, lens)
+            if op == wire.OP_WRITEV and all(o < 1 << 63 for o in offs):
+                frame += bytes([fill]) * sum(lens)
+        answers.append(_exchange(tgt, frame))
+    _SEEN.append(answers[0][:2])
+    assert answers[0] == answers[1]
+    native, python = twin_targets
+    assert native.sha("kv", 0, 1 << 20) == python.sha("kv", 0, 1 << 20)
+
+
+_REMOTES: dict[int, dict[str, Any]] = {}
+_SEEN: list[tuple[Any, ...]] = []
+
+
+def _remote_of(tgt: Any) -> dict[str, Any]:
+    d = _REMOTES.get(id(tgt))
+    if d is None:
+        e = mpcomm.Engine(transports=["tcp"])
+        try:
+            d = _REMOTES[id(tgt)] = e.open(tgt.address, "kv", timeout=10).to_dict()
+        finally:
+            e.close()
+    return d
+
+
+def test_the_twin_comparison_saw_every_kind_of_answer() -> None:
+    """The comparison above is not vacuous: it saw OK, refused, partial and closed answers."""
+    kinds = {k if k[0] == "closed" else k[1] for k in _SEEN}
+    if not _SEEN:
+        pytest.skip("run with test_native_and_python_servers_answer_the_same")
+    assert {wire.ST_OK, wire.ST_ERR, wire.ST_PARTIAL, ("closed",)} <= kinds, kinds
