@@ -334,3 +334,37 @@ def test_the_twin_comparison_saw_every_kind_of_answer() -> None:
     if not _SEEN:
         pytest.skip("run with test_native_and_python_servers_answer_the_same")
     assert {wire.ST_OK, wire.ST_ERR, wire.ST_PARTIAL, ("closed",)} <= kinds, kinds
+
+
+# -- when it is not used ------------------------------------------------------------------------
+
+def test_native_server_false_keeps_the_python_server(make_engine: Any) -> None:
+    tgt = make_engine({"plugins": {"tcp": {"native_server": False}}})
+    assert tgt.transports["tcp"].dataport is None
+    region = tgt.register(bytearray(4096), name="kv")
+    ini = make_engine()
+    ini.write(b"p" * 4096, ini.open(tgt.address, "kv"), 0).result(5)
+    assert bytes(region.view) == b"p" * 4096
+
+
+_NO_COMPILER = textwrap.dedent("""
+    import mpcomm
+    from mpcomm.plugins.tcp import dataport
+    t = mpcomm.Engine(transports=["tcp"])
+    r = t.register(bytearray(4096), name="kv")
+    i = mpcomm.Engine(transports=["tcp"])
+    i.write(b"q" * 4096, i.open(t.address, "kv"), 0).result(5)
+    assert bytes(r.view) == b"q" * 4096
+    assert t.transports["tcp"].dataport is None
+    print("served by", "python" if t.transports["tcp"].dataport is None else "native", "|", dataport.reason)
+    i.close(); t.close()
+""")
+
+
+def test_without_a_compiler_the_python_server_serves(tmp_path: Any) -> None:
+    import os
+
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "MPCOMM_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "served by python | no C compiler" in out.stdout, out.stdout
