@@ -35,6 +35,7 @@ HELPERS = {
     "mpcomm.plugins.shm._mpcomm_copyloop": "plugins/shm/_copyloop.c",
     "mpcomm.plugins.ucx._mpcomm_ucxloop": "plugins/ucx/_ucxloop.c",
     "mpcomm.plugins.tcp._mpcomm_busypoll": "plugins/tcp/_busypoll.c",
+    "mpcomm.plugins.tcp._mpcomm_dataport": "plugins/tcp/_dataport.c",
 }
 BUILD_RECORD = "native-build.json"  # mpcomm.native_helper.BUILD_RECORD
 

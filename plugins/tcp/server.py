@@ -21,6 +21,13 @@ Everything a peer could make this side hold has a limit and a deadline:
   sleeping thread per request of a busy initiator;
 * a header that does not parse (magic, version, op, a NaN/inf/negative
   deadline, more than ``max_batch`` descriptors) closes that connection only.
+
+Plain connections (no TLS, zero-copy mode) are served below the interpreter
+once authenticated: :mod:`.dataport` runs the same request loop in C with the
+GIL released (``native_server``; without a compiler this module serves
+them). This module stays the readable version of that loop, serves TLS and
+copy mode, and serves every connection of a subclass that overrides a step
+of the request path (tests inject faults that way).
 """
 
 from __future__ import annotations
@@ -65,6 +72,11 @@ class _Closed(Exception):
     """The initiator closed the connection between requests."""
 
 
+#: The steps of the Python request path; a subclass overriding one is served in Python.
+_REQUEST_PATH = ("_one", "_write", "_read", "_batch", "_reply", "_refuse", "_drain", "_check", "_recv_region",
+                 "_send_region", "_batch_write", "_batch_read")
+
+
 class Server:
     def __init__(self, transport: Any) -> None:
         self.t = transport
@@ -86,6 +98,10 @@ class Server:
         self.plain = self.tls is None and not self.copy_mode  # plain sockets, payloads straight to the region
         # TLS keeps decrypted bytes of its own that the socket's readiness does not show.
         self.busy_ns = 0 if self.tls is not None else int(o["busy_poll_us"]) * 1000
+        # The native loop (dataport.py) where the transport opened one and this class is the stock path.
+        native = getattr(transport, "dataport", None)
+        stock = all(getattr(type(self), m) is getattr(Server, m) for m in _REQUEST_PATH)
+        self.native = native if self.plain and stock else None
 
     # -- one connection --------------------------------------------------------------
 
@@ -98,6 +114,9 @@ class Server:
                                  deadline=time.monotonic() + self.handshake_time)  # type: ignore[assignment]
             who = self._hello(sock)
             peer = f"{who} at {peer}"
+            if self.native is not None:
+                self._serve_native(sock, peer)
+                return
             sock.settimeout(None)  # blocking mode: the kernel bounds blocking calls (SO_*TIMEO)
             # Between requests the kernel bounds the wait (one blocking recv, no
             # poll); within a request every call is bounded by its deadline.
@@ -115,6 +134,18 @@ class Server:
             _reset(sock)
         except OSError:
             pass  # the initiator went away
+
+    def _serve_native(self, sock: socket.socket, peer: str) -> None:
+        """Every request of this connection in C, without the GIL, until it ends (dataport.py)."""
+        native = self.native
+        assert native is not None
+        end, why = native.run(sock.fileno())
+        if end == native.END_PROTOCOL:
+            self.log.warning("tcp: closing data connection from %s: %s", peer, why)
+            _reset(sock)
+        elif end == native.END_ERROR:
+            self.log.info("tcp: closing data connection from %s: %s", peer, why)
+            _reset(sock)
 
     def _hello(self, sock: socket.socket) -> str:
         deadline = time.monotonic() + self.handshake_time

@@ -1,6 +1,8 @@
-"""The tcp transport: pure-Python one-sided reads and writes over TCP, served by the target.
+"""The tcp transport: one-sided reads and writes over TCP, served by the target.
 
-Layout: :mod:`.wire` (the frames), :mod:`.server` (the target side),
+Layout: :mod:`.wire` (the frames), :mod:`.server` (the target side; plain
+connections' requests are served by :mod:`.dataport`, the same loop in C
+without the GIL),
 :mod:`.client` (pipelined connections of the initiator), this module (the
 :class:`~mpcomm.Transport` that ties them to the engine).
 
@@ -45,7 +47,7 @@ from mpcomm.errors import MpcommError, OutOfBoundsError
 from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes
 
-from . import wire
+from . import dataport, wire
 from .client import Piece, Pool, next_id
 from .server import Server
 
@@ -102,6 +104,7 @@ class TcpTransport(Transport):
         "max_batch": 4096,  # descriptors per batch frame
         "busy_poll_us": 100,  # poll this long for a frame due soon before sleeping (0: never; see busypoll.py)
         "tls": "auto",  # "auto": data connections run TLS whenever transport.tls does; "off": never
+        "native_server": True,  # target: serve plain connections' requests in C without the GIL (dataport.py)
     }
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -124,13 +127,17 @@ class TcpTransport(Transport):
             # The control channel's certificates; mutual authentication as configured there.
             self.tls_server, self.tls_client = server_context(ctx.config), client_context(ctx.config)
         self.log = ctx.log
+        #: The native request loop and region table (dataport.py), or None: the Python server serves.
+        self.dataport = dataport.open_port(self)
 
     @classmethod
     def availability(cls) -> Availability:
         from . import busypoll
 
         busypoll.load()
-        return Availability.yes(f"pure Python; always available (busy-polling: {busypoll.reason})")
+        dataport.load()
+        return Availability.yes(f"always available (busy-polling: {busypoll.reason}; "
+                                f"native data port: {dataport.reason})")
 
     # -- target side -------------------------------------------------------------
 
@@ -147,6 +154,17 @@ class TcpTransport(Transport):
                                   max_per_peer=int(o["max_connections_per_peer"]), log=self.log).start()
         return {"port": port, "idle_timeout_ms": int(o["idle_timeout_ms"]), "max_batch": int(o["max_batch"]),
                 "proto": wire.VERSION, "tls": self.tls_server is not None}
+
+    def register(self, region: Any) -> dict[str, Any] | None:
+        """Publish ``region`` in the native table (only regions peers can name are there)."""
+        if self.dataport is not None and region.published:
+            self.dataport.publish(region)
+        return {}
+
+    def unregister(self, region: Any) -> None:
+        """When this returns, no native request moves a byte of ``region`` (NativePort.revoke)."""
+        if self.dataport is not None:
+            self.dataport.revoke(region)
 
     # -- initiator side ------------------------------------------------------------
 
@@ -336,6 +354,8 @@ class TcpTransport(Transport):
         self.closed = True
         if self._accept is not None:
             self._accept.close()
+        if self.dataport is not None:
+            self.dataport.close()
         with self._pools_lock:
             pools = list(self._pools.values())
             self._pools.clear()

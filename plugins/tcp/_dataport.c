@@ -1,0 +1,1076 @@
+/* The tcp data port's request loop, in C, outside the interpreter (see dataport.py).
+ *
+ * server.py serves each connection's requests in Python: every request needs
+ * the GIL, so a target whose application keeps the interpreter busy answers
+ * its peers 50-70x slower. This module serves the same frames (wire.py) with
+ * the same checks and replies, on the connection's thread with the GIL
+ * released for the connection's whole life: Python keeps the accept, HELLO and
+ * authentication (once per connection), then calls Port.run(fd), which returns
+ * only when the connection ends.
+ *
+ * The region table lives here, in native memory: the transport publishes a
+ * region at register() (its buffer is exported for as long as the entry
+ * exists) and revokes it at unregister(). Revocation unlinks the entry (no new
+ * request finds it), then waits until no request holds it; a request holds it
+ * only while it moves bytes. Every range is checked overflow-safe on unsigned
+ * values (n <= size && off <= size - n) when admitted and again at the point
+ * of use, against the entry the thread holds.
+ *
+ * Built by mpcomm.native_helper: as the extension module _mpcomm_dataport
+ * where Python.h is installed; the plain library (no module) is not used. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#define DP_ABI 1
+int mpcomm_dataport_abi(void) { return DP_ABI; }
+
+#ifdef MP_PYMODULE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* ---- wire (wire.py) ------------------------------------------------------------- */
+#define REQ_SIZE 64
+#define RESP_SIZE 24
+#define OP_WRITE 1
+#define OP_READ 2
+#define OP_WRITEV 3
+#define OP_READV 4
+#define ST_OK 0
+#define ST_ERR 1
+#define ST_PARTIAL 2
+#define MAX_ERROR_PAYLOAD (64 << 10)
+#define ACC_R 1
+#define ACC_W 2
+
+/* Outcomes of run(): how the connection ended (dataport.py logs them as server.py does). */
+#define END_CLOSED 0 /* the initiator closed, idle timeout, or transport closed */
+#define END_PROTOCOL 1 /* ProtocolError: warning, reset */
+#define END_ERROR 2 /* an MpcommError mid-frame (deadline, lost peer): info, reset */
+#define END_OS 3 /* a socket error: silent */
+
+/* Error classes a refusal names (their wire codes, errors.py). */
+enum { E_NONE = 0, E_TIMEOUT, E_STALE, E_UNKNOWN, E_DENIED, E_BOUNDS };
+static const char *const CODES[] = {"", "timeout", "stale_region", "unknown_region", "permission_denied",
+                                    "out_of_bounds"};
+
+static uint64_t get_be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+static uint32_t get_be32(const unsigned char *p) {
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+static uint64_t get_le64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+static void put_be64(unsigned char *p, uint64_t v) {
+    for (int i = 7; i >= 0; i--, v >>= 8)
+        p[i] = (unsigned char)v;
+}
+static void put_be32(unsigned char *p, uint32_t v) {
+    for (int i = 3; i >= 0; i--, v >>= 8)
+        p[i] = (unsigned char)v;
+}
+
+static double mono(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + t.tv_nsec / 1e9;
+}
+static double wall(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (double)t.tv_sec + t.tv_nsec / 1e9;
+}
+
+/* A 128-bit unsigned in decimal (offset + length of a refusal, as Python prints it). */
+static void u128_str(unsigned __int128 v, char *out) {
+    char tmp[48];
+    int n = 0;
+    do {
+        tmp[n++] = (char)('0' + (int)(v % 10));
+        v /= 10;
+    } while (v);
+    for (int i = 0; i < n; i++)
+        out[i] = tmp[n - 1 - i];
+    out[n] = 0;
+}
+
+/* ---- the region table ---------------------------------------------------------------- */
+typedef struct Entry {
+    struct Entry *next; /* hash chain */
+    uint64_t id, token;
+    unsigned char *base;
+    uint64_t size;
+    int rights; /* ACC_R | ACC_W */
+    uint64_t inflight; /* requests moving bytes of it now (under the port's mutex) */
+    char *qname; /* repr(region.name), UTF-8, for refusals */
+    Py_buffer view; /* the export that keeps base valid; released by revoke (GIL held) */
+} Entry;
+
+/* One connection being served (on its carrier thread's stack), listed so a revocation can cut it. */
+typedef struct Conn {
+    struct Conn *next, *prev;
+    int fd;
+    Entry *holding; /* the entry it moves bytes of now, or NULL */
+    int cut; /* revocation shut the socket down */
+} Conn;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* a request released an entry */
+    Entry **buckets;
+    size_t nbuckets, count;
+    Conn conns; /* list head */
+    uint64_t epoch;
+    int epoch_ok;
+    double idle, max_request, grace, handshake;
+    uint32_t max_batch;
+    uint64_t chunk;
+    long long busy_ns;
+    int closed;
+    int ready;
+} Port;
+
+static int spin_limit = 1;
+static int spinners = 0;
+static unsigned char discard_buf[256 << 10]; /* refused payloads land here and are thrown away */
+
+static size_t bucket_of(const Port *p, uint64_t id) {
+    uint64_t h = id * 0x9E3779B97F4A7C15ULL;
+    return (size_t)(h >> 32) & (p->nbuckets - 1);
+}
+
+static Entry *find_locked(Port *p, uint64_t id) {
+    for (Entry *e = p->buckets[bucket_of(p, id)]; e; e = e->next)
+        if (e->id == id)
+            return e;
+    return NULL;
+}
+
+static int grow_locked(Port *p) {
+    size_t nb = p->nbuckets * 2;
+    Entry **b = calloc(nb, sizeof(Entry *));
+    if (!b)
+        return -1;
+    Entry **old = p->buckets;
+    size_t onb = p->nbuckets;
+    p->buckets = b;
+    p->nbuckets = nb;
+    for (size_t i = 0; i < onb; i++) {
+        Entry *e = old[i];
+        while (e) {
+            Entry *n = e->next;
+            size_t k = bucket_of(p, e->id);
+            e->next = b[k];
+            b[k] = e;
+            e = n;
+        }
+    }
+    free(old);
+    return 0;
+}
+
+static Entry *unlink_locked(Port *p, uint64_t id) {
+    Entry **pp = &p->buckets[bucket_of(p, id)];
+    for (; *pp; pp = &(*pp)->next) {
+        if ((*pp)->id == id) {
+            Entry *e = *pp;
+            *pp = e->next;
+            e->next = NULL;
+            p->count--;
+            return e;
+        }
+    }
+    return NULL;
+}
+
+/* The one range check: n <= size && off <= size - n, on unsigned values (no sum that can wrap). */
+static int in_range(uint64_t off, uint64_t n, uint64_t size) { return n <= size && off <= size - n; }
+
+/* Check a peer's access as RegionTable.serve does (same order, codes and messages), after the
+ * deadline check of server.py's _check. On success the entry is held (inflight + 1) and *out set;
+ * with bounds = 0 the range is not checked (a batch checks its indices itself). */
+static int admit(Port *p, Conn *c, uint64_t rid, uint64_t token, uint64_t epoch, uint64_t off, uint64_t n, int access,
+                 double end, int bounds, Entry **out, char *msg, size_t msz) {
+    *out = NULL;
+    if (mono() >= end) {
+        snprintf(msg, msz, "request arrived after its deadline; nothing was touched");
+        return E_TIMEOUT;
+    }
+    if (!p->epoch_ok || epoch != p->epoch) {
+        snprintf(msg, msz, "descriptor is from an earlier epoch of this node; open the region again");
+        return E_STALE;
+    }
+    pthread_mutex_lock(&p->mu);
+    Entry *e = find_locked(p, rid);
+    int rc = E_NONE;
+    if (!e) {
+        snprintf(msg, msz, "no region with id %llu is registered here", (unsigned long long)rid);
+        rc = E_UNKNOWN;
+    } else if (token != e->token) {
+        snprintf(msg, msz, "wrong token for region %s", e->qname);
+        rc = E_DENIED;
+    } else if (!(e->rights & access)) {
+        snprintf(msg, msz, "region %s may not be %s by peers", e->qname, access == ACC_W ? "written" : "read");
+        rc = E_DENIED;
+    } else if (bounds && !in_range(off, n, e->size)) {
+        char a[48], b[48];
+        u128_str(off, a);
+        u128_str((unsigned __int128)off + n, b);
+        snprintf(msg, msz, "[%s, %s) is outside region %s of %llu bytes", a, b, e->qname,
+                 (unsigned long long)e->size);
+        rc = E_BOUNDS;
+    } else {
+        e->inflight++;
+        *out = e;
+        if (c)
+            c->holding = e; /* listed under the same lock: a revocation past its grace finds it */
+    }
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+static void release(Port *p, Conn *c, Entry *e) {
+    pthread_mutex_lock(&p->mu);
+    if (--e->inflight == 0)
+        pthread_cond_broadcast(&p->cv);
+    if (c)
+        c->holding = NULL;
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* ---- socket calls bounded by a deadline (monotonic seconds) ------------------------------ */
+/* Results of the receive/send helpers. */
+#define IO_DEADLINE (-1)
+#define IO_EOF (-2)
+#define IO_ERR (-3)
+
+static int wait_fd(int fd, short ev, double end) {
+    for (;;) {
+        double left = end - mono();
+        if (left <= 0)
+            return IO_DEADLINE;
+        struct pollfd q = {fd, ev, 0};
+        int ms = left > 3600 ? 3600 * 1000 : (int)(left * 1000.0) + 1; /* no cast of a huge double */
+        int r = poll(&q, 1, ms);
+        if (r > 0)
+            return 0;
+        if (r < 0 && errno != EINTR)
+            return IO_ERR;
+    }
+}
+
+/* Receive up to n bytes (at least one) by end: > 0 bytes, or IO_*. */
+static long long recv_some(int fd, unsigned char *buf, size_t n, double end) {
+    for (;;) {
+        ssize_t r = recv(fd, buf, n, MSG_DONTWAIT);
+        if (r > 0)
+            return r;
+        if (r == 0)
+            return IO_EOF;
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return IO_ERR;
+        int w = wait_fd(fd, POLLIN, end);
+        if (w)
+            return w;
+    }
+}
+
+/* Receive exactly n bytes by end: 0, or IO_*. */
+static int recv_exact(int fd, unsigned char *buf, size_t n, double end) {
+    size_t pos = 0;
+    while (pos < n) {
+        long long r = recv_some(fd, buf + pos, n - pos, end);
+        if (r < 0)
+            return (int)r;
+        pos += (size_t)r;
+    }
+    return 0;
+}
+
+/* Swallow n payload bytes into the discard buffer by end: 0, or IO_*. */
+static int drain(int fd, uint64_t n, double end) {
+    while (n) {
+        size_t k = n < sizeof discard_buf ? (size_t)n : sizeof discard_buf;
+        long long r = recv_some(fd, discard_buf, k, end);
+        if (r < 0)
+            return (int)r;
+        n -= (uint64_t)r;
+    }
+    return 0;
+}
+
+/* Send every byte of iov[0..cnt) by end (iov is consumed): 0, or IO_*. */
+static int send_all(int fd, struct iovec *iov, size_t cnt, double end) {
+    size_t i = 0;
+    while (i < cnt && iov[i].iov_len == 0)
+        i++;
+    while (i < cnt) {
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = iov + i;
+        m.msg_iovlen = cnt - i < IOV_MAX ? cnt - i : IOV_MAX;
+        ssize_t r = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK)
+                return IO_ERR;
+            int w = wait_fd(fd, POLLOUT, end);
+            if (w)
+                return w;
+            continue;
+        }
+        size_t s = (size_t)r;
+        while (i < cnt && s >= iov[i].iov_len) {
+            s -= iov[i].iov_len;
+            i++;
+        }
+        if (s) {
+            iov[i].iov_base = (char *)iov[i].iov_base + s;
+            iov[i].iov_len -= s;
+        }
+        while (i < cnt && iov[i].iov_len == 0)
+            i++;
+    }
+    return 0;
+}
+
+/* ---- one connection ----------------------------------------------------------------------- */
+typedef struct {
+    Port *p;
+    Conn *c;
+    int fd;
+    char why[512]; /* how the connection ended, for the log */
+    double quiet_until; /* no busy-polling before this time (spin_readable) */
+} Ctx;
+
+static int fail(Ctx *x, int kind, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int fail(Ctx *x, int kind, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(x->why, sizeof x->why, fmt, ap);
+    va_end(ap);
+    return kind;
+}
+
+/* An IO_* result mid-frame as the connection's end (server.py: TransferTimeout, PeerConnectionError). */
+static int io_end(Ctx *x, int io, const char *what) {
+    if (io == IO_DEADLINE)
+        return fail(x, END_ERROR, "%s: deadline passed", what);
+    if (io == IO_EOF)
+        return fail(x, END_ERROR, "%s: the peer closed the connection", what);
+    return fail(x, END_OS, "%s: %s", what, strerror(errno));
+}
+
+/* {"code": ..., "message": ...} with the message escaped for JSON; returns its length. */
+static size_t error_body(char *out, size_t cap, int code, const char *msg) {
+    size_t n = (size_t)snprintf(out, cap, "{\"code\": \"%s\", \"message\": \"", CODES[code]);
+    for (const unsigned char *s = (const unsigned char *)msg; *s && n + 8 < cap; s++) {
+        if (*s == '"' || *s == '\\') {
+            out[n++] = '\\';
+            out[n++] = (char)*s;
+        } else if (*s < 0x20) {
+            n += (size_t)snprintf(out + n, cap - n, "\\u%04x", *s);
+        } else {
+            out[n++] = (char)*s;
+        }
+    }
+    n += (size_t)snprintf(out + n, cap - n, "\"}");
+    return n < cap ? n : cap - 1;
+}
+
+static void resp_head(unsigned char *h, int status, uint32_t count, uint64_t req_id, uint64_t length) {
+    h[0] = 'M';
+    h[1] = 'R';
+    h[2] = (unsigned char)status;
+    h[3] = 0;
+    put_be32(h + 4, count);
+    put_be64(h + 8, req_id);
+    put_be64(h + 16, length);
+}
+
+static double reply_end(Ctx *x, double end) {
+    double now = mono();
+    return (end > now ? end : now) + x->p->grace;
+}
+
+static int reply(Ctx *x, int status, uint32_t count, uint64_t req_id, const void *body, size_t blen,
+                 double end) {
+    unsigned char h[RESP_SIZE];
+    resp_head(h, status, count, req_id, blen);
+    struct iovec iov[2] = {{h, RESP_SIZE}, {(void *)body, blen}};
+    int r = send_all(x->fd, iov, 2, reply_end(x, end));
+    return r ? io_end(x, r, "tcp reply") : -1;
+}
+
+static int refuse(Ctx *x, uint64_t req_id, int code, const char *msg, double end) {
+    char body[2048];
+    size_t n = error_body(body, sizeof body, code, msg);
+    return reply(x, ST_ERR, 0, req_id, body, n, end);
+}
+
+/* Receive n bytes into e's [off, off + n) by end; returns the bytes received, or IO_EOF/IO_ERR. */
+static long long recv_region(Ctx *x, Entry *e, uint64_t off, uint64_t n, double end) {
+    if (!in_range(off, n, e->size)) /* re-checked at the point of use, against the entry held */
+        return IO_ERR;
+    unsigned char *dst = e->base + off;
+    uint64_t pos = 0;
+    while (pos < n) {
+        uint64_t k = n - pos;
+        if (k > x->p->chunk)
+            k = x->p->chunk;
+        long long r = recv_some(x->fd, dst + pos, (size_t)k, end);
+        if (r == IO_DEADLINE)
+            return (long long)pos;
+        if (r < 0)
+            return r;
+        pos += (uint64_t)r;
+    }
+    return (long long)pos;
+}
+
+static int do_write(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint64_t epoch, uint64_t off,
+                    uint64_t n, double end) {
+    Port *p = x->p;
+    char msg[1024];
+    Entry *e;
+    int code = admit(p, x->c, rid, token, epoch, off, n, ACC_W, end, 1, &e, msg, sizeof msg);
+    if (code) {
+        int r = drain(x->fd, n, end + p->grace);
+        if (r)
+            return io_end(x, r, "tcp payload");
+        return refuse(x, req_id, code, msg, end);
+    }
+    long long pos = recv_region(x, e, off, n, end);
+    release(p, x->c, e);
+    if (pos < 0)
+        return io_end(x, (int)pos, "tcp payload");
+    if ((uint64_t)pos < n) {
+        int r = drain(x->fd, n - (uint64_t)pos, end + p->grace);
+        if (r)
+            return io_end(x, r, "tcp payload");
+        snprintf(msg, sizeof msg, "deadline passed after %lld of %llu bytes; the range is partly written", pos,
+                 (unsigned long long)n);
+        return refuse(x, req_id, E_TIMEOUT, msg, end);
+    }
+    return reply(x, ST_OK, 0, req_id, NULL, 0, end);
+}
+
+static int do_read(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint64_t epoch, uint64_t off,
+                   uint64_t n, double end) {
+    Port *p = x->p;
+    char msg[1024];
+    Entry *e;
+    int code = admit(p, x->c, rid, token, epoch, off, n, ACC_R, end, 1, &e, msg, sizeof msg);
+    if (code)
+        return refuse(x, req_id, code, msg, end);
+    unsigned char h[RESP_SIZE];
+    resp_head(h, ST_OK, 0, req_id, n);
+    int r = IO_ERR;
+    if (in_range(off, n, e->size)) {
+        struct iovec iov[2] = {{h, RESP_SIZE}, {e->base + off, (size_t)n}};
+        r = send_all(x->fd, iov, 2, end);
+    }
+    release(p, x->c, e);
+    return r ? io_end(x, r, "tcp read payload") : -1;
+}
+
+static int do_batch(Ctx *x, int op, uint32_t count, uint64_t req_id, uint64_t rid, uint64_t token,
+                    uint64_t epoch, uint64_t total, double end) {
+    Port *p = x->p;
+    int write = op == OP_WRITEV;
+    int rc = -1;
+    unsigned char *desc = malloc((size_t)count * 16);
+    uint64_t *offs = malloc((size_t)count * 8), *lens = malloc((size_t)count * 8);
+    unsigned char *status = calloc(count, 1);
+    struct iovec *iov = malloc(((size_t)count + 2) * sizeof *iov);
+    Entry *e = NULL;
+    char msg[1024], first[1200];
+    if (!desc || !offs || !lens || !status || !iov) {
+        rc = fail(x, END_OS, "out of memory for a batch of %u", count);
+        goto out;
+    }
+    int r = recv_exact(x->fd, desc, (size_t)count * 16, end + p->grace);
+    if (r) {
+        rc = io_end(x, r, "tcp batch descriptors");
+        goto out;
+    }
+    uint64_t sum = 0, lo = UINT64_MAX, hi = 0;
+    int bad = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        offs[i] = get_le64(desc + 8 * (size_t)i);
+        lens[i] = get_le64(desc + 8 * ((size_t)count + i));
+        if ((int64_t)offs[i] < 0 || (int64_t)lens[i] < 0 || __builtin_add_overflow(sum, lens[i], &sum))
+            bad = 1;
+        if (!bad) {
+            if (offs[i] < lo)
+                lo = offs[i];
+            if (offs[i] + lens[i] > hi) /* both < 2^63: the sum does not wrap */
+                hi = offs[i] + lens[i];
+        }
+    }
+    if (bad || sum != total) {
+        rc = fail(x, END_PROTOCOL,
+                  "batch descriptors disagree with the header (negative, or lengths do not add up)");
+        goto out;
+    }
+    int access = write ? ACC_W : ACC_R;
+    int refused = 0;
+    /* One check for the hull of every range; only if it fails on bounds, one per index. */
+    int code = admit(p, x->c, rid, token, epoch, lo, hi - lo, access, end, 1, &e, msg, sizeof msg);
+    if (code == E_BOUNDS) {
+        code = admit(p, x->c, rid, token, epoch, 0, 0, access, end, 0, &e, msg, sizeof msg);
+        if (!code) {
+            for (uint32_t i = 0; i < count; i++) {
+                if (in_range(offs[i], lens[i], e->size))
+                    continue;
+                if (!refused) {
+                    char a[48], b[48];
+                    u128_str(offs[i], a);
+                    u128_str((unsigned __int128)offs[i] + lens[i], b);
+                    snprintf(first, sizeof first, "index %u of %u: [%s, %s) is outside region %s of %llu bytes", i,
+                             count, a, b, e->qname, (unsigned long long)e->size);
+                }
+                status[i] = 1;
+                refused++;
+            }
+            if ((uint32_t)refused == count) {
+                release(p, x->c, e);
+                e = NULL;
+            }
+        }
+    }
+    if (code) { /* refused as a whole (token, epoch, access, deadline): nothing is touched */
+        if (write && (r = drain(x->fd, total, end + p->grace))) {
+            rc = io_end(x, r, "tcp payload");
+            goto out;
+        }
+        rc = refuse(x, req_id, code, msg, end);
+        goto out;
+    }
+    char body[2048];
+    size_t blen = 0;
+    unsigned char jl[4];
+    if (refused) {
+        blen = error_body(body, sizeof body, E_BOUNDS, first);
+        put_be32(jl, (uint32_t)blen);
+    }
+    if (write) {
+        for (uint32_t i = 0; i < count; i++) {
+            uint64_t n = lens[i];
+            if (status[i]) {
+                if ((r = drain(x->fd, n, end + p->grace))) {
+                    rc = io_end(x, r, "tcp payload");
+                    goto out;
+                }
+                continue;
+            }
+            long long pos = n ? recv_region(x, e, offs[i], n, end) : 0;
+            if (pos < 0) {
+                rc = io_end(x, (int)pos, "tcp payload");
+                goto out;
+            }
+            if ((uint64_t)pos < n) {
+                uint64_t left = n - (uint64_t)pos;
+                for (uint32_t j = i + 1; j < count; j++)
+                    left += lens[j];
+                release(p, x->c, e);
+                e = NULL;
+                if ((r = drain(x->fd, left, end + p->grace))) {
+                    rc = io_end(x, r, "tcp payload");
+                    goto out;
+                }
+                snprintf(msg, sizeof msg,
+                         "deadline passed in index %u of %u; indices from %u on are partly written or not", i,
+                         count, i);
+                rc = refuse(x, req_id, E_TIMEOUT, msg, end);
+                goto out;
+            }
+        }
+        if (e) {
+            release(p, x->c, e);
+            e = NULL;
+        }
+        if (!refused) {
+            rc = reply(x, ST_OK, count, req_id, NULL, 0, end);
+            goto out;
+        }
+        unsigned char h[RESP_SIZE];
+        resp_head(h, ST_PARTIAL, count, req_id, (uint64_t)count + 4 + blen);
+        struct iovec v[4] = {{h, RESP_SIZE}, {status, count}, {jl, 4}, {body, blen}};
+        r = send_all(x->fd, v, 4, reply_end(x, end));
+        rc = r ? io_end(x, r, "tcp reply") : -1;
+        goto out;
+    }
+    /* READV: the header (and the PARTIAL body), then the served indices in order. */
+    unsigned char h[RESP_SIZE];
+    size_t k = 0;
+    uint64_t payload = 0;
+    iov[k++] = (struct iovec){h, RESP_SIZE};
+    if (refused) {
+        /* status, JSON length and JSON as one piece: the iovec array has count + 2 slots */
+        unsigned char *pb = malloc((size_t)count + 4 + blen);
+        if (!pb) {
+            rc = fail(x, END_OS, "out of memory for a batch reply");
+            goto out;
+        }
+        memcpy(pb, status, count);
+        memcpy(pb + count, jl, 4);
+        memcpy(pb + count + 4, body, blen);
+        free(status);
+        status = pb; /* freed at out */
+        iov[k++] = (struct iovec){pb, (size_t)count + 4 + blen};
+    }
+    for (uint32_t i = 0; e && i < count; i++) {
+        if ((refused && status[i]) || !lens[i])
+            continue;
+        if (!in_range(offs[i], lens[i], e->size)) { /* cannot happen: admitted above; never send outside */
+            rc = fail(x, END_OS, "batch range changed under the request");
+            goto out;
+        }
+        iov[k++] = (struct iovec){e->base + offs[i], (size_t)lens[i]};
+        payload += lens[i];
+    }
+    resp_head(h, refused ? ST_PARTIAL : ST_OK, count, req_id, refused ? (uint64_t)count + 4 + blen + payload : payload);
+    r = send_all(x->fd, iov, k, end);
+    rc = r ? io_end(x, r, "tcp read payload") : -1;
+out:
+    if (e)
+        release(p, x->c, e);
+    free(desc);
+    free(offs);
+    free(lens);
+    free(status);
+    free(iov);
+    return rc;
+}
+
+/* Poll fd without sleeping for up to budget_ns (busypoll.py's rules: a bounded number of spinners).
+ *
+ * A poller that is always runnable loses the scheduler's wake-up preference. Where the CPUs are
+ * oversubscribed (the application spins on one, the initiator polls on another) it then waits for
+ * its turn like any CPU hog: measured on 2 CPUs, a spinning target answered in 1-7 ms instead of
+ * 35 us. So a poll that finds itself preempted (a gap of more than 50 us between two looks) stops,
+ * and this connection blocks instead of polling for the next second. */
+static void spin_readable(int fd, long long budget_ns, double *quiet_until) {
+    if (budget_ns <= 0)
+        return;
+    double now = mono();
+    if (now < *quiet_until)
+        return;
+    if (__atomic_add_fetch(&spinners, 1, __ATOMIC_ACQ_REL) > spin_limit) {
+        __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
+        return;
+    }
+    double end = now + budget_ns / 1e9, last = now;
+    struct pollfd q = {fd, POLLIN, 0};
+    for (;;) {
+        q.revents = 0;
+        if (poll(&q, 1, 0) != 0)
+            break;
+        now = mono();
+        if (now - last > 50e-6) {
+            *quiet_until = now + 1.0;
+            break;
+        }
+        if (now >= end)
+            break;
+        last = now;
+        sched_yield();
+    }
+    __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
+}
+
+/* One request (server.py's _one): -1 to go on, else END_*. */
+static int one(Ctx *x, int first) {
+    Port *p = x->p;
+    unsigned char h[REQ_SIZE];
+    if (!first)
+        spin_readable(x->fd, p->busy_ns, &x->quiet_until);
+    int w = wait_fd(x->fd, POLLIN, mono() + p->idle);
+    if (w == IO_DEADLINE)
+        return END_CLOSED; /* idle for idle_timeout_ms: it dials again when needed */
+    if (w)
+        return io_end(x, w, "tcp request header");
+    if (__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE))
+        return END_CLOSED;
+    long long got = recv_some(x->fd, h, REQ_SIZE, mono() + p->handshake);
+    if (got == IO_EOF)
+        return END_CLOSED;
+    if (got < 0)
+        return io_end(x, (int)got, "tcp request header");
+    if (got < REQ_SIZE) {
+        int r = recv_exact(x->fd, h + got, (size_t)(REQ_SIZE - got), mono() + p->handshake);
+        if (r)
+            return io_end(x, r, "tcp request header");
+    }
+    if (h[0] != 'M' || h[1] != 'Q')
+        return fail(x, END_PROTOCOL, "bad request magic %02x%02x", h[0], h[1]);
+    int op = h[2];
+    uint32_t count = get_be32(h + 4);
+    uint64_t req_id = get_be64(h + 8), rid = get_be64(h + 16), token = get_be64(h + 24);
+    uint64_t epoch = get_be64(h + 32), off = get_be64(h + 40), n = get_be64(h + 48);
+    uint64_t dbits = get_be64(h + 56);
+    double deadline;
+    memcpy(&deadline, &dbits, 8);
+    if (!isfinite(deadline) || deadline <= 0)
+        return fail(x, END_PROTOCOL, "request deadline %g is not a finite positive time", deadline);
+    double left = deadline - wall();
+    if (left < 0)
+        left = 0;
+    if (left > p->max_request)
+        left = p->max_request;
+    double end = mono() + left;
+    switch (op) {
+    case OP_WRITE:
+        return do_write(x, req_id, rid, token, epoch, off, n, end);
+    case OP_READ:
+        return do_read(x, req_id, rid, token, epoch, off, n, end);
+    case OP_WRITEV:
+    case OP_READV:
+        if (count < 1 || count > p->max_batch)
+            return fail(x, END_PROTOCOL, "batch of %u descriptors (the limit is %u)", count, p->max_batch);
+        return do_batch(x, op, count, req_id, rid, token, epoch, n, end);
+    default:
+        return fail(x, END_PROTOCOL, "unknown request op %d", op);
+    }
+}
+
+/* ---- the Python object ----------------------------------------------------------------------- */
+static int Port_init(Port *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"epoch", "epoch_ok", "idle_ms", "max_request_ms", "grace_ms", "handshake_ms",
+                            "max_batch", "chunk", "busy_ns", NULL};
+    unsigned long long epoch, chunk;
+    int epoch_ok;
+    double idle, maxr, grace, hs;
+    unsigned int max_batch;
+    long long busy;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Port is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KpddddIKL", names, &epoch, &epoch_ok, &idle, &maxr, &grace, &hs,
+                                     &max_batch, &chunk, &busy))
+        return -1;
+    if (chunk == 0 || max_batch == 0) {
+        PyErr_SetString(PyExc_ValueError, "chunk and max_batch must be positive");
+        return -1;
+    }
+    self->buckets = calloc(64, sizeof(Entry *));
+    if (!self->buckets) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->nbuckets = 64;
+    pthread_mutex_init(&self->mu, NULL);
+    pthread_cond_init(&self->cv, NULL);
+    self->conns.next = self->conns.prev = &self->conns;
+    self->epoch = epoch;
+    self->epoch_ok = epoch_ok;
+    self->idle = idle / 1000.0;
+    self->max_request = maxr / 1000.0;
+    self->grace = grace / 1000.0;
+    self->handshake = hs / 1000.0;
+    self->max_batch = max_batch;
+    self->chunk = chunk;
+    self->busy_ns = busy;
+    self->ready = 1;
+    return 0;
+}
+
+static int ready(Port *self) {
+    if (!self->ready)
+        PyErr_SetString(PyExc_RuntimeError, "Port is not initialised");
+    return self->ready;
+}
+
+static void free_entry(Entry *e) {
+    PyBuffer_Release(&e->view);
+    free(e->qname);
+    free(e);
+}
+
+static PyObject *Port_publish(Port *self, PyObject *args) {
+    unsigned long long id, token;
+    const char *rights, *qname;
+    PyObject *buffer;
+    if (!ready(self) || !PyArg_ParseTuple(args, "KKsOs", &id, &token, &rights, &buffer, &qname))
+        return NULL;
+    Entry *e = calloc(1, sizeof *e);
+    if (!e)
+        return PyErr_NoMemory();
+    if (PyObject_GetBuffer(buffer, &e->view, PyBUF_SIMPLE) < 0) {
+        free(e);
+        return NULL;
+    }
+    e->id = id;
+    e->token = token;
+    e->base = e->view.buf;
+    e->size = (uint64_t)e->view.len;
+    e->rights = (strchr(rights, 'r') ? ACC_R : 0) | (strchr(rights, 'w') && !e->view.readonly ? ACC_W : 0);
+    e->qname = strndup(qname, 1024);
+    if (!e->qname) {
+        PyBuffer_Release(&e->view);
+        free(e);
+        return PyErr_NoMemory();
+    }
+    pthread_mutex_lock(&self->mu);
+    int dup = find_locked(self, id) != NULL;
+    int err = 0;
+    if (!dup && self->count + 1 > self->nbuckets)
+        err = grow_locked(self);
+    if (!dup && !err) {
+        size_t k = bucket_of(self, id);
+        e->next = self->buckets[k];
+        self->buckets[k] = e;
+        self->count++;
+    }
+    pthread_mutex_unlock(&self->mu);
+    if (dup || err) {
+        free_entry(e);
+        if (dup)
+            PyErr_Format(PyExc_ValueError, "region id %llu is already published", id);
+        else
+            PyErr_NoMemory();
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* revoke(region_id, grace_s) -> True if it was published. Unlinks the entry (no new request finds it),
+ * waits for the requests holding it to end; past grace_s it shuts down the connections still moving
+ * its bytes (their requests fail as a lost connection) and waits for them to let go. */
+static PyObject *Port_revoke(Port *self, PyObject *args) {
+    unsigned long long id;
+    double grace;
+    if (!ready(self) || !PyArg_ParseTuple(args, "Kd", &id, &grace))
+        return NULL;
+    Entry *e;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    e = unlink_locked(self, id);
+    if (e) {
+        double until = mono() + (grace > 0 ? grace : 0);
+        int cut = 0;
+        while (e->inflight) {
+            double left = until - mono();
+            if (left <= 0 && !cut) {
+                for (Conn *c = self->conns.next; c != &self->conns; c = c->next) {
+                    if (c->holding == e && !c->cut) {
+                        c->cut = 1;
+                        shutdown(c->fd, SHUT_RDWR);
+                    }
+                }
+                cut = 1;
+            }
+            /* timed slices: a holder admitted but not yet listed is cut on the next pass */
+            double slice = cut ? 0.05 : (left < 0.05 ? left : 0.05);
+            if (slice <= 0)
+                slice = 0.001;
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            long long ns = ts.tv_nsec + (long long)(slice * 1e9);
+            ts.tv_sec += ns / 1000000000LL;
+            ts.tv_nsec = ns % 1000000000LL;
+            pthread_cond_timedwait(&self->cv, &self->mu, &ts);
+            if (cut) {
+                for (Conn *c = self->conns.next; c != &self->conns; c = c->next) {
+                    if (c->holding == e && !c->cut) {
+                        c->cut = 1;
+                        shutdown(c->fd, SHUT_RDWR);
+                    }
+                }
+            }
+        }
+    }
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    if (!e)
+        Py_RETURN_FALSE;
+    free_entry(e);
+    Py_RETURN_TRUE;
+}
+
+/* check(region_id, token, epoch, offset, length, access) -> None or (code, message): the table's
+ * admission without moving a byte (what a request would be told; for tests and diagnostics). */
+static PyObject *Port_check(Port *self, PyObject *args) {
+    unsigned long long rid, token, epoch, off, n;
+    const char *acc;
+    if (!ready(self) || !PyArg_ParseTuple(args, "KKKKKs", &rid, &token, &epoch, &off, &n, &acc))
+        return NULL;
+    char msg[1024];
+    Entry *e;
+    int code = admit(self, NULL, rid, token, epoch, off, n, acc[0] == 'w' ? ACC_W : ACC_R, INFINITY, 1, &e, msg,
+                     sizeof msg);
+    if (!code) {
+        pthread_mutex_lock(&self->mu);
+        if (--e->inflight == 0)
+            pthread_cond_broadcast(&self->cv);
+        pthread_mutex_unlock(&self->mu);
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(ss)", CODES[code], msg);
+}
+
+/* run(fd) -> (END_*, message): serve fd's requests until the connection ends, without the GIL. */
+static PyObject *Port_run(Port *self, PyObject *args) {
+    int fd;
+    if (!ready(self) || !PyArg_ParseTuple(args, "i", &fd))
+        return NULL;
+    Ctx x;
+    Conn c;
+    memset(&c, 0, sizeof c);
+    c.fd = fd;
+    x.p = self;
+    x.c = &c;
+    x.fd = fd;
+    x.why[0] = 0;
+    x.quiet_until = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    c.next = self->conns.next;
+    c.prev = &self->conns;
+    self->conns.next->prev = &c;
+    self->conns.next = &c;
+    pthread_mutex_unlock(&self->mu);
+    rc = -1;
+    for (int first = 1; rc < 0; first = 0) {
+        if (__atomic_load_n(&self->closed, __ATOMIC_ACQUIRE)) {
+            rc = END_CLOSED;
+            break;
+        }
+        rc = one(&x, first);
+    }
+    pthread_mutex_lock(&self->mu);
+    c.prev->next = c.next;
+    c.next->prev = c.prev;
+    if (c.cut && rc != END_PROTOCOL)
+        snprintf(x.why, sizeof x.why, "the region it was moving bytes of was unregistered");
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(is)", rc, x.why);
+}
+
+/* close(): stop serving; every connection's socket is shut down (their run() calls return). */
+static PyObject *Port_close(Port *self, PyObject *unused) {
+    (void)unused;
+    if (!ready(self))
+        return NULL;
+    __atomic_store_n(&self->closed, 1, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&self->mu);
+    for (Conn *c = self->conns.next; c != &self->conns; c = c->next)
+        shutdown(c->fd, SHUT_RDWR);
+    pthread_mutex_unlock(&self->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Port_published(Port *self, PyObject *unused) {
+    (void)unused;
+    if (!ready(self))
+        return NULL;
+    pthread_mutex_lock(&self->mu);
+    size_t n = self->count;
+    pthread_mutex_unlock(&self->mu);
+    return PyLong_FromSize_t(n);
+}
+
+static void Port_dealloc(Port *self) {
+    if (self->ready) {
+        /* Only reached with no run() in progress (each holds a reference); entries left are released. */
+        for (size_t i = 0; i < self->nbuckets; i++) {
+            Entry *e = self->buckets[i];
+            while (e) {
+                Entry *n = e->next;
+                free_entry(e);
+                e = n;
+            }
+        }
+        free(self->buckets);
+        pthread_mutex_destroy(&self->mu);
+        pthread_cond_destroy(&self->cv);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Port_methods[] = {
+    {"publish", (PyCFunction)Port_publish, METH_VARARGS,
+     "publish(region_id, token, access, buffer, quoted_name): add a region to the table"},
+    {"revoke", (PyCFunction)Port_revoke, METH_VARARGS,
+     "revoke(region_id, grace_s) -> bool: remove it; returns once no request moves its bytes"},
+    {"check", (PyCFunction)Port_check, METH_VARARGS,
+     "check(region_id, token, epoch, offset, length, access) -> None | (code, message)"},
+    {"run", (PyCFunction)Port_run, METH_VARARGS, "run(fd) -> (end, message): serve a connection"},
+    {"close", (PyCFunction)Port_close, METH_NOARGS, "close(): stop serving, shut every connection down"},
+    {"published", (PyCFunction)Port_published, METH_NOARGS, "published() -> number of table entries"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PortType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_mpcomm_dataport.Port",
+    .tp_basicsize = sizeof(Port),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Port_init,
+    .tp_dealloc = (destructor)Port_dealloc,
+    .tp_methods = Port_methods,
+    .tp_doc = "The tcp data port's native region table and request loop.",
+};
+
+static PyObject *set_spin_limit(PyObject *m, PyObject *arg) {
+    (void)m;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    __atomic_store_n(&spin_limit, (int)(n < 1 ? 1 : n), __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_spin_limit", set_spin_limit, METH_O, "How many connections may busy-poll at once."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_mpcomm_dataport", NULL, -1, module_methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__mpcomm_dataport(void) {
+    if (PyType_Ready(&PortType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&moddef);
+    if (!m)
+        return NULL;
+    Py_INCREF(&PortType);
+    if (PyModule_AddObject(m, "Port", (PyObject *)&PortType) < 0 || PyModule_AddIntConstant(m, "ABI", DP_ABI) < 0 ||
+        PyModule_AddIntConstant(m, "END_CLOSED", END_CLOSED) < 0 ||
+        PyModule_AddIntConstant(m, "END_PROTOCOL", END_PROTOCOL) < 0 ||
+        PyModule_AddIntConstant(m, "END_ERROR", END_ERROR) < 0 || PyModule_AddIntConstant(m, "END_OS", END_OS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
+#endif
