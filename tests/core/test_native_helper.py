@@ -54,16 +54,17 @@ def test_every_helper_loads_from_the_install_without_compiling() -> None:
 def _abi(name: str) -> int:
     from mpcomm.engine import fastlane
     from mpcomm.plugins.shm import _copyloop
-    from mpcomm.plugins.tcp import busypoll
+    from mpcomm.plugins.tcp import busypoll, dataport
     from mpcomm.plugins.ucx import _native
 
     return {fastlane.MODULE: fastlane.ABI, _copyloop.MODULE: _copyloop.ABI, busypoll.MODULE: busypoll.ABI,
-            _native.MODULE: _native.ABI}[name]
+            _native.MODULE: _native.ABI, dataport.MODULE: dataport.ABI}[name]
 
 
 def _abi_symbol(name: str) -> str:
     return {"mpcomm.engine._mpcomm_fastlane": "mpcomm_fastlane_abi", "mpcomm.plugins.shm._mpcomm_copyloop": "mp_abi",
             "mpcomm.plugins.tcp._mpcomm_busypoll": "mpcomm_tcp_abi",
+            "mpcomm.plugins.tcp._mpcomm_dataport": "mpcomm_dataport_abi",
             "mpcomm.plugins.ucx._mpcomm_ucxloop": "mpcomm_ucx_abi"}[name]
 
 

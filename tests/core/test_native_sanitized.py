@@ -9,8 +9,10 @@ so a byte outside a Python buffer lands in a red zone). Any report aborts the ch
 First a canary proves the sanitizer is live (an unchecked copy one byte past a buffer must be
 reported) and that the sanitized builds are the ones loaded; then the native-path tests run: the C
 and Python bound lanes (tests/core/test_fastlane.py), the copy loops (tests/shm/test_copyloop.py,
-tests/regressions/test_native_path.py) and the differential lane test over shm and tcp
-(tests/core/test_lane_agreement.py). Bounded at about a minute here; skipped, saying why, without
+tests/regressions/test_native_path.py), the differential lane test over shm and tcp
+(tests/core/test_lane_agreement.py) and tcp's native data port (tests/tcp/test_tcp_native_port.py:
+its in-process table and server tests; the targets it starts as subprocesses load the installed
+build). Bounded at about a minute here; skipped, saying why, without
 gcc's libasan.
 """
 
@@ -60,6 +62,7 @@ TESTS = [
     "tests/regressions/test_native_path.py::test_the_copy_loops_check_every_piece_where_they_copy_it",
     "tests/regressions/test_native_path.py::test_a_batch_value_outside_int64_is_out_of_bounds",
     "tests/core/test_lane_agreement.py",
+    "tests/tcp/test_tcp_native_port.py",
 ]
 
 
@@ -83,7 +86,8 @@ def _build(tmp_path: Path) -> Path:
                          env=env, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     built = sorted(p.name.split(".")[0] for p in lib.rglob("_mpcomm_*.so"))
-    assert built == ["_mpcomm_busypoll", "_mpcomm_copyloop", "_mpcomm_fastlane", "_mpcomm_ucxloop"], (
+    assert built == ["_mpcomm_busypoll", "_mpcomm_copyloop", "_mpcomm_dataport", "_mpcomm_fastlane",
+                     "_mpcomm_ucxloop"], (
         built, run.stdout[-3000:] + run.stderr[-3000:])
     return lib
 
