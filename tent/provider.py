@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpcomm import Engine, Region, RemoteRegion, Request, Transfer
-from mpcomm.errors import MpcommError, PeerConnectionError, StaleRegionError
+from mpcomm.errors import AccessError, MpcommError, PeerConnectionError, StaleRegionError
 from mpcomm.wire import loads_bounded
 
 from . import codes
@@ -411,6 +411,14 @@ class Provider:
                 d = eng.open(rec.address, host.dir_name, timeout=2.0)
             except MpcommError as exc:
                 last = exc
+                continue
+            if (d.node_id, d.epoch) != (rec.node_id, rec.epoch):
+                # As Engine.open(name): an address is only where the record's node was; a stale or
+                # forged record must not send this segment's reads and writes to another engine.
+                last = AccessError(f"the record of segment {host.host_id!r} names node {rec.node_id} (epoch "
+                                   f"{rec.epoch}) at {rec.address}, but the node there is {d.node_id} (epoch "
+                                   f"{d.epoch}): a stale or forged record; not used", peer=rec.address)
+                log.warning("tent: %s", last)
                 continue
             host.address = rec.address
             return d

@@ -102,3 +102,49 @@ print("UP")
         assert b.send_probe(name) == -1
     finally:
         b.close()
+
+
+def test_a_forged_segment_record_is_not_followed(etcd) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30 item 4 for the Mooncake API: A's directory record rewritten to point at a third engine
+    that serves a directory of the same name; B's writes to segment A never reach the third engine."""
+    import json
+
+    import mpcomm
+    from mpcomm.metadata import DEFAULT_PREFIX
+    from mpcomm.tent.provider import directory_name_for
+
+    server = etcd.url.removeprefix("etcd://")
+    name_a = f"127.0.0.1:{free_port()}"
+    a, b = TransferEngine(), TransferEngine()
+    third = mpcomm.Engine()
+    try:
+        assert a.initialize(name_a, server, "tcp", "") == 0
+        assert b.initialize(f"127.0.0.1:{free_port()}", server, "tcp", "") == 0
+        ma, pa, _x = _buf(1 << 16)
+        mb, pb, _y = _buf(1 << 16)
+        assert a.register_memory(pa, 1 << 16) == 0 and b.register_memory(pb, 1 << 16) == 0
+        # The third engine impersonates A: a copy of A's directory, and a decoy region under the name
+        # of each buffer it lists (what a reader that follows the forged record then writes into).
+        from mpcomm.tent.provider import DIRECTORY_SIZE
+
+        a_eng = a.get_engine()
+        dir_copy = bytearray(DIRECTORY_SIZE)
+        third.read(dir_copy, third.open(a_eng.address, directory_name_for(name_a)), 0, DIRECTORY_SIZE).result(10)
+        third.register(dir_copy, name=directory_name_for(name_a))
+        n = int.from_bytes(dir_copy[8:12], "little")  # the header: generation, payload length, crc32
+        listing = json.loads(bytes(dir_copy[16:16 + n]))
+        decoys = [bytearray(length) for _addr, length, _numa, _name in listing["buffers"]]
+        for d, (_addr, _length, _numa, name) in zip(decoys, listing["buffers"]):
+            third.register(d, name=name)
+        import urllib.parse
+
+        key = f"{DEFAULT_PREFIX}/regions/{urllib.parse.quote(directory_name_for(name_a), safe='')}/{a_eng.node_id}"
+        genuine = json.loads(etcd.get_raw(key))
+        etcd.put_raw(key, json.dumps(genuine | {"address": third.address}), etcd.grant())
+        mb[0:6] = b"forged"
+        assert b.transfer_sync_write(name_a, pb, pa, 6) == -1
+        assert all(not any(d) for d in decoys) and ma[0:6] != b"forged"
+    finally:
+        third.close()
+        b.close()
+        a.close()
