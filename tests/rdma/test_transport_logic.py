@@ -133,6 +133,11 @@ class _Group:
         self.results: dict[int, Any] = {}
         self.all_done = threading.Event()
 
+    def members(self) -> list[Any]:
+        if self._members is None:
+            self._members = [self.member(i) for i in range(self.count)]
+        return self._members
+
     def member(self, i: int) -> Any:
         group = self
 
