@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import (
     BackPressureError,
     EngineClosedError,
+    MemoryKindUnsupported,
     MpcommError,
     OutOfBoundsError,
     PeerConnectionError,
@@ -52,7 +53,7 @@ from ..errors import (
     TransportUnavailable,
 )
 from ..health import is_retryable
-from ..memory import Region, as_byte_view
+from ..memory import Region, region_of
 from ..peer import same_host
 from ..remote import RemoteRegion
 from ..transfer import Batch, LandedOrigin, Request, Transfer, TransferStatus, _Dispatch, _Landed, _resolve_members
@@ -349,8 +350,7 @@ class Pipeline:
             if buf.closed:
                 raise RegionClosedError(f"region {buf.name!r} is unregistered", region=buf.name)
             return buf, False
-        view = as_byte_view(buf)
-        return Region(view, name=name, access="r" if view.readonly else "rw", owner=buf), True
+        return region_of(buf, name=name), True  # host buffer, DLPack / CUDA array, DeviceBuffer
 
     def _timeout(self, timeout: float | None) -> float:
         t = self._default_timeout if timeout is None else timeout
@@ -1059,6 +1059,10 @@ class Pipeline:
         if route is None:
             try:
                 route = policy.choose(self._query(link, unit))
+            except MemoryKindUnsupported as exc:
+                raise MemoryKindUnsupported(f"{remote.name!r} at {remote.address}: {exc}", peer=remote.address,
+                                            region=remote.name, local_kind=exc.local_kind,
+                                            remote_kind=exc.remote_kind) from None
             except TransportUnavailable as exc:
                 raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: {exc}",
                                            peer=remote.address, region=remote.name) from None
