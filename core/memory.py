@@ -387,7 +387,19 @@ class Region:
             fin()
         self._finalizers.clear()
         # Dropping our references is enough: the exporter (or its mmap) is freed
-        # once no transport slice refers to it any more.
+        # once no transport slice refers to it any more. Device memory has no
+        # slice to hold it: its owner stays until release_owner(), after the
+        # transports' unregister.
+        if self.view is not None:
+            self._owner = None
+
+    @property
+    def owner(self) -> Any:
+        """The object that keeps the memory alive (a transport that must keep it after unregister holds it)."""
+        return self._owner
+
+    def release_owner(self) -> None:
+        """Drop the reference to the owner (the engine does, once the transports let go)."""
         self._owner = None
 
     def add_finalizer(self, fn: Callable[[], None]) -> None:

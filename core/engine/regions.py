@@ -148,7 +148,8 @@ def release_view(region: Region) -> None:
     After the transports' unregister, which may still read the view.
     """
     if region.view is None:
-        return  # device memory: the reference to its owner drops with the region
+        region.release_owner()  # device memory: a transport that still needs it holds the owner itself
+        return
     try:
         region.view.release()
     except BufferError:
