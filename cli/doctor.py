@@ -13,7 +13,9 @@ from rich.table import Table
 
 from mpcomm.tent.doctor import native_provider_check
 
-from . import nodecheck, plugins_cmd
+from mpcomm.topology import discover_gpus
+
+from . import gpus, nodecheck, plugins_cmd
 from .nodecheck import Check, Status
 from ._common import EXIT_FAILURE, JsonOption, err_console, handle_errors, parse_size, print_json
 
@@ -82,6 +84,7 @@ def doctor(
         return
     checks = nodecheck.run_checks(min_shm_bytes=parse_size(min_shm), min_memlock_bytes=parse_size(min_memlock))
     checks += plugin_checks(found)
+    checks += gpus.doctor_checks(discover_gpus())  # where each GPU sits; which transports move CUDA memory
     checks.append(native_provider_check())  # libmpcomm.so for Mooncake TENT (docs/tent.md)
     worst = nodecheck.worst_status(checks)
     if json_:
