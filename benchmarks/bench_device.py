@@ -2,7 +2,7 @@
 
 ``python benchmarks/bench_device.py [--transports shm,ucx] [--rounds 3] [--iters 10] [--json]``
 
-The target engine runs in another process (tests/device/device_target.py: a
+The target engine runs in another process (``python -m mpcomm.testing.device_target``: a
 64 MiB CUDA tensor and a 64 MiB pinned host tensor, registered). This
 process is the initiator, on the same GPU. Cases, per transport whose CUDA
 support is available here (one request in flight, ``result()`` after each):

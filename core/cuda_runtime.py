@@ -36,7 +36,9 @@ __all__ = [
     "ipc_export",
     "ipc_open",
     "load",
+    "malloc",
     "memcpy",
+    "memset",
     "stream_copy",
     "unavailable_reason",
 ]
@@ -99,6 +101,34 @@ def unavailable_reason() -> str | None:
 
 def device_count() -> int:
     return int(_check(load().cudaGetDeviceCount(), "cudaGetDeviceCount"))
+
+
+def malloc(size: int, device: int = 0) -> int:
+    """``cudaMalloc`` on ``device`` (benchmarks and test targets); release with :func:`free`."""
+    rt = load()
+    _check(rt.cudaSetDevice(device), "cudaSetDevice")
+    return int(_check(rt.cudaMalloc(size), "cudaMalloc"))
+
+
+def memset(ptr: int, value: int, n: int) -> None:
+    """Synchronous ``cudaMemset`` of device memory."""
+    rt = load()
+    _check(rt.cudaMemset(ptr, value, n), "cudaMemset")
+    _check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
+def free(ptr: int) -> None:
+    _check(load().cudaFree(ptr), "cudaFree")
+
+
+def host_alloc(size: int) -> int:
+    """Pinned host memory (``cudaHostAlloc``, portable); release with :func:`free_host`."""
+    rt = load()
+    return int(_check(rt.cudaHostAlloc(size, rt.cudaHostAllocPortable), "cudaHostAlloc"))
+
+
+def free_host(ptr: int) -> None:
+    _check(load().cudaFreeHost(ptr), "cudaFreeHost")
 
 
 def memcpy(dst: int, src: int, n: int) -> None:

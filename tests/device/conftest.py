@@ -44,12 +44,11 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
 
 
 class DeviceTarget:
-    """tests/device/device_target.py in its own process."""
+    """``python -m mpcomm.testing.device_target`` in its own process."""
 
     def __init__(self, transport: str, size: int) -> None:
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "device_target.py")
-        self.proc = subprocess.Popen([sys.executable, script, transport, str(size)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "mpcomm.testing.device_target", transport, str(size)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not line:
             raise RuntimeError(f"the device target ({transport}) exited with {self.proc.wait(30)}")

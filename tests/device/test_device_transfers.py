@@ -2,7 +2,7 @@
 (local, remote) memory kinds over each transport whose CUDA support is available, the
 completion rule of docs/contract.md §11, and revocation of a device region.
 
-The target is another process (tests/device/device_target.py): CUDA IPC maps only
+The target is another process (mpcomm.testing.device_target): CUDA IPC maps only
 another process's memory. Skipped with "no CUDA device" elsewhere (conftest.py).
 """
 
