@@ -37,7 +37,8 @@ from mpcomm.cli.records import format_rate, format_record, format_seconds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "device"))
-from conftest import DeviceTarget, transport_cuda_reason  # noqa: E402
+from conftest import transport_cuda_reason  # noqa: E402
+from mpcomm.testing.device_target import DeviceTarget
 
 SIZE = 64 << 20
 

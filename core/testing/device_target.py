@@ -45,6 +45,41 @@ def _sum(ptr: int, n: int, device: int) -> str:
     return str(int(t.to(torch.int64).sum().item()))
 
 
+class DeviceTarget:
+    """This module as a child process: ``.regions`` (``dev``, ``host``), ``.cmd(...)``, ``.close()``."""
+
+    def __init__(self, transport: str, size: int) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "mpcomm.testing.device_target", transport, str(size)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            err = self.proc.stderr.read()  # type: ignore[union-attr]
+            raise RuntimeError(f"the device target ({transport}) exited with {self.proc.wait(30)}: {err.strip()}")
+        self.regions = {n: mpcomm.RemoteRegion.from_dict(d) for n, d in json.loads(line).items()}
+
+    def cmd(self, *words: object) -> str:
+        self.proc.stdin.write(" ".join(map(str, words)) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self.proc.stdout.readline().strip()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            try:
+                self.cmd("quit")
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 def main() -> None:
     transport, size = sys.argv[1], int(sys.argv[2])
     why = cuda_runtime.unavailable_reason()

@@ -81,3 +81,14 @@ def test_topology_and_doctor_say_none_here(invoke: Any) -> None:
     doc = json.loads(invoke("doctor", "--json").stdout)
     mine = [c for c in doc["checks"] if c["section"] == "gpus"]
     assert mine[0]["value"] == "none: no GPU on the PCI bus" and all(c["status"] == "info" for c in mine)
+
+
+def test_demo_reports_device_memory(invoke: Any) -> None:
+    res = invoke("demo", "--size", "64KiB", "--reps", "1", "--json")
+    assert res.exit_code == 0, res.output
+    device = {d["transport"]: d for d in json.loads(res.stdout)["device_memory"]}
+    assert "tcp" in device
+    for d in device.values():
+        assert d["status"] == "ok" or (d["status"] == "skipped" and d["reason"])
+    if not discover_gpus():
+        assert all(d["status"] == "skipped" for d in device.values())

@@ -7,14 +7,13 @@ CUDA transports). Run them with scripts/gpu-check.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from mpcomm.testing.device_target import DeviceTarget
 
 
 def cuda_skip_reason() -> str | None:
@@ -41,36 +40,6 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(pytest.mark.skip(reason=REASON))
-
-
-class DeviceTarget:
-    """``python -m mpcomm.testing.device_target`` in its own process."""
-
-    def __init__(self, transport: str, size: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "mpcomm.testing.device_target", transport, str(size)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        if not line:
-            raise RuntimeError(f"the device target ({transport}) exited with {self.proc.wait(30)}")
-        import mpcomm
-
-        self.regions = {n: mpcomm.RemoteRegion.from_dict(d) for n, d in json.loads(line).items()}
-
-    def cmd(self, *words: Any) -> str:
-        self.proc.stdin.write(" ".join(map(str, words)) + "\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-        return self.proc.stdout.readline().strip()  # type: ignore[union-attr]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.cmd("quit")
-            except (BrokenPipeError, OSError):
-                pass
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def transport_cuda_reason(name: str) -> str | None:
