@@ -93,3 +93,30 @@ def test_unregister_revokes_the_mapping(device_target: Any) -> None:
         assert target.cmd("unregister", "dev") == "ok"
         with pytest.raises(mpcomm.MpcommError):
             e.write(src, target.regions["dev"]).result(30)
+
+
+def test_tcp_stages_local_device_memory() -> None:
+    """tcp: local CUDA memory through pinned bounce buffers (several chunks), to and from a remote host region."""
+    from conftest import transport_cuda_reason
+
+    why = transport_cuda_reason("tcp")
+    if why:
+        pytest.skip(why)
+    from mpcomm.testing.device_target import DeviceTarget
+
+    size = 20 << 20  # > 2 staging chunks of 8 MiB
+    data = bytes((i * 13 + 1) % 253 for i in range(size))
+    target = DeviceTarget("tcp", size)
+    try:
+        assert "tcp" in target.regions["host"].transports
+        with mpcomm.Engine(transports=["tcp"], endpoint="127.0.0.1:0") as e:
+            src = _local("cuda", data)
+            assert e.write(src, target.regions["host"]).result(60) == size
+            assert target.cmd("sha", "host", 0, size) == hashlib.sha256(data).hexdigest()
+            back = _local("cuda", bytes(size))
+            e.read(back, target.regions["host"]).result(60)
+            assert _bytes(back) == data
+            with pytest.raises(mpcomm.MemoryKindUnsupported):  # the target serves host memory only
+                e.write(src, target.regions["dev"]).result(60)
+    finally:
+        target.close()
