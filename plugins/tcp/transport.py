@@ -60,6 +60,8 @@ OPTION_RANGES: dict[str, tuple[float, float]] = {
     "inline_threshold": (0, 64 * MiB),
     "chunk": (4 * KiB, 1 << 30),
     "bounce_size": (4 * KiB, 1 << 30),
+    "staging_chunk": (64 * KiB, 1 << 30),
+    "staging_limit": (64 * KiB, 1 << 40),
     "socket_buffer": (0, 1 << 30),
     "max_connections": (1, 1 << 20),
     "max_connections_per_peer": (1, 1 << 20),
