@@ -12,7 +12,8 @@ What :meth:`Engine.register <mpcomm.Engine.register>` accepts, in this order:
 * any PEP 688 buffer (``bytearray``, ``mmap``, a numpy array): host memory;
 * an object with ``__cuda_array_interface__`` (CuPy, torch CUDA tensors):
   contiguous only; the device comes from ``__dlpack_device__`` when the
-  object has it (pointer attributes of the CUDA driver otherwise);
+  object has it, else from its ``device`` attribute (CuPy's ``.id``, torch's
+  ``.index``), else 0;
 * an object with ``__dlpack__`` / ``__dlpack_device__`` (torch, JAX, ...):
   a CPU or pinned-host one registers as host memory, a CUDA one as ``cuda``.
 

@@ -257,6 +257,10 @@ class _Work:
         return self.op.remote
 
 
+#: UcxTransport.device_memory(), once known (memory_kind_availability).
+_DEVICE_MEMORY: list[Availability] = []
+
+
 class UcxTransport(Transport):
     """One-sided RMA over UCX (cma and shared memory on one host, tcp or InfiniBand between hosts)."""
 
@@ -361,7 +365,10 @@ class UcxTransport(Transport):
 
     @classmethod
     def memory_kind_availability(cls) -> dict[str, Availability]:
-        return {"cuda": cls.device_memory()}
+        # Asked whenever a device region is registered: probe the driver once per process.
+        if not _DEVICE_MEMORY:
+            _DEVICE_MEMORY.append(cls.device_memory())
+        return {"cuda": _DEVICE_MEMORY[0]}
 
     # -- lifecycle --------------------------------------------------------------
 

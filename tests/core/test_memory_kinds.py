@@ -240,6 +240,21 @@ class RecordingStore(MetadataStore):
         self.published[record.name] = record
 
 
+def test_dlpack_only_cpu_tensor_moves_as_host_memory(make_engine: Callable[..., mpcomm.Engine]) -> None:
+    """A CPU tensor that is not a PEP 688 buffer (torch's are not) registers and moves as host memory."""
+    target, initiator = make_engine(), make_engine()
+    dst = DlpackOnly(np.zeros(4096, dtype=np.uint8))
+    r = target.register(dst, "t")
+    assert r.location is HOST
+    d = target.describe(r)
+    src = DlpackOnly(np.arange(4096, dtype=np.uint32).astype(np.uint8))
+    initiator.write(src, d).result(10)  # a plain local object: registered for this request only
+    assert (dst.arr == src.arr).all()
+    back = DlpackOnly(np.zeros(4096, dtype=np.uint8))
+    initiator.read(back, d).result(10)
+    assert (back.arr == src.arr).all()
+
+
 def test_register_device_memory(make_engine: Callable[..., mpcomm.Engine]) -> None:
     store = RecordingStore()
     target = make_engine(metadata=store)
