@@ -193,8 +193,10 @@ class Engine:
                 handler=self._handle_control,
                 config=cfg,
             )
-            # Declared kinds less those this machine lacks (a GPU, a CUDA library).
-            installed = {n: effective_capabilities(e.cls)[0] for n, e in self.plugin_set.transports.items()}
+            # Running transports: declared kinds less those this machine lacks (a GPU, a CUDA
+            # library). The others only need to be named (probing them would load their libraries).
+            installed = {n: effective_capabilities(e.cls)[0] if n in self._transports else e.cls.capabilities
+                         for n, e in self.plugin_set.transports.items()}
             # Only reads this node's calibration file (`mpcomm topology --calibrate` measures).
             measured = route_classes(cfg, self.plugin_set.transports, self._transports)
             self.route_policy = RoutePolicy.for_config(cfg, installed, self._transports,
