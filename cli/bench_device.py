@@ -19,7 +19,7 @@ from typing import Any
 
 from mpcomm.errors import MpcommError
 
-__all__ = ["PAIRS", "parse_pairs", "run"]
+__all__ = ["PAIRS", "cuda_reason", "parse_pairs", "run", "usable_caps"]
 
 PAIRS = (("host", "host"), ("host", "cuda"), ("cuda", "host"), ("cuda", "cuda"))
 SIZE = 64 << 20
@@ -44,32 +44,42 @@ def parse_pairs(values: Sequence[str] | None) -> list[tuple[str, str]]:
     return out
 
 
-def cuda_reason(transport: str) -> str:
-    """'' when ``transport`` moves CUDA memory here, else why not."""
+def usable_caps(transport: str) -> tuple[Any, str]:
+    """(capabilities usable here, why CUDA is not) of ``transport``; (None, why) when not installed."""
     from mpcomm.registry import load_plugins
     from mpcomm.transport import effective_capabilities
 
     entry = load_plugins().transports.get(transport)
     if entry is None:
-        return f"{transport} is not installed"
+        return None, f"{transport} is not installed"
     caps, missing = effective_capabilities(entry.cls)
     if "cuda" in caps.memory_kinds:
-        return ""
-    return missing.get("cuda") or f"{transport} does not move CUDA memory (capabilities.memory_kinds=" \
+        return caps, ""
+    return caps, missing.get("cuda") or f"{transport} does not move CUDA memory (capabilities.memory_kinds=" \
         f"{','.join(sorted(caps.memory_kinds))})"
+
+
+def cuda_reason(transport: str) -> str:
+    """'' when ``transport`` moves CUDA memory here (on some side), else why not."""
+    return usable_caps(transport)[1]
 
 
 def run(transport: str, pairs: Sequence[tuple[str, str]], record: Callable[..., None], iters: int = 10) -> None:
     """Measure each pair over ``transport``; ``record(memory, size, **fields)`` emits one record."""
-    why = cuda_reason(transport)
-    if why:
-        for local, remote in pairs:
-            label = f"{local}->{remote}"
-            if (local, remote) == ("host", "host"):
-                record(label, SIZE, status="skipped", reason="measured by the latency and throughput cases "
-                       "(memory=host); the device target needs CUDA: " + why)
-            else:
-                record(label, SIZE, status="skipped", reason=why)
+    caps, why = usable_caps(transport)
+    todo = []
+    for local, remote in pairs:
+        label = f"{local}->{remote}"
+        if why:
+            extra = "measured by the latency and throughput cases (memory=host); the device target needs CUDA: " \
+                if (local, remote) == ("host", "host") else ""
+            record(label, SIZE, status="skipped", reason=extra + why)
+        elif not caps.moves(local, remote):
+            record(label, SIZE, status="skipped", reason=f"{transport} moves local "
+                   f"{','.join(sorted(caps.memory_kinds))}, remote {','.join(sorted(caps.remote_kinds))}")
+        else:
+            todo.append((local, remote))
+    if not todo:
         return
     import mpcomm
     from mpcomm import cuda_runtime
@@ -82,7 +92,7 @@ def run(transport: str, pairs: Sequence[tuple[str, str]], record: Callable[..., 
             local = {"host": eng.allocate(SIZE, "bench-host"),
                      "cuda": eng.register(mpcomm.DeviceBuffer(dev_ptr, SIZE, 0), "bench-cuda")}
             remote = {"host": target.regions["host"], "cuda": target.regions["dev"]}
-            for lk, rk in pairs:
+            for lk, rk in todo:
                 src, dst = local[lk], remote[rk]
                 try:
                     eng.write(src, dst).result(60)

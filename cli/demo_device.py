@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .bench_device import cuda_reason
+from .bench_device import usable_caps
 
 __all__ = ["line", "run"]
 
@@ -19,12 +19,15 @@ __all__ = ["line", "run"]
 def run(transports: Sequence[str], size: int) -> list[dict[str, Any]]:
     out = []
     for name in transports:
-        why = cuda_reason(name)
-        out.append({"transport": name, "status": "skipped", "reason": why} if why else _pair(name, size))
+        caps, why = usable_caps(name)
+        if why:
+            out.append({"transport": name, "status": "skipped", "reason": why})
+        else:  # into the target's GPU memory where the transport reaches it (tcp: its host memory)
+            out.append(_pair(name, size, "dev" if caps.moves("cuda", "cuda") else "host"))
     return out
 
 
-def _pair(transport: str, size: int) -> dict[str, Any]:
+def _pair(transport: str, size: int, into: str) -> dict[str, Any]:
     import mpcomm
     from mpcomm import cuda_runtime
     from mpcomm.testing.device_target import DeviceTarget
@@ -37,14 +40,16 @@ def _pair(transport: str, size: int) -> dict[str, Any]:
         cuda_runtime.memcpy(dev, ctypes.addressof(host_src), size)
         with mpcomm.Engine(transports=[transport], endpoint="127.0.0.1:0") as eng:
             t0 = time.perf_counter()
-            eng.write(mpcomm.DeviceBuffer(dev, size, 0), target.regions["dev"]).result(60)
+            eng.write(mpcomm.DeviceBuffer(dev, size, 0), target.regions[into]).result(60)
             write_s = time.perf_counter() - t0
             back = bytearray(size)
             t0 = time.perf_counter()
-            eng.read(back, target.regions["dev"]).result(60)
+            eng.read(back, target.regions[into]).result(60)
             read_s = time.perf_counter() - t0
-        ok = target.cmd("sha", "dev", 0, size) == hashlib.sha256(pattern).hexdigest() and bytes(back) == pattern
-        return {"transport": transport, "status": "ok" if ok else "mismatch", "memory": "cuda->cuda, cuda->host",
+        ok = target.cmd("sha", into, 0, size) == hashlib.sha256(pattern).hexdigest() and bytes(back) == pattern
+        kind = "cuda" if into == "dev" else "host"
+        return {"transport": transport, "status": "ok" if ok else "mismatch",
+                "memory": f"cuda->{kind}, {kind}->host",
                 "write_throughput": size / write_s, "read_throughput": size / read_s}
     finally:
         target.close()
