@@ -77,6 +77,7 @@ class Staged:
         except BaseException as exc:  # noqa: BLE001 - reported through the request
             self._end(exc)
             return
+        sub.transport = op.transport  # so that aborting the chunk reaches the transport
         with self.lock:
             self.current = sub
         try:
