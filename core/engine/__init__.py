@@ -197,6 +197,9 @@ class Engine:
             # library). The others only need to be named (probing them would load their libraries).
             installed = {n: effective_capabilities(e.cls)[0] if n in self._transports else e.cls.capabilities
                          for n, e in self.plugin_set.transports.items()}
+            #: Per running transport, the declared memory kinds it cannot move here, and why.
+            self.memory_kinds_unavailable: dict[str, dict[str, str]] = {
+                n: m for n in self._transports if (m := effective_capabilities(type(self._transports[n]))[1])}
             # Only reads this node's calibration file (`mpcomm topology --calibrate` measures).
             measured = route_classes(cfg, self.plugin_set.transports, self._transports)
             self.route_policy = RoutePolicy.for_config(cfg, installed, self._transports,

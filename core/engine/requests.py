@@ -1060,8 +1060,11 @@ class Pipeline:
             try:
                 route = policy.choose(self._query(link, unit))
             except MemoryKindUnsupported as exc:
-                raise MemoryKindUnsupported(f"{remote.name!r} at {remote.address}: {exc}", peer=remote.address,
-                                            region=remote.name, local_kind=exc.local_kind,
+                why = "; ".join(f"{t}: {k} unavailable here: {r}" for t, kinds in
+                                self.e.memory_kinds_unavailable.items() for k, r in kinds.items()
+                                if k in (exc.local_kind, exc.remote_kind))
+                msg = f"{remote.name!r} at {remote.address}: {exc}" + (f" ({why})" if why else "")
+                raise MemoryKindUnsupported(msg, peer=remote.address, region=remote.name, local_kind=exc.local_kind,
                                             remote_kind=exc.remote_kind) from None
             except TransportUnavailable as exc:
                 raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: {exc}",

@@ -284,6 +284,10 @@ def test_no_transport_moves_the_pair(make_engine: Callable[..., mpcomm.Engine]) 
     assert (ei.value.local_kind, ei.value.remote_kind) == ("host", "cuda")
     assert "local host memory to/from remote cuda memory" in str(ei.value)
     assert "tcp moves local host, remote host" in str(ei.value)
+    from mpcomm import cuda_runtime
+
+    if cuda_runtime.unavailable_reason():  # and why tcp cannot move CUDA memory on this machine
+        assert f"tcp: cuda unavailable here: {cuda_runtime.unavailable_reason()}" in str(ei.value)
     assert isinstance(ei.value, mpcomm.TransportUnavailable)
     # local cuda -> remote host: the same, the other way round; nothing was written
     with pytest.raises(MemoryKindUnsupported, match="local cuda memory to/from remote host"):
