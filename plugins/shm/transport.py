@@ -376,6 +376,8 @@ class ShmTransport(Transport):
 
     def register(self, region: Region) -> dict[str, Any] | None:
         if region.kind == "cuda":
+            if not region.published:
+                return None  # a buffer for one request: only this process copies from/to it, by address
             # Exported once; each attach hands the handle to that initiator, which maps it.
             handle, offset = cuda_runtime.ipc_export(region.address, region.device)
             with self._lock:
