@@ -11,8 +11,10 @@ the initiator runs here (as ``ucx_perftest``, ``nixlbench`` or Mooncake's
 * ``latency``      small messages, one in flight: latency percentiles
 * ``throughput``   large messages, one in flight, write and read
 * ``concurrency``  64 KiB writes at growing numbers in flight
-* ``memory``       memory kinds: host is measured by every case above;
-                   device is reported as skipped with the reason
+* ``memory``       memory kinds (``--memory``): host->host, host->cuda,
+                   cuda->host, cuda->cuda against a device target on the
+                   same GPU (``memory=LOCAL->REMOTE``); each pair a transport
+                   cannot move here is skipped with the reason
 * ``modes``        zero-copy vs copy (``transport.mode``) at 64 KiB and 4 MiB
 * ``fault``        a stopped peer (SIGSTOP: how many time out, how fast) and a
                    peer killed mid-run (SIGKILL: which errors, how fast)
@@ -66,6 +68,7 @@ from mpcomm.errors import MpcommError
 from mpcomm.peer import parse_endpoint
 from mpcomm.telemetry import operation_span
 
+from . import bench_device
 from ._common import (
     EXIT_USAGE,
     EXIT_VERIFY,
@@ -473,6 +476,8 @@ class Runner:
         self.progress, self.task, self.emit = progress, task, emit
         self.endpoint, self.secret = endpoint, secret
         self.mismatches = 0
+        #: The memory case's (local, remote) kinds (``--memory``; empty: every pair).
+        self.memory_pairs: list[tuple[str, str]] = []
 
     def cfg(self, mode: str, **runtime: Any) -> mpcomm.Config:
         return build_config(self.ctx, self.config, transport={"mode": mode} if mode else {}, runtime=runtime)
@@ -565,15 +570,10 @@ class Runner:
             self.done()
 
     def memory_kinds(self, transport: str, caps: dict[str, Any]) -> None:
+        """The memory matrix (``--memory``): host/cuda on each side, or each pair skipped with the reason."""
         self.step(f"{transport} memory kinds")
-        kinds = caps.get("memory_kinds", [])
-        if "device" not in kinds:
-            reason = f"{transport} does not support device memory (capabilities.memory_kinds={','.join(kinds)})"
-        else:
-            reason = "mpcomm has no device-memory allocator for benchmarks yet (Engine.allocate is host memory)"
-        rec = Record(transport, "zero-copy", "device", 4 << 20, 1, self.numa, case="memory", status="skipped",
-                     reason=reason)
-        self.emit(rec)
+        pairs = self.memory_pairs or list(bench_device.PAIRS)
+        bench_device.run(transport, pairs, bench_device.emit_with(self.emit, Record, transport, self.numa))
         self.done()
 
     def fault(self, transport: str) -> None:
@@ -948,11 +948,23 @@ def bench(
                                                       dir_okay=False, show_default=False)] = None,
     config: ConfigOption = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the records as JSON Lines on stdout.")] = False,
+    memory: Annotated[Optional[list[str]], typer.Option(
+        "--memory", help="memory case: the memory to move, host or cuda on both sides, or LOCAL:REMOTE "
+        "(e.g. host:cuda); repeatable; default: host->host, host->cuda, cuda->host, cuda->cuda. Alone it runs "
+        "only the memory case; with --case it adds it.", show_default=False)] = None,
 ) -> None:
     """Benchmark transports: the seed's matrix and size sweeps, against a spawned or a --target peer."""
     sweep_opts = any(v is not None for v in (op, start_size, max_size, batch, depth)) or threads > 1
     defaults = [c for c in DEFAULT_CASES if c in REMOTE_CASES] if target_ is not None else DEFAULT_CASES
     cases = list(dict.fromkeys(case or ([Case.sweep] if sweep_opts else defaults)))
+    if memory and not case and not sweep_opts:
+        cases = [Case.memory]  # --memory alone: just the matrix
+    elif memory and Case.memory not in cases:
+        cases.append(Case.memory)
+    try:
+        memory_pairs = bench_device.parse_pairs(memory)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
     if otel_overhead and Case.otel not in cases:
         cases.append(Case.otel)
     if plot_path is not None:
@@ -1003,6 +1015,7 @@ def bench(
     with progress:
         task = progress.add_task("starting", total=None)
         runner = Runner(ctx, config, plan, numa_node, progress, task, emit, endpoint=endpoint, secret=secret)
+        runner.memory_pairs = memory_pairs
         if target_ is not None:
             remote_cases = [c for c in cases if c in REMOTE_CASES]
             progress.update(task, total=len(runner.jobs("zero-copy", remote_cases)) + (Case.memory in cases))

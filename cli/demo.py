@@ -18,6 +18,7 @@ from rich.table import Table
 import mpcomm
 from mpcomm.telemetry import operation_span
 
+from . import demo_device
 from ._common import (
     ConfigOption,
     JsonOption,
@@ -107,8 +108,9 @@ def demo(
                     raise
                 err_console.print(f"[yellow]{name}: failed: {escape(str(exc))}[/]")
                 skipped[name] = f"failed: {exc}"
+    device = demo_device.run(running, min(nbytes, 64 << 20))  # GPU memory, where a transport moves it
     if json_:
-        print_json({"best": best, "results": results, "skipped": skipped})
+        print_json({"best": best, "results": results, "skipped": skipped, "device_memory": device})
         return
     table = Table(title=f"mpcomm demo: two engines, {format_size(nbytes)} per transfer", title_justify="left")
     for col in ("transport", "write", "read", "4KiB write p50"):
@@ -120,3 +122,5 @@ def demo(
     out_console.print(table)
     for name, reason in skipped.items():
         out_console.print(f"[dim]{name}: not used ({escape(reason)})[/]")
+    for d in device:
+        out_console.print(demo_device.line(d), highlight=False)

@@ -14,7 +14,9 @@ from rich.table import Table
 from mpcomm import native_helper
 from mpcomm.tent.doctor import native_provider_check
 
-from . import nodecheck, plugins_cmd
+from mpcomm.topology import discover_gpus
+
+from . import gpus, nodecheck, plugins_cmd
 from .nodecheck import Check, Status
 from ._common import EXIT_FAILURE, JsonOption, handle_errors, out_console, parse_size, print_json
 
@@ -95,6 +97,7 @@ def doctor(
     checks = nodecheck.run_checks(min_shm_bytes=parse_size(min_shm), min_memlock_bytes=parse_size(min_memlock))
     checks += plugin_checks(found)
     checks += native_helper_checks()  # accelerations missing from this install, and their measured cost
+    checks += gpus.doctor_checks(discover_gpus())  # where each GPU sits; which transports move CUDA memory
     checks.append(native_provider_check())  # libmpcomm.so for Mooncake TENT (docs/tent.md)
     worst = nodecheck.worst_status(checks)
     if json_:

@@ -24,7 +24,9 @@ from mpcomm import topology as topo
 from mpcomm.errors import TransportUnavailable
 from mpcomm.registry import load_plugins
 from mpcomm.routing import RoutePolicy, RouteQuery
+from mpcomm.transport import effective_capabilities
 
+from . import gpus
 from ._common import (
     EXIT_USAGE,
     CliError,
@@ -46,7 +48,7 @@ def _available(found: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     installed = {}
     rows = []
     for name, entry in found.transports.items():
-        installed[name] = entry.cls.capabilities
+        installed[name] = effective_capabilities(entry.cls)[0]  # less the memory kinds unusable here
         try:
             avail = entry.cls.availability()
             ok, reason = bool(avail), avail.reason
@@ -82,7 +84,7 @@ def routes(config: Any, installed: dict[str, Any], running: list[str],
          RouteQuery(False, peer_transports=alls)),
         (f"other host, both sides running every installed transport, {format_size(LARGE)} request", everything,
          RouteQuery(False, size=LARGE, peer_transports=alls)),
-        ("same host, device memory", here, RouteQuery(True, local_kind="device", remote_kind="device",
+        ("same host, device memory", here, RouteQuery(True, local_kind="cuda", remote_kind="cuda",
                                                        peer_transports=mine)),
     ]
     out = []
@@ -233,6 +235,8 @@ def topology(
                                "routes": route_rows,
                                "calibration": {"path": str(res.path), "in_use": res.classes is not None,
                                                "notes": res.notes}}
+        out["gpus"] = gpus.gpu_rows(t.gpus, gpus.nvidia_smi()[0] if t.gpus else None)
+        out["device_memory"] = gpus.device_memory()
         if calibrate:
             out["calibration"]["measured"] = [m.to_dict() for m in measured_now]
             out["calibration"]["skipped"] = skipped
@@ -242,3 +246,4 @@ def topology(
         for name, why in skipped.items():
             typer.echo(f"calibration: {name} not measured: {why}")
     typer.echo(_text(t, rows, route_rows, policy.rules, res))
+    typer.echo(gpus.section(t.gpus))  # nvidia-smi's view of each GPU; CUDA memory per transport

@@ -28,6 +28,7 @@ from .errors import (
     EngineClosedError,
     HandshakeTimeout,
     LimitError,
+    MemoryKindUnsupported,
     MpcommError,
     OutOfBoundsError,
     PeerConnectionError,
@@ -45,6 +46,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .memory import Region
+from .memory_kinds import DeviceBuffer, MemoryLocation
 from .remote import RemoteRegion
 from .transfer import Batch, Request, Transfer, TransferStatus
 from .transport import (
@@ -69,10 +71,13 @@ __all__ = [
     "CompletionQueue",
     "Config",
     "ConfigError",
+    "DeviceBuffer",
     "Engine",
     "EngineClosedError",
     "HandshakeTimeout",
     "LimitError",
+    "MemoryKindUnsupported",
+    "MemoryLocation",
     "MpcommError",
     "Notification",
     "Operation",

@@ -428,9 +428,9 @@ def _build_section(key: str, section_cls: type, values: dict[str, Any], source: 
         alignment = out.get("alignment", 1)
         if alignment & (alignment - 1):
             raise ConfigError(f"{source}: memory.alignment must be a power of two, not {alignment}")
-        bad = [t for t in out.get("types", ()) if t not in ("host", "device")]
+        bad = [t for t in out.get("types", ()) if t not in ("host", "device", "cuda")]
         if bad:
-            raise ConfigError(f"{source}: memory.types may hold 'host' and 'device', not {bad[0]!r}")
+            raise ConfigError(f"{source}: memory.types may hold 'host' and 'device' (or 'cuda'), not {bad[0]!r}")
     if key == "transport" and out.get("secret"):
         from .auth import validate_secret
 

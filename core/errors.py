@@ -9,6 +9,7 @@ not)::
     ├── ConfigError                  bad TOML, unknown key, bad value (names key and file)
     ├── PluginError                  a transport plugin failed to load or misbehaved
     ├── TransportUnavailable         no usable transport for this peer / memory kind
+    │   └── MemoryKindUnsupported    no transport moves this (local, remote) pair of memory kinds
     ├── RegionError                  local registration problems
     │   ├── AllocationError          size larger than memory, /dev/shm or memlock can hold
     │   ├── AlignmentError           buffer does not satisfy memory.alignment
@@ -56,6 +57,7 @@ __all__ = [
     "EngineClosedError",
     "HandshakeTimeout",
     "LimitError",
+    "MemoryKindUnsupported",
     "MpcommError",
     "OutOfBoundsError",
     "PeerConnectionError",
@@ -112,6 +114,22 @@ class PluginError(MpcommError):
 
 class TransportUnavailable(MpcommError):
     code = "unavailable"
+
+
+class MemoryKindUnsupported(TransportUnavailable):
+    """No running transport moves this pair of memory kinds (``local_kind``, ``remote_kind``).
+
+    Raised at submit, before anything moves: a CUDA region with no transport
+    whose CUDA support is available here, say. The message names the kinds and
+    what each transport moves.
+    """
+
+    code = "memory_kind"
+
+    def __init__(self, message: str = "", *, local_kind: str = "", remote_kind: str = "", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.local_kind = local_kind
+        self.remote_kind = remote_kind
 
 
 class RegionError(MpcommError):
@@ -217,7 +235,7 @@ class EngineClosedError(MpcommError):
 _BY_CODE: dict[str, type[MpcommError]] = {
     cls.code: cls
     for cls in [
-        MpcommError, ConfigError, PluginError, TransportUnavailable, RegionError,
+        MpcommError, ConfigError, PluginError, TransportUnavailable, MemoryKindUnsupported, RegionError,
         AllocationError, AlignmentError, RegionBusyError, RegionClosedError, AccessError,
         UnknownRegionError, OutOfBoundsError, PermissionDeniedError, StaleRegionError,
         TransferError, TransferTimeout, HandshakeTimeout, PeerConnectionError, ProtocolError,

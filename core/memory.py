@@ -30,8 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import AlignmentError, AllocationError, RegionBusyError, RegionClosedError, RegionError
+from .memory_kinds import HOST, DeviceBuffer, MemoryLocation, cuda_array_interface, dlpack_location, dlpack_tensor
 
-__all__ = ["Region", "allocate_host", "buffer_address", "check_allocatable"]
+__all__ = ["Region", "allocate_host", "buffer_address", "check_allocatable", "region_of"]
 
 _region_ids = itertools.count(1)
 
@@ -225,13 +226,16 @@ class Region:
         address: base address in this process (RemoteRegion carries it for
             callers that address remote memory by raw address).
         access: ``"rw"`` or ``"r"`` (read-only buffers can only be sources).
-        kind: memory kind, ``"host"`` (``"device"`` where a transport supports it).
+        kind: memory kind, ``"host"`` or ``"cuda"`` (:mod:`mpcomm.memory_kinds`).
+        location: a :class:`~mpcomm.memory_kinds.MemoryLocation` (kind and device ordinal).
+        view: a memoryview of host memory; None for device memory, which
+            transports reach through ``address`` with the device's API.
         token: random capability that every remote access must present.
     """
 
     def __init__(
         self,
-        view: memoryview,
+        view: memoryview | None,
         *,
         name: str,
         access: str,
@@ -239,20 +243,32 @@ class Region:
         owner: Any = None,
         engine_allocated: bool = False,
         backing: Any = None,
+        location: MemoryLocation | None = None,
+        address: int = 0,
+        size: int = 0,
+        readonly: bool = False,
     ) -> None:
-        if view.nbytes == 0:
+        # Device memory has no memoryview: it comes as (address, size, location).
+        if location is None:
+            location = HOST if kind == "host" else MemoryLocation(kind, 0)
+        if view is None and location.is_host:
+            raise RegionError("host memory is registered through a buffer", region=name)
+        nbytes = view.nbytes if view is not None else size
+        if nbytes <= 0:
             raise RegionError("cannot register an empty buffer", region=name)
         if access not in ("rw", "r", "w"):
             raise RegionError(f"access must be 'rw', 'r' or 'w', not {access!r}", region=name)
-        if view.readonly and "w" in access:
+        if (view.readonly if view is not None else readonly) and "w" in access:
             access = "r"
         self.view = view
         self.name = name
         self.id = next(_region_ids)
-        self.size = view.nbytes
-        self.address = buffer_address(view)
+        self.size = nbytes
+        self.address = buffer_address(view) if view is not None else address
         self.access = access
-        self.kind = kind
+        #: Where the bytes live; ``kind`` is its kind (``"host"``, ``"cuda"``) for routing.
+        self.location = location
+        self.kind = location.kind
         self.token = secrets.randbits(63)
         self.engine_allocated = engine_allocated
         #: Transport-specific backing (a shm segment, say); the allocator's business.
@@ -279,7 +295,8 @@ class Region:
         self._numa: int | None = None
 
     def __repr__(self) -> str:
-        return f"<Region {self.name!r} id={self.id} size={self.size} access={self.access}>"
+        where = "" if self.location.is_host else f" memory={self.location}"
+        return f"<Region {self.name!r} id={self.id} size={self.size} access={self.access}{where}>"
 
     @property
     def closed(self) -> bool:
@@ -375,11 +392,82 @@ class Region:
             fin()
         self._finalizers.clear()
         # Dropping our references is enough: the exporter (or its mmap) is freed
-        # once no transport slice refers to it any more.
+        # once no transport slice refers to it any more. Device memory has no
+        # slice to hold it: its owner stays until release_owner(), after the
+        # transports' unregister.
+        if self.view is not None:
+            self._owner = None
+
+    @property
+    def owner(self) -> Any:
+        """The object that keeps the memory alive (a transport that must keep it after unregister holds it)."""
+        return self._owner
+
+    def release_owner(self) -> None:
+        """Drop the reference to the owner (the engine does, once the transports let go)."""
         self._owner = None
 
     def add_finalizer(self, fn: Callable[[], None]) -> None:
         self._finalizers.append(fn)
 
+    @property
+    def device(self) -> int:
+        """The device ordinal of device memory; -1 for host memory."""
+        return self.location.device
+
     def slice(self, offset: int, length: int) -> memoryview:
+        if self.view is None:
+            raise RegionError(f"region {self.name!r} is {self.location} memory: the CPU cannot slice it",
+                              region=self.name)
         return self.view[offset : offset + length]
+
+
+def region_of(obj: Any, *, name: str, access: str | None = None) -> Region:
+    """A :class:`Region` for anything :meth:`Engine.register <mpcomm.Engine.register>` accepts.
+
+    See :mod:`mpcomm.memory_kinds` for the order the kinds of object are tried
+    in. The region keeps ``obj`` (and, for DLPack, the capsule that pins the
+    producer's tensor) alive until it is unregistered.
+    """
+    if isinstance(obj, DeviceBuffer):
+        loc = obj.location
+        if loc.is_host:
+            raise RegionError("a DeviceBuffer names device memory; register host memory as a buffer", region=name)
+        return _device_region(obj.ptr, obj.size, loc, name, access, obj.readonly, (obj, obj.owner))
+    try:
+        memoryview(obj).release()
+        is_buffer = True
+    except TypeError:
+        is_buffer = False
+    if is_buffer:
+        view = as_byte_view(obj)
+        return Region(view, name=name, access=access or ("r" if view.readonly else "rw"), owner=obj)
+    loc = dlpack_location(obj)
+    if hasattr(obj, "__cuda_array_interface__") and (loc is None or not loc.is_host):
+        ptr, nbytes, readonly = cuda_array_interface(obj)
+        if loc is None:
+            from .memory_kinds import location_of
+
+            loc = location_of(obj)
+        return _device_region(ptr, nbytes, loc, name, access, readonly, obj)
+    if loc is not None and hasattr(obj, "__dlpack__"):
+        capsule = obj.__dlpack__()
+        info = dlpack_tensor(capsule, type(obj).__name__)
+        if info.location.is_host:
+            # A CPU tensor that is not a PEP 688 buffer (torch): view its bytes.
+            raw = (ctypes.c_char * info.nbytes).from_address(info.ptr) if info.nbytes else b""
+            view = memoryview(raw).cast("B")
+            return Region(view, name=name, access=access or "rw", owner=(obj, capsule, raw))
+        return _device_region(info.ptr, info.nbytes, info.location, name, access, False, (obj, capsule))
+    raise RegionError(f"cannot register {type(obj).__name__}: not a buffer, and it exposes neither "
+                      "__dlpack__ nor __cuda_array_interface__", region=name)
+
+
+def _device_region(ptr: int, size: int, loc: MemoryLocation, name: str, access: str | None, readonly: bool,
+                   owner: Any) -> Region:
+    if not isinstance(ptr, int) or ptr <= 0:
+        raise RegionError(f"device pointer must be a positive integer, not {ptr!r}", region=name)
+    if not isinstance(size, int) or size <= 0:
+        raise RegionError(f"cannot register an empty buffer (size {size!r})", region=name)
+    return Region(None, name=name, access=access or ("r" if readonly else "rw"), owner=owner, location=loc,
+                  address=ptr, size=size, readonly=readonly)

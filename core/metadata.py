@@ -14,7 +14,8 @@ Two implementations of :class:`MetadataStore`:
   gateway on its client port).
 
 **No secret in etcd.** A published :class:`RegionRecord` holds the name, the
-owner's control address, node id, epoch, size, access, memory kind and NUMA node, and
+owner's control address, node id, epoch, size, access, memory kind (and device
+ordinal: ``kind``/``device``, absent in older records = host) and NUMA node, and
 nothing that grants access: no region token, no id, no address in the owner's
 process, no transport keys. A reader must still open the region through the
 owner's handshake (and shared secret) to get a usable descriptor. Records read
@@ -175,6 +176,8 @@ class RegionRecord:
     published_at: float = 0.0
     #: NUMA node of the region's first page on the owner (-1: unknown), for placement.
     numa_node: int = -1
+    #: Device ordinal of device memory (``kind="cuda"``); -1 for host memory.
+    device: int = -1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
@@ -194,7 +197,8 @@ class RegionRecord:
         return cls(name=_s(d, "name", where), node_id=_s(d, "node_id", where), address=_address(d, where),
                    epoch=_s(d, "epoch", where), size=_i(d, "size", where), access=access, kind=kind,
                    published_at=_when(d, where),
-                   numa_node=_i(d, "numa_node", where, -1, 4095) if "numa_node" in d else -1)
+                   numa_node=_i(d, "numa_node", where, -1, 4095) if "numa_node" in d else -1,
+                   device=_i(d, "device", where, -1, 1 << 20) if "device" in d else -1)
 
 
 def _address(d: dict[str, Any], where: str) -> str:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import MpcommError
+from .memory_kinds import HOST, MemoryLocation
 
 __all__ = ["RemoteRegion"]
 
@@ -22,7 +23,8 @@ _REQUIRED: dict[str, str] = {
     "access": "'r', 'w' or 'rw'",
     "token": "an integer",
 }
-_OPTIONAL: dict[str, str] = {"kind": "a string", "transports": "an object of objects"}
+_OPTIONAL: dict[str, str] = {"kind": "a string", "device": "an integer >= -1",
+                             "transports": "an object of objects"}
 
 
 def _is_int(v: Any) -> bool:
@@ -34,6 +36,8 @@ def _field_ok(key: str, v: Any) -> bool:
         return isinstance(v, str) and (bool(v) or key == "epoch")
     if key in ("region_id", "token"):
         return _is_int(v)
+    if key == "device":
+        return _is_int(v) and v >= -1
     if key == "size":
         return _is_int(v) and v > 0
     if key == "base_address":
@@ -78,7 +82,9 @@ class RemoteRegion:
         base_address: the region's address in the peer's process, for callers
             that address remote memory by raw address (:meth:`offset_of`).
         token: capability every access must present (like an rkey).
-        kind: memory kind on the peer (``host``/``device``).
+        kind: memory kind on the peer (``host``/``cuda``); absent in older
+            descriptors, which describe host memory.
+        device: device ordinal on the peer for device memory; -1 for host.
         transports: per-transport registration info (rkeys, shm handles).
     """
 
@@ -93,12 +99,13 @@ class RemoteRegion:
     token: int
     kind: str = "host"
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    device: int = -1
 
     def __repr__(self) -> str:
         # The token is a capability (docs/contract.md): never in logs or tracebacks.
         return (f"RemoteRegion(name={self.name!r}, address={self.address!r}, node_id={self.node_id!r}, "
                 f"epoch={self.epoch!r}, region_id={self.region_id}, size={self.size}, "
-                f"base_address={self.base_address:#x}, access={self.access!r}, kind={self.kind!r}, "
+                f"base_address={self.base_address:#x}, access={self.access!r}, memory={self.location}, "
                 f"transports={sorted(self.transports)}, token=<hidden>)")
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,6 +156,13 @@ class RemoteRegion:
                 peer=self.address,
             )
         return off
+
+    @property
+    def location(self) -> MemoryLocation:
+        """Where the region's bytes live on the peer (an unknown kind keeps its name)."""
+        if self.kind == "host":
+            return HOST
+        return MemoryLocation(self.kind, max(self.device, 0))
 
     @property
     def writable(self) -> bool:

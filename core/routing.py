@@ -56,7 +56,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError, TransportUnavailable
+from .errors import ConfigError, MemoryKindUnsupported, TransportUnavailable
+from .memory_kinds import normalize_kind
 from .units import parse_size
 from .transport import BANDWIDTH_CLASSES, Capabilities
 
@@ -76,7 +77,7 @@ __all__ = [
 #: Rule names a Route carries when no configured rule chose it.
 DEFAULT_RULE = "default"
 HINT_RULE = "hint"
-MEMORY_KINDS = ("host", "device")
+MEMORY_KINDS = ("host", "cuda", "device")  # "device": the older spelling of "cuda"
 MAX_RULES = 256
 MAX_STRIPES = 16
 #: Stripes start on this boundary so no stripe splits a page.
@@ -230,7 +231,7 @@ def parse_rules(raw: Any, installed: Iterable[str] | None = None, *, source: str
             v = r.get(key)
             if v is not None and v not in MEMORY_KINDS:
                 raise ConfigError(f"{where}: {key} must be one of {', '.join(MEMORY_KINDS)}, not {v!r}")
-            kinds[key] = v
+            kinds[key] = normalize_kind(v) if v is not None else None
         min_size = _size(r.get("min_size", 0), f"{where}: min_size")
         max_size = _size(r["max_size"], f"{where}: max_size") if "max_size" in r else None
         if max_size is not None and max_size < min_size:
@@ -350,7 +351,7 @@ class RoutePolicy:
             return False
         if not (caps.intra_node if q.same_host else caps.inter_node):
             return False
-        return q.local_kind in caps.memory_kinds and q.remote_kind in caps.memory_kinds
+        return caps.moves(q.local_kind, q.remote_kind)
 
     def _filter(self, names: Iterable[str], q: RouteQuery) -> tuple[str, ...]:
         return tuple(n for n in names if self.usable(n, q))
@@ -377,6 +378,13 @@ class RoutePolicy:
                                        + self.explain(q.hint, q))
         rule, chosen = self._match(q)
         if not chosen:
+            if not any(self.installed[n].moves(q.local_kind, q.remote_kind) for n in self.running):
+                raise MemoryKindUnsupported(
+                    f"no running transport moves local {q.local_kind} memory to/from remote {q.remote_kind} "
+                    "memory: " + "; ".join(f"{n} moves local {','.join(sorted(self.installed[n].memory_kinds))}, "
+                                           f"remote {','.join(sorted(self.installed[n].remote_kinds))}"
+                                           for n in self.running),
+                    local_kind=q.local_kind, remote_kind=q.remote_kind)
             raise TransportUnavailable("no transport can carry this request: " + self.explain(self.installed, q))
         return Route(chosen, rule.name if rule else DEFAULT_RULE)
 
@@ -393,8 +401,9 @@ class RoutePolicy:
                 why = "the peer does not offer it for this region"
             elif not (caps.intra_node if q.same_host else caps.inter_node):
                 why = "cannot reach the same host" if q.same_host else "cannot reach another host"
-            elif q.local_kind not in caps.memory_kinds or q.remote_kind not in caps.memory_kinds:
-                why = f"no {q.local_kind}/{q.remote_kind} memory support"
+            elif not caps.moves(q.local_kind, q.remote_kind):
+                why = (f"cannot move local {q.local_kind} <-> remote {q.remote_kind} memory (moves local "
+                       f"{','.join(sorted(caps.memory_kinds))}, remote {','.join(sorted(caps.remote_kinds))})")
             else:
                 continue
             reasons.append(f"{n}: {why}")

@@ -49,7 +49,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from .errors import MpcommError, TransferTimeout
@@ -73,6 +73,7 @@ __all__ = [
     "TransportBusy",
     "TransportContext",
     "contract_problems",
+    "effective_capabilities",
 ]
 
 log = logging.getLogger("mpcomm.transport")
@@ -121,7 +122,12 @@ class Capabilities:
     """What a transport can do; shown by ``mpcomm plugins`` and used for routing.
 
     Attributes:
-        memory_kinds: memory it can move (``host``, ``device``).
+        memory_kinds: kinds of local memory it can move (``host``, ``cuda``:
+            :mod:`mpcomm.memory_kinds`); declared statically, narrowed at run
+            time by :meth:`Transport.memory_kind_availability`.
+        remote_memory_kinds: kinds of the peer's memory it can reach (None:
+            the same as ``memory_kinds``). A request moves one (local, remote)
+            pair: :meth:`moves`.
         intra_node, inter_node: same-host and cross-host reach.
         one_sided: the target's CPU takes no part in a transfer.
         zero_copy: no staging copy on either side in the default mode.
@@ -139,6 +145,8 @@ class Capabilities:
     """
 
     memory_kinds: frozenset[str] = frozenset({"host"})
+    #: Kinds of the peer's memory it can reach; None: the same as ``memory_kinds``.
+    remote_memory_kinds: frozenset[str] | None = None
     intra_node: bool = True
     inter_node: bool = True
     one_sided: bool = True
@@ -148,9 +156,27 @@ class Capabilities:
     revocation: str = "target-check"
     bandwidth_class: str = "low"
 
+    @property
+    def remote_kinds(self) -> frozenset[str]:
+        return self.memory_kinds if self.remote_memory_kinds is None else self.remote_memory_kinds
+
+    def moves(self, local_kind: str, remote_kind: str) -> bool:
+        """Can it move between local memory of ``local_kind`` and remote memory of ``remote_kind``?"""
+        return local_kind in self.memory_kinds and remote_kind in self.remote_kinds
+
+    def without_kinds(self, kinds: Any) -> Capabilities:
+        """These capabilities less ``kinds`` on both sides (kinds unavailable at run time)."""
+        drop = frozenset(kinds)
+        if not drop:
+            return self
+        return replace(self, memory_kinds=self.memory_kinds - drop,
+                       remote_memory_kinds=None if self.remote_memory_kinds is None
+                       else self.remote_memory_kinds - drop)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "memory_kinds": sorted(self.memory_kinds),
+            "remote_memory_kinds": sorted(self.remote_kinds),
             "intra_node": self.intra_node,
             "inter_node": self.inter_node,
             "one_sided": self.one_sided,
@@ -574,6 +600,16 @@ class Transport:
         return Availability.yes()
 
     @classmethod
+    def memory_kind_availability(cls) -> dict[str, Availability]:
+        """Whether each declared memory kind other than ``host`` works on this machine, and why not.
+
+        Cheap after the first call, side-effect free. A kind reported
+        unavailable is dropped from the capabilities the router uses
+        (:func:`effective_capabilities`); kinds not listed are available.
+        """
+        return {}
+
+    @classmethod
     def version(cls) -> str:
         """Version of the native library behind the transport, if any."""
         return ""
@@ -777,6 +813,7 @@ TRANSPORT_CONTRACT: dict[str, ContractMember] = {
     "post_may_block": ContractMember("attribute", type=bool),
     "availability": ContractMember("classmethod"),
     "version": ContractMember("classmethod"),
+    "memory_kind_availability": ContractMember("classmethod"),
     "node_checks": ContractMember("classmethod"),
     "start": ContractMember("method"),
     "reach": ContractMember("method"),
@@ -865,6 +902,23 @@ def _signature_mismatch(base: Any, impl: Any) -> str:
                 q.name for q in base.parameters.values()}:
             return f"() adds the keyword {p.name!r} without a default (the engine never passes it)"
     return ""
+
+
+def effective_capabilities(cls: type[Transport]) -> tuple[Capabilities, dict[str, str]]:
+    """``cls.capabilities`` less the memory kinds unavailable here, and why each is.
+
+    The router uses the first (a transport that declares ``cuda`` but finds no
+    GPU or no CUDA library moves host memory only); ``mpcomm plugins`` and
+    ``doctor`` show the second.
+    """
+    caps = cls.capabilities
+    try:
+        avail = cls.memory_kind_availability()
+    except Exception as exc:  # noqa: BLE001 - a broken probe leaves the transport host-only
+        avail = {k: Availability.no(f"memory kind check failed: {type(exc).__name__}: {exc}")
+                 for k in (caps.memory_kinds | caps.remote_kinds) - {"host"}}
+    missing = {k: a.reason for k, a in avail.items() if not a and k != "host"}
+    return caps.without_kinds(missing), missing
 
 
 def timeout_error(op: Operation | OperationGroup) -> TransferTimeout:

@@ -51,8 +51,8 @@ from ..errors import (
     UnknownRegionError,
 )
 from ..health import ConnectBackoff, HealthTracker
-from ..memory import Region, allocate_host, as_byte_view
 from .. import native_helper
+from ..memory import Region, allocate_host, region_of
 from ..metadata import MetadataStore, NodeRecord, PeerToPeerMetadata, RegionRecord, open_metadata
 from ..peer import PeerInfo, format_endpoint, host_identity, is_wildcard, parse_endpoint
 from ..registry import PluginSet, load_plugins
@@ -61,7 +61,7 @@ from ..routing import RoutePolicy
 from ..telemetry import Telemetry
 from ..topology import discover as discover_topology
 from ..transfer import Batch, Request, Transfer
-from ..transport import Availability, Transport, TransportContext
+from ..transport import Availability, Transport, TransportContext, effective_capabilities
 from . import fastlane
 from .completions import CompletionQueue, CompletionThread
 from .deadlines import DeadlineTimer
@@ -195,7 +195,13 @@ class Engine:
                 handler=self._handle_control,
                 config=cfg,
             )
-            installed = {n: e.cls.capabilities for n, e in self.plugin_set.transports.items()}
+            # Running transports: declared kinds less those this machine lacks (a GPU, a CUDA
+            # library). The others only need to be named (probing them would load their libraries).
+            installed = {n: effective_capabilities(e.cls)[0] if n in self._transports else e.cls.capabilities
+                         for n, e in self.plugin_set.transports.items()}
+            #: Per running transport, the declared memory kinds it cannot move here, and why.
+            self.memory_kinds_unavailable: dict[str, dict[str, str]] = {
+                n: m for n in self._transports if (m := effective_capabilities(type(self._transports[n]))[1])}
             # Only reads this node's calibration file (`mpcomm topology --calibrate` measures).
             measured = route_classes(cfg, self.plugin_set.transports, self._transports)
             self.route_policy = RoutePolicy.for_config(cfg, installed, self._transports,
@@ -316,23 +322,34 @@ class Engine:
                     avail = Availability.no(str(exc))
                 if avail:
                     avail = Availability.no("not selected by transport.name/order")
+            caps, kinds_missing = effective_capabilities(entry.cls)
+            caps_dict = caps.to_dict()
+            if kinds_missing:
+                caps_dict["memory_kinds_unavailable"] = dict(kinds_missing)
             out.append(TransportStatus(name, entry.plugin, entry.distribution, entry.version, avail,
-                                       entry.cls.capabilities.to_dict(), running))
+                                       caps_dict, running))
         return out
 
     # -- memory ----------------------------------------------------------------------------
 
     def register(self, buffer: Any, name: str | None = None, *, access: str | None = None) -> Region:
-        """Register a buffer (any PEP 688 buffer) so peers can reach it.
+        """Register a buffer so peers can reach it.
 
+        ``buffer``: any PEP 688 buffer (host memory); an object exposing
+        ``__dlpack__`` or ``__cuda_array_interface__`` (a torch or CuPy
+        tensor: host or CUDA memory, by its DLPack device); or a
+        :class:`~mpcomm.memory_kinds.DeviceBuffer` (raw device pointer, size,
+        device). The region's ``location`` says which (docs/contract.md,
+        "Device memory").
         Read-only buffers register as sources only (``access="r"``). The
-        buffer must stay alive and unmoved until :meth:`unregister`.
+        buffer must stay alive and unmoved until :meth:`unregister`; mpcomm
+        holds a reference to it meanwhile.
         Raises AlignmentError when it violates ``memory.alignment``,
-        RegionError when the name is taken.
+        RegionError when the name is taken or the object is not memory
+        mpcomm understands.
         """
         self._check_open()
-        view = as_byte_view(buffer)
-        region = Region(view, name=name or "", access=access or ("r" if view.readonly else "rw"), owner=buffer)
+        region = region_of(buffer, name=name or "", access=access)
         return self._add_region(region)
 
     def allocate(self, size: int, name: str | None = None, *, access: str = "rw") -> Region:
@@ -388,7 +405,7 @@ class Engine:
         node = region.numa_node
         return RegionRecord(name=region.name, node_id=self.node_id, address=self.address, epoch=self.epoch,
                             size=region.size, access=region.access, kind=region.kind, published_at=time.time(),
-                            numa_node=-1 if node is None else node)
+                            numa_node=-1 if node is None else node, device=region.device)
 
     @property
     def metadata(self) -> MetadataStore:
@@ -445,6 +462,7 @@ class Engine:
             access=region.access,
             token=region.token,
             kind=region.kind,
+            device=region.device,
             transports=dict(region.transport_info),
         ).to_dict()
 

@@ -24,6 +24,7 @@ from ..errors import (
     UnknownRegionError,
 )
 from ..memory import Region
+from ..transport import effective_capabilities
 
 if TYPE_CHECKING:
     from ..transport import Transport
@@ -109,6 +110,8 @@ class RegionTable:
             for name, t in transports.items():
                 if name in region.transport_info:
                     continue
+                if region.kind != "host" and not _holds(t, region.kind):
+                    continue  # it cannot move this memory: peers will not route through it
                 info = t.register(region)
                 if info is not None:
                     region.transport_info[name] = info
@@ -133,11 +136,20 @@ class RegionTable:
         return failed
 
 
+def _holds(t: Any, kind: str) -> bool:
+    """Does transport ``t`` move memory of ``kind`` here (on either side)?"""
+    caps, _ = effective_capabilities(type(t))
+    return kind in caps.memory_kinds or kind in caps.remote_kinds
+
+
 def release_view(region: Region) -> None:
     """Give the caller's buffer back (a bytearray can resize, an mmap can close).
 
     After the transports' unregister, which may still read the view.
     """
+    if region.view is None:
+        region.release_owner()  # device memory: a transport that still needs it holds the owner itself
+        return
     try:
         region.view.release()
     except BufferError:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import (
     BackPressureError,
     EngineClosedError,
+    MemoryKindUnsupported,
     MpcommError,
     OutOfBoundsError,
     PeerConnectionError,
@@ -50,7 +51,7 @@ from ..errors import (
     TransportUnavailable,
 )
 from ..health import counts_against_path, is_retryable
-from ..memory import Region, as_byte_view
+from ..memory import Region, region_of
 from ..peer import same_host
 from ..remote import RemoteRegion
 from ..transfer import Batch, LandedOrigin, Request, Transfer, TransferStatus, _Dispatch, _Landed, _resolve_members
@@ -336,8 +337,7 @@ class Pipeline:
             if buf.closed:
                 raise RegionClosedError(f"region {buf.name!r} is unregistered", region=buf.name)
             return buf, False
-        view = as_byte_view(buf)
-        return Region(view, name=name, access="r" if view.readonly else "rw", owner=buf), True
+        return region_of(buf, name=name), True  # host buffer, DLPack / CUDA array, DeviceBuffer
 
     def _timeout(self, timeout: float | None) -> float:
         return checks.timeout_seconds(timeout, self._default_timeout)
@@ -1028,6 +1028,13 @@ class Pipeline:
         if route is None:
             try:
                 route = policy.choose(self._query(link, unit))
+            except MemoryKindUnsupported as exc:
+                why = "; ".join(f"{t}: {k} unavailable here: {r}" for t, kinds in
+                                self.e.memory_kinds_unavailable.items() for k, r in kinds.items()
+                                if k in (exc.local_kind, exc.remote_kind))
+                msg = f"{remote.name!r} at {remote.address}: {exc}" + (f" ({why})" if why else "")
+                raise MemoryKindUnsupported(msg, peer=remote.address, region=remote.name, local_kind=exc.local_kind,
+                                            remote_kind=exc.remote_kind) from None
             except TransportUnavailable as exc:
                 raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: {exc}",
                                            peer=remote.address, region=remote.name) from None

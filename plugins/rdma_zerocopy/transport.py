@@ -121,12 +121,34 @@ def memlock_reason(soft: int | None = None, has_ipc_lock: bool | None = None) ->
 
 
 def device_memory_availability() -> Availability:
-    """GPU memory over RDMA needs a GPU and peer-memory (nvidia_peermem) or dma-buf support."""
+    """Why this transport does not move CUDA memory here (it never does yet; the reason says what is missing).
+
+    GPUDirect RDMA registers device memory with ``ibv_reg_dmabuf_mr`` on a
+    dma-buf fd that CUDA exports (``cuMemGetHandleForAddressRange``), or with
+    ``ibv_reg_mr`` through the nvidia_peermem module. pyverbs, which this
+    transport drives the NIC with, registers only dma-bufs it allocates
+    itself (DRM), so neither path is open to it: ``cuda`` is not declared,
+    and device memory between hosts goes through ucx (whose InfiniBand memory
+    domain registers CUDA memory itself) or tcp's pinned staging.
+    """
     if not (os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia")):
         return Availability.no("no GPU: the NVIDIA driver is not loaded")
-    if not (os.path.isdir("/sys/module/nvidia_peermem") or os.path.isdir("/sys/kernel/mm/memory_peers/nv_mem")):
-        return Availability.no("a GPU is present but no peer-memory module (nvidia_peermem) is loaded")
-    return Availability.no("GPU memory registration is not implemented yet: host memory only")
+    if not (os.path.isdir("/sys/module/nvidia_peermem") or os.path.isdir("/sys/kernel/mm/memory_peers/nv_mem")
+            or _has_dmabuf_mr()):
+        return Availability.no("a GPU is present but neither ibv_reg_dmabuf_mr (rdma-core >= 34) nor the "
+                               "nvidia_peermem module is available")
+    return Availability.no("GPUDirect registration is not implemented: pyverbs cannot register a CUDA dma-buf "
+                           "fd (ibv_reg_dmabuf_mr); device memory goes through ucx or tcp")
+
+
+def _has_dmabuf_mr() -> bool:
+    """Does this host's libibverbs export ibv_reg_dmabuf_mr (rdma-core >= 34)?"""
+    import ctypes
+
+    try:
+        return hasattr(ctypes.CDLL("libibverbs.so.1"), "ibv_reg_dmabuf_mr")
+    except OSError:
+        return False
 
 
 @dataclass(eq=False)
@@ -428,6 +450,11 @@ class RdmaZeroCopyTransport(Transport):
             return by_name(region.name) is region
         except Exception:  # noqa: BLE001 - UnknownRegionError: not published
             return False
+
+    @classmethod
+    def memory_kind_availability(cls) -> dict[str, Availability]:
+        """``cuda`` is not declared; this says why (``mpcomm plugins``, ``doctor``)."""
+        return {"cuda": device_memory_availability()}
 
     def register(self, region: Any) -> dict[str, Any] | None:
         """``ibv_reg_mr`` (holds the GIL for its whole duration: see docs/rdma.md, "Registration")."""

@@ -107,6 +107,7 @@ from mpcomm.errors import (
     TransportUnavailable,
     UnknownRegionError,
 )
+from mpcomm import cuda_runtime
 from mpcomm.memory import check_allocatable
 from mpcomm.peer import PeerInfo, same_host
 from mpcomm.wire import NOSIGNAL, loads_bounded, sendall
@@ -148,6 +149,8 @@ class _Served:
     attached: dict[str, PeerInfo] = field(default_factory=dict)  # revoke key -> the peer that attached
     nonces: set[str] = field(default_factory=set)
     closed: bool = False
+    #: CUDA regions: (IPC handle, offset of the region in the handle's allocation).
+    ipc: tuple[bytes, int] | None = None
 
 
 class _Mapping:
@@ -160,7 +163,7 @@ class _Mapping:
     """
 
     __slots__ = ("kind", "base", "size", "access", "can_read", "can_write", "token", "pid", "pidfd", "mm", "owner",
-                 "rkey", "numa", "inflight", "error", "lock", "_idle")
+                 "rkey", "numa", "inflight", "error", "lock", "_idle", "device", "ipc_base")
 
     def __init__(self, kind: str, base: int, size: int, access: str, token: int, *, pid: int = 0, pidfd: int = -1,
                  mm: mmap.mmap | None = None, owner: tuple[str, str] = ("", ""), rkey: str = "",
@@ -178,6 +181,8 @@ class _Mapping:
         self.owner = owner  # (node_id, epoch) of the peer that granted the mapping
         self.rkey = rkey  # the revoke key the owner issued for this attachment
         self.numa = numa  # the NUMA node of the target memory, as its owner reported it (-1: unknown)
+        self.device = -1  # "cuda_ipc": the CUDA device the memory is on
+        self.ipc_base = 0  # "cuda_ipc": what cudaIpcOpenMemHandle mapped (closed on release)
         self.inflight = 0
         self.error: MpcommError | None = None
         self.lock = threading.Lock()  # raw lock: it sits on the small-request path
@@ -218,6 +223,12 @@ class _Mapping:
             return self._idle.wait_for(lambda: self.inflight == 0, timeout)
 
     def _release(self) -> None:
+        base, self.ipc_base = self.ipc_base, 0
+        if base:
+            try:
+                cuda_runtime.ipc_close(base)
+            except Exception:  # noqa: BLE001 - the owner's process may be gone; nothing else to release
+                pass
         mm, self.mm = self.mm, None
         if mm is not None:
             try:
@@ -245,7 +256,7 @@ class ShmTransport(Transport):
 
     name: ClassVar[str] = "shm"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        memory_kinds=frozenset({"host"}),
+        memory_kinds=frozenset({"host", "cuda"}),  # cuda: CUDA IPC, where cuda-python and a GPU are here
         intra_node=True,
         inter_node=False,
         one_sided=True,  # the target's CPU takes no part in a transfer
@@ -324,6 +335,11 @@ class ShmTransport(Transport):
         return Availability.yes(f"memfd + SCM_RIGHTS; cross-memory attach for other buffers; {live}; "
                                 f"{_copyloop.status()}")
 
+    @classmethod
+    def memory_kind_availability(cls) -> dict[str, Availability]:
+        why = cuda_runtime.unavailable_reason()
+        return {"cuda": Availability.no(why) if why else Availability.yes("CUDA IPC")}
+
     # -- start / target side ----------------------------------------------------------
 
     def start(self) -> dict[str, Any]:
@@ -371,6 +387,14 @@ class ShmTransport(Transport):
         return memoryview(mm)[skip : skip + size], seg
 
     def register(self, region: Region) -> dict[str, Any] | None:
+        if region.kind == "cuda":
+            if not region.published:
+                return None  # a buffer for one request: only this process copies from/to it, by address
+            # Exported once; each attach hands the handle to that initiator, which maps it.
+            handle, offset = cuda_runtime.ipc_export(region.address, region.device)
+            with self._lock:
+                self._served[region.id] = _Served(region, None, ipc=(handle, offset))
+            return {"kind": "cuda_ipc"}
         if region.kind != "host":
             return None
         seg = region.backing if isinstance(region.backing, _Segment) and region.backing.owner is self else None
@@ -534,6 +558,10 @@ class ShmTransport(Transport):
                 if len(served.nonces) >= _MAX_ATTACH:
                     served.nonces.pop()
                 served.nonces.add(nonce)
+        if served.ipc is not None:
+            return {"kind": "cuda_ipc", "ipc_handle": served.ipc[0].hex(), "ipc_offset": served.ipc[1],
+                    "device": served.region.device, "revoke_key": rkey, "numa_node": -1, "base": region.address,
+                    "size": region.size, "access": region.access}
         node = served.region.numa_node
         return {
             "kind": "memfd" if served.seg is not None else "cma",
@@ -678,7 +706,9 @@ class ShmTransport(Transport):
         owner = (peer.node_id, peer.epoch)
         m: _Mapping | None = None
         why = ""
-        if kind == "memfd":
+        if kind == "cuda_ipc":
+            m = self._map_ipc(r, reply, size, access, owner, rkey)
+        elif kind == "memfd":
             why = self._memfd_reason(peer)
             if not why:
                 m = self._map_fd(r, peer, reply, timeout, owner, rkey)
@@ -703,6 +733,86 @@ class ShmTransport(Transport):
             if rkey:
                 self._by_rkey[rkey] = key
         return m
+
+    def _map_ipc(self, r: Any, reply: dict[str, Any], size: int, access: str, owner: tuple[str, str],
+                 rkey: str) -> _Mapping:
+        """Map a peer's CUDA region (cudaIpcOpenMemHandle); released by revocation (cudaIpcCloseMemHandle)."""
+        try:
+            handle, offset, device = bytes.fromhex(str(reply["ipc_handle"])), int(reply["ipc_offset"]), \
+                int(reply["device"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(f"malformed shm cuda_ipc answer from {r.address}", peer=r.address) from None
+        why = cuda_runtime.unavailable_reason()
+        if why:
+            raise TransportUnavailable(f"shm cannot map CUDA region {r.name!r}: {why}", region=r.name, peer=r.address)
+        base = cuda_runtime.ipc_open(handle, device)
+        m = _Mapping("cuda_ipc", base + offset, size, access, r.token, owner=owner, rkey=rkey)
+        m.device, m.ipc_base = device, base
+        return m
+
+    def _device_op(self, op: Operation) -> None:
+        """Worker: one request with CUDA memory on either side (attaching first if needed)."""
+        m: _Mapping | None = None
+        try:
+            if op.abort_exc is not None:
+                raise op.abort_exc
+            m = self._mapping(op.remote, op.peer, op.deadline)
+            write = op.kind == "write"
+            if op.remote.token != m.token or not (m.can_write if write else m.can_read) or \
+                    not 0 <= op.remote_offset <= m.size - op.length:
+                raise self._refusal(op, m, write)
+            err = m.enter()
+            if err is not None:
+                raise _again(err, op.remote)
+            try:
+                self._device_move(m, write, op.local, op.local_offset, op.remote_offset, op.length, op.remote,
+                                  op.deadline)
+            finally:
+                m.exit()
+        except BaseException as exc:  # noqa: BLE001 - reported through the operation
+            op.fail(self._map_error(exc, op, m) if m is not None else exc)
+            return
+        op.complete(op.length)
+
+    def _device_move(self, m: _Mapping, write: bool, local: Region, lo: int, ro: int, n: int, r: Any,
+                     deadline: float) -> None:
+        """Copy ``n`` bytes between ``local`` (host or CUDA) and the mapping, CUDA on one side at least.
+
+        A mapped CUDA region or a memfd mapping is addressable here: one
+        cudaMemcpyAsync on this thread's stream, waited for. A peer's host
+        buffer reached by cross-memory attach is not: it goes through a
+        pinned bounce buffer (pool bounded by ``bounce_size`` x stripes).
+        """
+        la = local.address + lo
+        ra = m.base + ro
+        device = local.device if local.kind == "cuda" else m.device
+        if m.kind != "cma":
+            dst, src = (ra, la) if write else (la, ra)
+            cuda_runtime.stream_copy(dst, src, n, max(device, 0))
+            return
+        pool = self._pinned_pool()
+        bounce = pool.take(timeout=max(deadline - time.monotonic(), 0.001))
+        try:
+            for pos in range(0, n, pool.size):
+                k = min(pool.size, n - pos)
+                if write:
+                    cuda_runtime.stream_copy(bounce, la + pos, k, device)
+                    rc = self._move(m, True, bounce, ra + pos, k)
+                else:
+                    rc = self._move(m, False, bounce, ra + pos, k)
+                    if not rc:
+                        cuda_runtime.stream_copy(la + pos, bounce, k, device)
+                if rc:
+                    raise self._rc_error(rc, "write" if write else "read", r, m)
+        finally:
+            pool.give(bounce)
+
+    def _pinned_pool(self) -> cuda_runtime.PinnedPool:
+        with self._lock:
+            pool = getattr(self, "_pinned", None)
+            if pool is None:
+                pool = self._pinned = cuda_runtime.PinnedPool(self._bounce_size, self._bounce_size * self._stripes)
+            return pool
 
     def _pidfd_cma(self, peer: PeerInfo, pid: int) -> int:
         """A pidfd of the CMA target, bound to the right process by re-running the probe after opening it."""
@@ -776,6 +886,9 @@ class ShmTransport(Transport):
     def post(self, op: Operation) -> None:
         n = op.length
         r = op.remote
+        if op.local.kind != "host" or r.kind != "host":
+            self._off_thread(self._device_op, op)  # CUDA copies run on a worker, never on the poster
+            return
         m = self._maps.get((r.epoch, r.region_id))
         if m is None:
             if n == 0:
@@ -845,7 +958,7 @@ class ShmTransport(Transport):
         waits for.
         """
         m = self._inline_map(kind, remote)
-        if m is None:
+        if m is None or local.kind != "host" or remote.kind != "host":
             return None
         write = kind == "write"
         limit = min(self._inline, self._chunk)
@@ -1036,7 +1149,7 @@ class ShmTransport(Transport):
         err = m.enter()
         if err is not None:
             raise _again(err, r)
-        if total <= self._inline or not posting:
+        if total <= self._inline and g.local.kind == "host" and m.kind != "cuda_ipc" or not posting:
             self._run_many(g, m, write)
             return
         try:
@@ -1064,10 +1177,13 @@ class ShmTransport(Transport):
                 if i and time.monotonic() > g.deadline:
                     err = _deadline_passed(g, f"shm batch of {n} passed its deadline after {i} requests")
                     break
-                if self.copy_mode:
+                if g.local.kind != "host" or m.kind == "cuda_ipc" or self.copy_mode:
                     a, b, k = lo[i], ro[i], ln[i]
                     if not (0 <= k <= lsize and k <= m.size and 0 <= a <= lsize - k and 0 <= b <= m.size - k):
                         nxt = -errno.ERANGE  # checked again at the point of use, as the copy loops do
+                    elif g.local.kind != "host" or m.kind == "cuda_ipc":
+                        self._device_move(m, write, g.local, int(a), int(b), int(k), g.remote, g.deadline)
+                        nxt = i + 1
                     else:
                         rc = self._copy(m, write, la + a, m.base + b, k)
                         nxt = rc if rc else i + 1
@@ -1239,6 +1355,9 @@ class ShmTransport(Transport):
             near, self._near = list(self._near.values()), {}
         for pool in near:
             pool.shutdown(wait=False, cancel_futures=False)
+        pinned = getattr(self, "_pinned", None)
+        if pinned is not None:
+            pinned.close()
         for s in served:
             with s.lock:
                 s.closed = True

@@ -50,6 +50,8 @@ from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes
 from . import dataport, wire
 from .client import Piece, Pool, next_id
 from .server import Server
+from .staging import Staged
+from .staging import state_of as staging_state
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -61,6 +63,8 @@ OPTION_RANGES: dict[str, tuple[float, float]] = {
     "inline_threshold": (0, 64 * MiB),
     "chunk": (4 * KiB, 1 << 30),
     "bounce_size": (4 * KiB, 1 << 30),
+    "staging_chunk": (64 * KiB, 1 << 30),
+    "staging_limit": (64 * KiB, 1 << 40),
     "socket_buffer": (0, 1 << 30),
     "max_connections": (1, 1 << 20),
     "max_connections_per_peer": (1, 1 << 20),
@@ -77,7 +81,8 @@ class TcpTransport(Transport):
 
     name: ClassVar[str] = "tcp"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        memory_kinds=frozenset({"host"}),
+        memory_kinds=frozenset({"host", "cuda"}),  # cuda: staged through pinned bounce buffers (staging.py)
+        remote_memory_kinds=frozenset({"host"}),  # the target serves host memory only
         intra_node=True,
         inter_node=True,
         one_sided=False,  # the target's CPU serves each request
@@ -105,6 +110,8 @@ class TcpTransport(Transport):
         "busy_poll_us": 100,  # poll this long for a frame due soon before sleeping (0: never; see busypoll.py)
         "tls": "auto",  # "auto": data connections run TLS whenever transport.tls does; "off": never
         "native_server": True,  # target: serve plain connections' requests in C without the GIL (dataport.py)
+        "staging_chunk": 8 * MiB,  # local CUDA memory: pinned bounce buffer size (one chunk in flight per request)
+        "staging_limit": 64 * MiB,  # local CUDA memory: pinned bounce buffers in all
     }
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -129,6 +136,25 @@ class TcpTransport(Transport):
         self.log = ctx.log
         #: The native request loop and region table (dataport.py), or None: the Python server serves.
         self.dataport = dataport.open_port(self)
+
+    @classmethod
+    def memory_kind_availability(cls) -> dict[str, Availability]:
+        from mpcomm import cuda_runtime
+
+        why = cuda_runtime.unavailable_reason()
+        return {"cuda": Availability.no(why) if why else Availability.yes("pinned bounce buffers")}
+
+    def _stage(self, op: Any) -> None:
+        """Local CUDA memory: chunk by chunk through a pinned bounce buffer (staging.py)."""
+        from mpcomm import cuda_runtime
+
+        with self._pools_lock:
+            pool = getattr(self, "_pinned", None)
+            if pool is None:
+                o = self.ctx.options
+                pool = self._pinned = cuda_runtime.PinnedPool(int(o["staging_chunk"]), int(o["staging_limit"]))
+        st = op.state = Staged(op, pool, self.post)
+        st.start()
 
     @classmethod
     def availability(cls) -> Availability:
@@ -156,8 +182,9 @@ class TcpTransport(Transport):
                 "proto": wire.VERSION, "tls": self.tls_server is not None}
 
     def register(self, region: Any) -> dict[str, Any] | None:
-        """Publish ``region`` in the native table (only regions peers can name are there)."""
-        if self.dataport is not None and region.published:
+        """Publish ``region`` in the native table (only host regions peers can name are there:
+        the target serves host memory only, ``remote_memory_kinds``)."""
+        if self.dataport is not None and region.published and region.kind == "host":
             self.dataport.publish(region)
         return {}
 
@@ -209,6 +236,9 @@ class TcpTransport(Transport):
             return
         if not 0 <= op.local_offset <= op.local.size - op.length:
             raise _outside(op.local, op.local_offset, op.length)
+        if op.local.kind != "host":
+            self._stage(op)
+            return
         pool = self._pool(op.peer, op.remote.address)
         if op.length < self._stripe_threshold or self._conns == 1:
             ranges: Any = ((0, op.length),)  # the common small request: one frame, no striping
@@ -240,6 +270,10 @@ class TcpTransport(Transport):
         count = group.count
         if count == 0:
             group.complete()
+            return
+        if group.local.kind != "host":
+            for m in group.members():  # staged one by one: the group's abort reaches each
+                self.post(m)
             return
         pool = self._pool(group.peer, group.remote.address)
         lens, loffs, roffs = group.lengths, group.local_offsets, group.remote_offsets
@@ -325,13 +359,17 @@ class TcpTransport(Transport):
     def drive(self, op: Any, until: float) -> None:
         """Read the reply of a one-frame request on the ``result()`` caller's thread (see Conn.drive)."""
         plist = op.state
-        if plist is not None and len(plist) == 1:
+        if plist is not None and staging_state(op) is None and len(plist) == 1:
             piece = plist[0]
             conn = piece.conn
             if conn is not None:
                 conn.drive(piece, until)
 
     def abort(self, op: Any) -> None:
+        staged = staging_state(op)
+        if staged is not None:
+            staged.abort()
+            return
         for piece in list(op.state or ()):
             conn = piece.conn
             if conn is not None:
@@ -362,6 +400,9 @@ class TcpTransport(Transport):
         for p in pools:
             p.close()
         self.fences.close()
+        pinned = getattr(self, "_pinned", None)
+        if pinned is not None:
+            pinned.close()
 
 
 logging.getLogger("mpcomm.transport.tcp").addHandler(logging.NullHandler())

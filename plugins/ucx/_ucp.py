@@ -31,7 +31,9 @@ _WORKER_PARAM_FIELD_THREAD_MODE = 1 << 0
 _WORKER_ATTR_FIELD_THREAD_MODE = 1 << 0
 _EP_FIELD_REMOTE_ADDRESS, _EP_FIELD_ERR_MODE, _EP_FIELD_ERR_HANDLER = 1, 2, 4
 _ERR_MODE_NONE, _ERR_MODE_PEER = 0, 1
-_MM_FIELD_ADDRESS, _MM_FIELD_LENGTH, _MM_FIELD_FLAGS, _MM_FIELD_PROT = 1, 2, 4, 8
+_MM_FIELD_ADDRESS, _MM_FIELD_LENGTH, _MM_FIELD_FLAGS, _MM_FIELD_PROT, _MM_FIELD_MEMORY_TYPE = 1, 2, 4, 8, 16
+#: ucs_memory_type_t values mem_map takes (ucs/memory/memory_type.h).
+MEMORY_TYPE_HOST, MEMORY_TYPE_CUDA = 0, 1
 PROT_LOCAL_READ, PROT_LOCAL_WRITE, PROT_REMOTE_READ, PROT_REMOTE_WRITE = 1, 2, 1 << 8, 1 << 9
 _MM_ALLOCATE = 1 << 1
 _MEM_ATTR_ADDRESS, _MEM_ATTR_LENGTH = 1, 2
@@ -278,15 +280,21 @@ class Context:
         self._workers.append(w)
         return w
 
-    def mem_map(self, addr: int | None, length: int, prot: int | None = None) -> "MemHandle":
+    def mem_map(self, addr: int | None, length: int, prot: int | None = None,
+                memory_type: int | None = None) -> "MemHandle":
         """Register [addr, addr+length). addr=None: UCX allocates (see .address).
         prot: PROT_* bits (UCX's default is all four). Only hardware transports
-        (InfiniBand) enforce remote bits; tcp, shm and cma ignore them."""
+        (InfiniBand) enforce remote bits; tcp, shm and cma ignore them.
+        memory_type: MEMORY_TYPE_* (device memory: MEMORY_TYPE_CUDA); None lets
+        UCX detect it."""
         p = _MemMapParams(field_mask=_MM_FIELD_ADDRESS | _MM_FIELD_LENGTH | _MM_FIELD_FLAGS,
                           address=addr, length=length, flags=0 if addr else _MM_ALLOCATE)
         if prot is not None:
             p.field_mask |= _MM_FIELD_PROT
             p.prot = prot
+        if memory_type is not None:
+            p.field_mask |= _MM_FIELD_MEMORY_TYPE
+            p.memory_type = memory_type
         h = C.c_void_p()
         _check(self._lib.ucp_mem_map(self._h, C.byref(p), C.byref(h)), "ucp_mem_map")
         a = _MemAttr(field_mask=_MEM_ATTR_ADDRESS | _MEM_ATTR_LENGTH)

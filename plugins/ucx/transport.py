@@ -272,12 +272,16 @@ class _Work:
         return self.op.remote
 
 
+#: UcxTransport.device_memory(), once known (memory_kind_availability).
+_DEVICE_MEMORY: list[Availability] = []
+
+
 class UcxTransport(Transport):
     """One-sided RMA over UCX (cma and shared memory on one host, tcp or InfiniBand between hosts)."""
 
     name: ClassVar[str] = "ucx"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        memory_kinds=frozenset({"host"}),
+        memory_kinds=frozenset({"host", "cuda"}),  # cuda: where UCX has cuda_copy/cuda_ipc and a GPU
         intra_node=True,
         inter_node=True,
         one_sided=True,
@@ -363,8 +367,8 @@ class UcxTransport(Transport):
     def device_memory(cls) -> Availability:
         """Whether CUDA device buffers could go through UCX here (and why not).
 
-        Even where this says yes, the engine registers only host buffers today
-        (``Region.kind`` is always ``"host"``), so ``memory_kinds`` stays host.
+        Where it says no, ``cuda`` is dropped from the capabilities the
+        router uses (:meth:`memory_kind_availability`).
         """
         try:
             reason = _ucp_module().cuda_unavailable_reason()
@@ -372,7 +376,14 @@ class UcxTransport(Transport):
             reason = str(exc)
         if reason is not None:
             return Availability.no(f"unavailable: {reason}")
-        return Availability.yes("UCX has CUDA and a GPU is visible (the engine does not register device buffers yet)")
+        return Availability.yes("UCX has CUDA (cuda_copy, cuda_ipc) and a GPU is visible")
+
+    @classmethod
+    def memory_kind_availability(cls) -> dict[str, Availability]:
+        # Asked whenever a device region is registered: probe the driver once per process.
+        if not _DEVICE_MEMORY:
+            _DEVICE_MEMORY.append(cls.device_memory())
+        return {"cuda": _DEVICE_MEMORY[0]}
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -452,7 +463,7 @@ class UcxTransport(Transport):
     # -- memory (target side and local side) ---------------------------------------
 
     def register(self, region: Region) -> dict[str, Any] | None:
-        if region.kind != "host" or self._context is None:
+        if region.kind not in ("host", "cuda") or self._context is None:
             return None
         ucp = self._ucp
         prot = ucp.PROT_LOCAL_READ | ucp.PROT_LOCAL_WRITE | ucp.PROT_REMOTE_READ
@@ -461,7 +472,8 @@ class UcxTransport(Transport):
         try:
             # Exactly the registered range, with the registered rights (enforced by hardware
             # transports; cma/tcp/shm ignore the remote bits: see docs/ucx.md).
-            memh = self._context.mem_map(region.address, region.size, prot)
+            memh = self._context.mem_map(region.address, region.size, prot,
+                                         ucp.MEMORY_TYPE_CUDA if region.kind == "cuda" else None)
             rkey = memh.pack_rkey().hex()
         except Exception as exc:  # noqa: BLE001 - the region is simply not served by ucx
             self.log.warning("ucx: cannot map region %s: %s", region.name, exc)
@@ -504,7 +516,7 @@ class UcxTransport(Transport):
         # exporter's buffer: the engine's release of region.view then cannot free it (a
         # bytearray cannot resize, an mmap cannot close) while this holds it. Keep asking in
         # the background; once every initiator confirmed (or is gone), unmap and let go.
-        entry = (memh, region.view[:])
+        entry = (memh, region.view[:] if region.view is not None else region.owner)
         with self._lock:
             self._quarantine.append(entry)
         threading.Thread(target=self._keep_revoking, args=(entry, region, left), name="mpcomm-ucx-revoke",

@@ -46,9 +46,30 @@ def test_json_memory_kinds_and_modes(invoke: Any) -> None:
                     "--json")
     assert result.exit_code == 0, result.output
     records = _jsonl(result.stdout)
-    device = [r for r in records if r["memory"] == "device"]
-    assert device and device[0]["status"] == "skipped" and "device" in device[0]["reason"]
+    memory = {r["memory"]: r for r in records if r["case"] == "memory"}
+    assert set(memory) == {"host->host", "host->cuda", "cuda->host", "cuda->cuda"}  # the seed's matrix
+    assert all(r["status"] == "skipped" and r["reason"] for r in memory.values())  # tcp: host only
+    from mpcomm import cuda_runtime
+
+    # tcp moves local CUDA memory only where cuda-python and a GPU are, and never a remote CUDA region
+    why = cuda_runtime.unavailable_reason()
+    assert memory["cuda->cuda"]["reason"] == (why or "tcp moves local cuda,host, remote host")
     assert {r["mode"] for r in records if r["case"] == "modes"} == {"zero-copy", "copy"}
+
+
+def test_memory_option_per_side(invoke: Any) -> None:
+    """--memory picks the pairs (and implies the memory case); without CUDA each says why."""
+    result = invoke("bench", "--quick", "-t", "shm", "--memory", "host:cuda", "--memory", "cuda", "--json")
+    assert result.exit_code == 0, result.output
+    records = [r for r in _jsonl(result.stdout) if r["case"] == "memory"]
+    assert [r["memory"] for r in records] == ["host->cuda", "cuda->cuda"]
+    from mpcomm import cuda_runtime
+
+    why = cuda_runtime.unavailable_reason()
+    if why:  # no GPU here: shm declares cuda and says what it lacks
+        assert all(r["status"] == "skipped" and r["reason"] == why for r in records)
+    bad = invoke("bench", "-t", "tcp", "--memory", "tpu")
+    assert bad.exit_code != 0 and "unknown memory kind 'tpu'" in bad.output
 
 
 def test_fault_scenarios_record_errors(invoke: Any) -> None:

@@ -23,6 +23,9 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 NOT_FROM_PYPI = {
     "pyverbs": "Debian's python3-pyverbs (scripts/test installs it as root); tests skip with the reason without it",
     "mpcomm_example_loopback": "built and installed by tests/plugin_author from docs/examples",
+    # A CUDA build of torch is the GPU machine's own (scripts/gpu-check runs tests/device on top of it,
+    # --system-site-packages); tests/device skip with "no CUDA device" without it.
+    "torch": "the GPU machine's CUDA build of torch (scripts/gpu-check); tests/device skip without it",
 }
 
 

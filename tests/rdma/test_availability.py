@@ -125,7 +125,7 @@ def test_device_memory_is_reported_unavailable() -> None:
 
 def test_capabilities() -> None:
     caps = RdmaZeroCopyTransport.capabilities.to_dict()
-    assert caps == {"memory_kinds": ["host"], "intra_node": True, "inter_node": True, "one_sided": True,
+    assert caps == {"memory_kinds": ["host"], "remote_memory_kinds": ["host"], "intra_node": True, "inter_node": True, "one_sided": True,
                     "zero_copy": True, "inflight_cancel": True, "modes": ["zero-copy"],
                     "revocation": "key", "bandwidth_class": "high"}
 

@@ -110,7 +110,8 @@ def test_etcd_holds_no_secret(url: str, etcd: EtcdServer) -> None:
             assert all(isinstance(t, str) for t in d.get("transports", []))  # node records: names only, no keys
         region = next(json.loads(v) for v in values if json.loads(v).get("name") == "kv")
         assert set(region) == {"name", "node_id", "address", "epoch", "size", "access", "kind", "published_at",
-                               "numa_node"}
+                               "numa_node", "device"}  # device: the CUDA ordinal, -1 for host memory (issue 31)
+        assert (region["kind"], region["device"]) == ("host", -1)
         assert region["numa_node"] in {n.id for n in topology.discover().numa_nodes} | {-1}
     finally:
         stop(proc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpcomm import Capabilities, ConfigError, TransportUnavailable
+from mpcomm import Capabilities, ConfigError, MemoryKindUnsupported, TransportUnavailable
 from mpcomm.routing import DEFAULT_RULE, HINT_RULE, RoutePolicy, RouteQuery, parse_rules
 
 from mpcomm.config import tomllib  # the TOML parser the config itself uses (tomli before 3.11)
@@ -110,9 +110,9 @@ transports = ["ucx", "tcp"]
     assert p.choose(q(4097)).rule == "mid"
     assert p.choose(q(1 << 20)).rule == "mid"
     assert p.choose(q((1 << 20) + 1)).rule == DEFAULT_RULE
-    # device memory: no in-tree transport handles it, so no rule and no default
-    with pytest.raises(TransportUnavailable, match="no host/device memory support"):
-        p.choose(q(10, remote_kind="device"))
+    # device memory: none of these host-only capabilities moves it, so no rule and no default
+    with pytest.raises(MemoryKindUnsupported, match="local host memory to/from remote cuda memory"):
+        p.choose(q(10, remote_kind="cuda"))
 
 
 def test_nothing_usable_says_why() -> None:
@@ -136,7 +136,7 @@ def test_nothing_usable_says_why() -> None:
         ([{"name": "r", "transports": ["tcp"], "same_host": "yes"}], "same_host must be true or false"),
         ([{"name": "r", "transports": ["tcp"], "min_size": "lots"}], "min_size: not a size"),
         ([{"name": "r", "transports": ["tcp"], "min_size": "8KiB", "max_size": "4KiB"}], "below min_size"),
-        ([{"name": "r", "transports": ["tcp"], "remote_kind": "gpu"}], "remote_kind must be one of host, device"),
+        ([{"name": "r", "transports": ["tcp"], "remote_kind": "gpu"}], "remote_kind must be one of host, cuda, device"),
         ([{"name": "r", "transports": ["tcp"], "max_stripes": 1}], "max_stripes must be an integer from 2"),
         ([{"name": "r", "transports": ["tcp"], "split_min": 100}], "split_min must be at least"),
         ([{"name": "r", "transports": ["tcp"], "colour": "red"}], "unknown key 'colour'"),

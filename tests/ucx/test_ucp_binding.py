@@ -175,3 +175,25 @@ def test_unavailable_and_errors():
     if _SKIP is None:
         err = ucp.UcxError(ucp.UCS_ERR_CONNECTION_RESET)
         assert err.status == -25 and "reset" in err.message.lower()
+
+
+@needs_ucx
+def test_mem_map_takes_a_memory_type():
+    """The memory_type field (issue 31: device memory is mapped as UCS_MEMORY_TYPE_CUDA) is set
+    with its field-mask bit and accepted: host memory declared host maps and puts work. (UCX does not
+    check a CUDA declaration without a GPU, so the CUDA mapping itself is exercised in tests/device/.)"""
+    import mmap
+
+    assert (ucp.MEMORY_TYPE_HOST, ucp.MEMORY_TYPE_CUDA) == (0, 1)
+    with ucp.Context() as ctx:
+        w = ctx.create_worker()
+        buf = mmap.mmap(-1, 8192)
+        m = ctx.mem_map(ucp.buffer_address(buf), 8192, memory_type=ucp.MEMORY_TYPE_HOST)
+        assert m.address == ucp.buffer_address(buf)
+        ep = w.connect(w.address, error_handling=False)
+        rk = ep.unpack_rkey(m.pack_rkey())
+        src = mmap.mmap(-1, 64)
+        src[:] = b"q" * 64
+        ucp.wait_all([ep.put(ucp.buffer_address(src), 64, m.address, rk)], timeout=10)
+        ucp.wait_all([ep.flush()], timeout=10, blocking=True)
+        assert buf[:64] == b"q" * 64

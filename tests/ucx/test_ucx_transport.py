@@ -17,6 +17,7 @@ import pytest
 import mpcomm
 from mpcomm.errors import OutOfBoundsError, PermissionDeniedError
 from mpcomm.plugins.ucx.transport import UcxTransport
+from mpcomm.transport import effective_capabilities
 from mpcomm.testing import CHECKS, ConformanceEnv, Skip
 
 AVAIL = UcxTransport.availability()
@@ -172,7 +173,10 @@ def test_error_handling_off_rides_shared_memory():
 def test_device_memory_reports_reason():
     dm = UcxTransport.device_memory()
     assert dm.reason
-    assert UcxTransport.capabilities.memory_kinds == frozenset({"host"})
+    assert UcxTransport.capabilities.memory_kinds == frozenset({"host", "cuda"})  # declared
+    caps, missing = effective_capabilities(UcxTransport)  # what the router uses here
+    assert ("cuda" in caps.memory_kinds) is bool(dm)
+    assert bool(dm) or missing["cuda"] == dm.reason
     if not dm:
         pytest.skip(f"device memory: {dm.reason}")
 
