@@ -812,6 +812,7 @@ TRANSPORT_CONTRACT: dict[str, ContractMember] = {
     "option_ranges": ContractMember("attribute", type=dict),
     "post_may_block": ContractMember("attribute", type=bool),
     "availability": ContractMember("classmethod"),
+    "memory_kind_availability": ContractMember("classmethod"),
     "version": ContractMember("classmethod"),
     "memory_kind_availability": ContractMember("classmethod"),
     "node_checks": ContractMember("classmethod"),
