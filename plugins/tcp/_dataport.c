@@ -673,8 +673,11 @@ out:
  * A poller that is always runnable loses the scheduler's wake-up preference. Where the CPUs are
  * oversubscribed (the application spins on one, the initiator polls on another) it then waits for
  * its turn like any CPU hog: measured on 2 CPUs, a spinning target answered in 1-7 ms instead of
- * 35 us. So a poll that finds itself preempted (a gap of more than 50 us between two looks) stops,
- * and this connection blocks instead of polling for the next second. */
+ * 35 us. So a poll that finds itself preempted (a gap of more than 500 us between two looks: a
+ * scheduler time slice lost to another runnable thread, not the few tens of us a sched_yield beside
+ * the initiator's own poller costs; with 50 us a quiet 2-CPU machine tripped it in some runs and
+ * answered in 70 us instead of 32) stops, and this connection blocks instead of polling for the
+ * next second. */
 static void spin_readable(int fd, long long budget_ns, double *quiet_until) {
     if (budget_ns <= 0)
         return;
@@ -692,7 +695,7 @@ static void spin_readable(int fd, long long budget_ns, double *quiet_until) {
         if (poll(&q, 1, 0) != 0)
             break;
         now = mono();
-        if (now - last > 50e-6) {
+        if (now - last > 500e-6) {
             *quiet_until = now + 1.0;
             break;
         }

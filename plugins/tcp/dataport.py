@@ -42,7 +42,7 @@ ABI = 1
 MODULE = "mpcomm.plugins.tcp._mpcomm_dataport"
 
 #: The native loop busy-polls (``busy_poll_us``) only where the process may run on this many CPUs.
-MIN_CPUS_TO_POLL = 4
+MIN_CPUS_TO_POLL = 2
 ENV = "MPCOMM_TCP_NATIVE_SERVER"  # 0: the Python server serves every connection (comparisons, diagnostics)
 
 _lock = threading.Lock()
@@ -84,10 +84,10 @@ class NativePort:
         ok = bool(_EPOCH.fullmatch(epoch))
         busy = int(o["busy_poll_us"]) * 1000 if os.environ.get("MPCOMM_TCP_BUSY_POLL", "1") != "0" else 0
         if len(os.sched_getaffinity(0)) < MIN_CPUS_TO_POLL:
-            # A poller needs a CPU of its own. With 2, a busy application holds one and the
-            # initiator's poll (on one host) or other work the other: measured there, a target
-            # whose application spun answered in 1-4 ms when its connection thread polled and in
-            # 31-66 us when it blocked, with the same idle p50 (31-33 us).
+            # A poller needs a CPU of its own: with one, it only takes turns with the application.
+            # With 2 it polls, and stops for a second when it finds itself preempted (_dataport.c
+            # spin_readable): on a quiet 2-CPU machine a blocking target thread answered a 4 KiB
+            # write in 66-70 us, a polling one in 32-35 us, idle or with the application spinning.
             busy = 0
         self.grace = ctx.config.runtime.abort_grace_ms / 1000
         self._port = module.Port(epoch=int(epoch, 16) if ok else 0, epoch_ok=ok,
