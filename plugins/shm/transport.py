@@ -754,13 +754,7 @@ class ShmTransport(Transport):
         """Worker: one request with CUDA memory on either side (attaching first if needed)."""
         m: _Mapping | None = None
         try:
-            if op.abort_exc is not None:
-                raise op.abort_exc
-            m = self._mapping(op.remote, op.peer, op.deadline)
-            write = op.kind == "write"
-            if op.remote.token != m.token or not (m.can_write if write else m.can_read) or \
-                    not 0 <= op.remote_offset <= m.size - op.length:
-                raise self._refusal(op, m, write)
+            m, write = self._attached(op)
             err = m.enter()
             if err is not None:
                 raise _again(err, op.remote)
@@ -1025,16 +1019,22 @@ class ShmTransport(Transport):
     def _attach_then(self, op: Operation) -> None:
         """Worker: attach (a control round trip, within the op's deadline), then run the request."""
         try:
-            if op.abort_exc is not None:
-                raise op.abort_exc
-            m = self._mapping(op.remote, op.peer, op.deadline)
-            write = op.kind == "write"
-            if op.remote.token != m.token or not (m.can_write if write else m.can_read) or \
-                    not 0 <= op.remote_offset <= m.size - op.length:
-                raise self._refusal(op, m, write)
+            m, write = self._attached(op)
             self._start(op, m, write, False)
         except BaseException as exc:  # noqa: BLE001 - reported through the operation
             op.fail(exc)
+
+    def _attached(self, op: Operation) -> tuple[_Mapping, bool]:
+        """Worker: the mapping of ``op``'s remote region (attaching first, within the op's deadline),
+        checked against ``op``: token, rights and the remote range. Returns (mapping, write)."""
+        if op.abort_exc is not None:
+            raise op.abort_exc
+        m = self._mapping(op.remote, op.peer, op.deadline)
+        write = op.kind == "write"
+        if op.remote.token != m.token or not (m.can_write if write else m.can_read) or \
+                not 0 <= op.remote_offset <= m.size - op.length:
+            raise self._refusal(op, m, write)
+        return m, write
 
     @staticmethod
     def _refusal(op: Operation, m: _Mapping, write: bool) -> MpcommError:
