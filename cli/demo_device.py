@@ -57,10 +57,13 @@ def _pair(transport: str, size: int, into: str) -> dict[str, Any]:
 
 
 def line(d: dict[str, Any]) -> str:
-    """One human line per transport (stderr)."""
+    """One human line per transport (stdout, with the table), as rich markup: the reason is escaped
+    (it names extras such as ``mpcomm[cuda]``, which rich would take for a tag)."""
+    from rich.markup import escape
+
     from mpcomm.cli.records import format_rate
 
     if d["status"] == "skipped":
-        return f"device memory over {d['transport']}: skipped ({d['reason']})"
+        return f"device memory over {d['transport']}: skipped ({escape(d['reason'])})"
     return (f"device memory over {d['transport']}: {d['status']}, write {format_rate(d['write_throughput'])}, "
             f"read {format_rate(d['read_throughput'])} ({d['memory']})")
