@@ -521,8 +521,14 @@ class Provider:
         return host
 
     def issue(self, kind: str, local_addr: int, host_id: str, remote_addr: int, length: int,
-              timeout: float | None = None, completion_queue: Any = None) -> Transfer:
-        """Post one write ("put") or read ("get"); refusals raise before anything moves."""
+              timeout: float | None = None, completion_queue: Any = None, *, watch: bool = True) -> Transfer:
+        """Post one write ("put") or read ("get"); refusals raise before anything moves.
+
+        A failure that says the peer restarted or its link broke marks the peer for a fresh look-up
+        of its keys. With ``watch`` (the default) a done-callback sees to that, on the engine's
+        completion thread; a caller that waits for the transfer itself passes ``watch=False`` and
+        calls :meth:`settled` after its wait, which saves that thread a wake-up per request.
+        """
         eng = self._engine()
         if length <= 0:
             raise ProviderError(codes.ERR_INVALID_ARGUMENT, f"length must be positive, not {length}")
@@ -547,7 +553,8 @@ class Provider:
                 with host.lock:  # the peer restarted (or its link broke): fetch its keys again
                     self._refresh(host)
                 continue
-            t.add_done_callback(lambda tr, h=host: self._watch(h, tr))
+            if watch:
+                t.add_done_callback(lambda tr, h=host: self._watch(h, tr))
             return t
         raise AssertionError("unreachable")
 
@@ -637,6 +644,12 @@ class Provider:
         except MpcommError:
             return False
         return host.directory is None or current.epoch != host.directory.epoch
+
+    def settled(self, host_id: str, t: Transfer) -> None:
+        """``t`` (from ``issue(..., watch=False)``) is done: what its done-callback would have done."""
+        host = self._hosts.get(host_id)
+        if host is not None:
+            self._watch(host, t)
 
     @staticmethod
     def _watch(host: _Host, t: Transfer) -> None:

@@ -418,7 +418,9 @@ class TransferEngine:
         return self._timeout + total / 1e9  # Mooncake: the timeout plus 1 s per GiB
 
     def _submit(self, target: str, buffers: Sequence[int], peers: Sequence[int], lengths: Sequence[int],
-                opcode: int) -> Transfer:
+                opcode: int, *, waited: bool = False) -> Transfer:
+        """Post the transfer. ``waited``: the caller waits for it and then calls ``self._p.settled``
+        for a single request (no done-callback on the engine's completion thread)."""
         n = len(buffers)
         if n != len(peers) or n != len(lengths) or n == 0:
             raise codes.ProviderError(codes.ERR_INVALID_ARGUMENT, "buffers, peer addresses and lengths differ in size")
@@ -431,7 +433,7 @@ class TransferEngine:
             raise codes.ProviderError(codes.ERR_INVALID_ARGUMENT, f"lengths must be positive, not {min(sizes)}")
         timeout = self._deadline(sum(sizes))
         if n == 1:
-            return self._p.issue(kind, local[0], target, remote[0], sizes[0], timeout)
+            return self._p.issue(kind, local[0], target, remote[0], sizes[0], timeout, watch=not waited)
         return self._p.issue_vector(kind, target, local, remote, sizes, timeout)
 
     def _wait(self, t: Transfer) -> int:
@@ -477,11 +479,13 @@ class TransferEngine:
                             lengths: Sequence[int], opcode: int, notify: TransferNotify | None = None,
                             transport_hint: str = "") -> int:
         try:
-            t = self._submit(target_hostname, buffers, peer_buffer_addresses, lengths, opcode)
+            t = self._submit(target_hostname, buffers, peer_buffer_addresses, lengths, opcode, waited=True)
         except (MpcommError, ValueError, TypeError, OverflowError) as exc:
             log.error("transfer to %s refused: %s", target_hostname, exc)
             return -1
         rc = self._wait(t)
+        if len(buffers) == 1:
+            self._p.settled(target_hostname, t)
         return rc or self._notify(target_hostname, notify)
 
     @_api(-1)
