@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -33,16 +35,26 @@ def _buf(n: int):  # type: ignore[no-untyped-def]
     return mm, ctypes.addressof(anchor), anchor
 
 
-def test_sessions_by_name_through_etcd(etcd) -> None:  # type: ignore[no-untyped-def]
-    server = etcd.url.removeprefix("etcd://")
-    name_a = f"127.0.0.1:{free_port()}"
-    a, b = TransferEngine(), TransferEngine()
+@contextlib.contextmanager
+def _named_pair(etcd):  # type: ignore[no-untyped-def]
+    """Engines A and B named by host:port through etcd, each with a registered 64 KiB buffer."""
+    p = types.SimpleNamespace(server=etcd.url.removeprefix("etcd://"), name_a=f"127.0.0.1:{free_port()}",
+                              a=TransferEngine(), b=TransferEngine())
     try:
-        assert a.initialize(name_a, server, "tcp", "") == 0
-        assert b.initialize(f"127.0.0.1:{free_port()}", server, "tcp", "") == 0
-        ma, pa, _x = _buf(1 << 16)
-        mb, pb, _y = _buf(1 << 16)
-        assert a.register_memory(pa, 1 << 16) == 0 and b.register_memory(pb, 1 << 16) == 0
+        assert p.a.initialize(p.name_a, p.server, "tcp", "") == 0
+        assert p.b.initialize(f"127.0.0.1:{free_port()}", p.server, "tcp", "") == 0
+        p.ma, p.pa, p._anchor_a = _buf(1 << 16)
+        p.mb, p.pb, p._anchor_b = _buf(1 << 16)
+        assert p.a.register_memory(p.pa, 1 << 16) == 0 and p.b.register_memory(p.pb, 1 << 16) == 0
+        yield p
+    finally:
+        p.a.close()
+        p.b.close()
+
+
+def test_sessions_by_name_through_etcd(etcd) -> None:  # type: ignore[no-untyped-def]
+    with _named_pair(etcd) as p:
+        server, name_a, a, b, ma, pa, mb, pb = p.server, p.name_a, p.a, p.b, p.ma, p.pa, p.mb, p.pb
         mb[0:5] = b"named"
         assert b.transfer_sync_write(name_a, pb, pa + 10, 5) == 0
         assert ma[10:15] == b"named"
@@ -63,9 +75,6 @@ def test_sessions_by_name_through_etcd(etcd) -> None:  # type: ignore[no-untyped
             assert m2[0:4] == b"back"
         finally:
             a2.close()
-    finally:
-        a.close()
-        b.close()
 
 
 def test_unsupported_metadata_is_minus_one() -> None:
@@ -113,16 +122,8 @@ def test_a_forged_segment_record_is_not_followed(etcd) -> None:  # type: ignore[
     from mpcomm.metadata import DEFAULT_PREFIX
     from mpcomm.tent.provider import directory_name_for
 
-    server = etcd.url.removeprefix("etcd://")
-    name_a = f"127.0.0.1:{free_port()}"
-    a, b = TransferEngine(), TransferEngine()
-    third = mpcomm.Engine()
-    try:
-        assert a.initialize(name_a, server, "tcp", "") == 0
-        assert b.initialize(f"127.0.0.1:{free_port()}", server, "tcp", "") == 0
-        ma, pa, _x = _buf(1 << 16)
-        mb, pb, _y = _buf(1 << 16)
-        assert a.register_memory(pa, 1 << 16) == 0 and b.register_memory(pb, 1 << 16) == 0
+    with _named_pair(etcd) as p, mpcomm.Engine() as third:
+        name_a, a, b, ma, pa, mb, pb = p.name_a, p.a, p.b, p.ma, p.pa, p.mb, p.pb
         # The third engine impersonates A: a copy of A's directory, and a decoy region under the name
         # of each buffer it lists (what a reader that follows the forged record then writes into).
         from mpcomm.tent.provider import DIRECTORY_SIZE
@@ -144,7 +145,3 @@ def test_a_forged_segment_record_is_not_followed(etcd) -> None:  # type: ignore[
         mb[0:6] = b"forged"
         assert b.transfer_sync_write(name_a, pb, pa, 6) == -1
         assert all(not any(d) for d in decoys) and ma[0:6] != b"forged"
-    finally:
-        third.close()
-        b.close()
-        a.close()
