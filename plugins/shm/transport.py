@@ -1164,6 +1164,8 @@ class ShmTransport(Transport):
         ro, lo, ln = g.remote_offsets, g.local_offsets, g.lengths
         la, lsize = g.local.address, g.local.size
         loop, chunk = self._loop, self._chunk
+        device = g.local.kind != "host" or m.kind == "cuda_ipc"  # CUDA memory on either side
+        one_by_one = device or self.copy_mode  # else one native call moves many pieces
         i = 0
         err: BaseException | None = None
         try:
@@ -1177,11 +1179,11 @@ class ShmTransport(Transport):
                 if i and time.monotonic() > g.deadline:
                     err = _deadline_passed(g, f"shm batch of {n} passed its deadline after {i} requests")
                     break
-                if g.local.kind != "host" or m.kind == "cuda_ipc" or self.copy_mode:
+                if one_by_one:
                     a, b, k = lo[i], ro[i], ln[i]
                     if not (0 <= k <= lsize and k <= m.size and 0 <= a <= lsize - k and 0 <= b <= m.size - k):
                         nxt = -errno.ERANGE  # checked again at the point of use, as the copy loops do
-                    elif g.local.kind != "host" or m.kind == "cuda_ipc":
+                    elif device:
                         self._device_move(m, write, g.local, int(a), int(b), int(k), g.remote, g.deadline)
                         nxt = i + 1
                     else:
