@@ -43,6 +43,7 @@ graceful close fails.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -842,8 +843,6 @@ def contract_problems(cls: type[Transport]) -> list[str]:
     base's parameter names, in order, or ``*args``/``**kwargs``), and any
     parameter it adds has a default.
     """
-    import inspect
-
     problems: list[str] = []
     for attr, spec in TRANSPORT_CONTRACT.items():
         owner = next((k for k in cls.__mro__ if attr in vars(k)), None)
@@ -878,8 +877,6 @@ def contract_problems(cls: type[Transport]) -> list[str]:
 
 
 def _signature_mismatch(base: Any, impl: Any) -> str:
-    import inspect
-
     P = inspect.Parameter
     b = [p for p in base.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
     i = [p for p in impl.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
