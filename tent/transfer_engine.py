@@ -58,6 +58,9 @@ _SLAB_KB = (8, 16, 32, 64, 128, 256, 512, 1024, 2 << 10, 4 << 10, 8 << 10, 16 <<
             32 << 10, 64 << 10, 128 << 10, 256 << 10)
 _ARENA = 16 << 20
 
+#: Largest length a sync transfer may take through Provider.issue_bound (larger: the general path refuses it).
+_BOUND_MAX = 1 << 62
+
 _PROTOCOLS = {"tcp": ["tcp"], "rdma": ["rdma_zerocopy"], "shm": ["shm"], "ucx": ["ucx"]}
 
 
@@ -461,18 +464,37 @@ class TransferEngine:
     @_api(-1)
     def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                       opcode: int, notify: TransferNotify | None = None, transport_hint: str = "") -> int:
+        if notify is None and (opcode is WRITE or opcode is READ):
+            return self._sync_one(opcode, target_hostname, buffer, peer_buffer_address, length)
         return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode,
                                         notify, transport_hint)
 
     @_api(-1)
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                             transport_hint: str = "") -> int:
-        return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, WRITE, None, transport_hint)
+        return self._sync_one(WRITE, target_hostname, buffer, peer_buffer_address, length)
 
     @_api(-1)
     def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                            transport_hint: str = "") -> int:
-        return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, READ, None, transport_hint)
+        return self._sync_one(READ, target_hostname, buffer, peer_buffer_address, length)
+
+    def _sync_one(self, opcode: TransferOpcode, target: str, buffer: Any, peer: Any, length: Any) -> int:
+        """One transfer, waited for: between the two ranges the peer's last transfer went through,
+        straight to the engine (:meth:`Provider.issue_bound`); otherwise the general path, whose
+        look-ups make the next one of the kind go straight."""
+        t = None
+        if type(length) is int and 0 < length <= _BOUND_MAX:  # the deadline's float below cannot overflow
+            t = self._p.issue_bound("write" if opcode is WRITE else "read", buffer, target, peer, length,
+                                    self._timeout + length / 1e9)
+        if t is None:
+            return self.batch_transfer_sync(target, [buffer], [peer], [length], opcode)
+        try:
+            t.result()  # the engine's own deadline bounds this
+        except BaseException:  # noqa: BLE001 - as _wait: a code, and the peer's keys looked at again if it restarted
+            self._p.settled(target, t)
+            return -1
+        return 0
 
     @_api(-1)
     def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int], peer_buffer_addresses: Sequence[int],
