@@ -587,10 +587,11 @@ class Provider:
         eng = self._engine()
         if length <= 0:
             raise ProviderError(codes.ERR_INVALID_ARGUMENT, f"length must be positive, not {length}")
-        version = self._version  # read before the look-ups: a change during them retires what they find
+        self._local_entry(local_addr, length)  # refused first, before the host is looked at
+        host = self._host(host_id)  # may fetch the keys again, which moves the version on
+        version = self._version  # read before the look-ups kept below: a change during them retires them
         entry, loff = self._local_entry(local_addr, length)
         local = entry.region
-        host = self._host(host_id)
         fn = eng.write if kind == "write" else eng.read
         for attempt in (0, 1):
             try:
