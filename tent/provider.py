@@ -184,9 +184,10 @@ class _Bound:
     :meth:`Provider.issue_bound` takes a request whose two ranges lie inside
     these, without looking either up again. It is valid while the provider's
     version is the one it was resolved under: every change that could make a
-    look-up answer differently (a range registered, unregistered or
-    unpublished, a host connected again, its keys fetched again or marked
-    stale, shutdown) moves the version on.
+    look-up answer differently for a range it already answered for (a local
+    range unregistered or unpublished, a host connected again, its keys
+    fetched again or marked stale, shutdown) moves the version on. A new
+    registration cannot: registered ranges never overlap.
     """
 
     __slots__ = ("version", "lstart", "lend", "local", "rstart", "rend", "remote", "write", "read")
