@@ -183,6 +183,7 @@ class Engine:
         cfg.check_plugin_sections(self.plugin_set.transports)
         try:
             self._start_transports()
+            self._adopt_notification_queue()
             # Listen only once the transports run: a peer that connects while we
             # start (a restarted node) must not learn a transport list that is
             # still empty — its link would keep that list for good.
@@ -593,12 +594,28 @@ class Engine:
         self._send_notify(remote, data, self.config.request_timeout if timeout is None else timeout)
 
     def _send_notify(self, remote: RemoteRegion, data: bytes, timeout: float) -> None:
+        """Deliver a notification to ``remote``'s owner: on a transport that serves it there without
+        the interpreter (tcp's native data port, whatever transport moved the data: it is sent
+        only after the request completed), else on the control channel."""
         if len(data) > MAX_NOTIFY:
             raise MpcommError(f"notification of {len(data)} bytes exceeds {MAX_NOTIFY}")
         deadline = time.monotonic() + timeout
         link = self._peer(remote.address, timeout)
-        link.request({"t": "notify", "region": remote.name, "data": bytes(data).hex()},
+        payload = bytes(data)
+        for t in list(self._transports.values()):
+            if t.notify(link.info, remote, payload, deadline):
+                return
+        link.request({"t": "notify", "region": remote.name, "data": payload.hex()},
                      max(deadline - time.monotonic(), 0.001))
+
+    def _adopt_notification_queue(self) -> None:
+        """The first native notification queue a running transport offers becomes the engine's one
+        queue (notify.py): the control channel delivers into it too."""
+        for t in self._transports.values():
+            notes = t.notification_queue()
+            if notes is not None and self._notifications.adopt(notes):
+                log.debug("notifications: %s's native queue", t.name)
+                return
 
     # -- transfers ----------------------------------------------------------------------------
 
@@ -844,6 +861,7 @@ class Engine:
         # Not cancelled: with the links closed each pending notification fails at once with
         # EngineClosedError, so every notified request's handle is resolved before close returns.
         self._notifier.shutdown(wait=True, cancel_futures=False)
+        self._notifications.close()
 
 
     def _unregister_all(self) -> None:
