@@ -575,10 +575,16 @@ class Engine:
     # -- notifications ------------------------------------------------------------------------
 
     def on_notification(self, callback: Callable[[Notification], None], *, consume: bool = False) -> None:
-        """Call ``callback(note)`` on the control thread for each notification received.
+        """Call ``callback(note)`` for each notification received.
 
         With ``consume=True`` the callback takes the notification instead of the
-        queue :meth:`wait_notification` reads.
+        queue :meth:`wait_notification` reads. A notification that came over the
+        control channel runs the callbacks on the control thread before its sender
+        is answered; one that came over tcp's native data port (docs/tcp.md) is
+        answered as soon as it is queued, and its callbacks run afterwards on the
+        engine's ``mpcomm-notify-callbacks`` thread, in arrival order (until then it
+        counts in ``stats()["notifications_awaiting_callbacks"]`` and against the
+        queue's limits).
         """
         self._notifications.subscribe(callback, consume)
 
@@ -787,6 +793,7 @@ class Engine:
             "inline_lane": fastlane.status(),
             "queue_depth": self._pipeline.slots.capacity,
             "notifications_queued": len(self._notifications),
+            "notifications_awaiting_callbacks": self._notifications.awaiting_callbacks(),
             "peers": len(self._peers.links()),
             "health": self._health_snapshot(),
         }

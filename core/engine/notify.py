@@ -70,6 +70,9 @@ class _NativeQueue:
     def __len__(self) -> int:
         return int(self.notes.size()[0])
 
+    def awaiting_callbacks(self) -> int:
+        return int(self.notes.size()[2])
+
 
 def _note(got: tuple[str, str, bytes]) -> Notification:
     peer, region, data = got
@@ -87,6 +90,11 @@ class Notifications:
 
     def __len__(self) -> int:
         return len(self._q)
+
+    def awaiting_callbacks(self) -> int:
+        """Notifications queued whose callbacks have not run yet (natively delivered ones only)."""
+        q = self._q
+        return q.awaiting_callbacks() if isinstance(q, _NativeQueue) else 0
 
     def adopt(self, notes: Any) -> bool:
         """Make the native queue ``notes`` the one queue (False: one was adopted already).

@@ -469,9 +469,11 @@ static PyObject *Notes_size(Notes *q, PyObject *unused) {
     if (!notes_ready(q))
         return NULL;
     pthread_mutex_lock(&q->mu);
-    unsigned long long c = q->count, b = q->bytes;
+    unsigned long long c = q->count, b = q->bytes, w = 0;
+    for (Note *n = q->head; n; n = n->next)
+        w += n->state != NOTE_READY;
     pthread_mutex_unlock(&q->mu);
-    return Py_BuildValue("(KK)", c, b);
+    return Py_BuildValue("(KKK)", c, b, w);
 }
 
 static void Notes_dealloc(Notes *self) {
@@ -496,7 +498,7 @@ static PyMethodDef Notes_methods[] = {
     {"settle", (PyCFunction)Notes_settle, METH_VARARGS, "settle(seq, consumed): its callbacks ran"},
     {"set_callbacks", (PyCFunction)Notes_set_callbacks, METH_O, "set_callbacks(on)"},
     {"close", (PyCFunction)Notes_close, METH_NOARGS, "close(): stop dispatching"},
-    {"size", (PyCFunction)Notes_size, METH_NOARGS, "size() -> (notes, bytes) queued"},
+    {"size", (PyCFunction)Notes_size, METH_NOARGS, "size() -> (notes, bytes, awaiting callbacks) queued"},
     {NULL, NULL, 0, NULL},
 };
 
