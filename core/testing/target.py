@@ -94,7 +94,8 @@ def main(argv: list[str]) -> int:
     notes: list[dict[str, Any]] = []
 
     def on_note(note: Any) -> None:
-        entry: dict[str, Any] = {"region": note.region, "data": note.data.decode(errors="replace")}
+        entry: dict[str, Any] = {"peer": note.peer, "region": note.region,
+                                 "data": note.data.decode(errors="replace")}
         try:
             d = json.loads(note.data)
             view = regions[note.region].view[d["off"] : d["off"] + d["len"]]
