@@ -34,7 +34,7 @@ MAX_NOTIFY = 64 << 10
 _SPINNER = textwrap.dedent("""
     import json, sys, threading, time, mpcomm
     cfg, spin_s, callbacks = json.loads(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1"
-    e = mpcomm.Engine(cfg, transports=["tcp"])
+    e = mpcomm.Engine(cfg, transports=json.loads(sys.argv[4]))
     e.register(bytearray(1 << 20), name="kv")
     seen = []
     if callbacks:
@@ -66,9 +66,10 @@ _SPINNER = textwrap.dedent("""
 
 
 class Spinner:
-    def __init__(self, config: dict[str, Any], spin_s: float, callbacks: bool) -> None:
+    def __init__(self, config: dict[str, Any], spin_s: float, callbacks: bool,
+                 transports: tuple[str, ...] = ("tcp",)) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", _SPINNER, json.dumps(config), str(spin_s),
-                                      "1" if callbacks else "0"],
+                                      "1" if callbacks else "0", json.dumps(list(transports))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.address = self._line()
 
@@ -90,30 +91,36 @@ class Spinner:
         self.proc.wait()
 
 
-@pytest.mark.parametrize("callbacks", [False, True], ids=["queue", "with-callbacks"])
+@pytest.mark.parametrize(("callbacks", "transports"), [(False, ("tcp",)), (True, ("tcp",)), (False, ("shm", "tcp"))],
+                         ids=["queue", "with-callbacks", "shm-data"])
 def test_notifying_writes_to_a_target_spinning_in_python_complete_within_the_switch_interval(
-        make_engine: Any, callbacks: bool) -> None:
-    t = Spinner({}, 6.0, callbacks)
+        make_engine: Any, callbacks: bool, transports: tuple[str, ...]) -> None:
+    """shm-data: the data moves by shm (one-sided), the notification by tcp's native data port."""
+    t = Spinner({}, 6.0, callbacks, transports)
     try:
-        ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
+        ini = make_engine({"plugins": {"tcp": {"connections": 1}}}, transports=list(transports))
         remote = ini.open(t.address, "kv", timeout=10)
         src = ini.allocate(4096)
-        ini.write(src, remote, 0, 4096).result(5)  # the data connection is dialled and authenticated
+        # The data connection is dialled and authenticated now (HELLO and authentication are Python's,
+        # once per connection; with shm moving the data only a notification dials it).
+        ini.write(src, remote, 0, 4096, notify=b"warm").result(5)
         t.go()
         lat = []
         t0 = time.monotonic()
         for i in range(20):
             src.view[:8] = i.to_bytes(8, "little")
             s = time.perf_counter()
-            ini.write(src, remote, 0, 4096, notify=f"note-{i}".encode(), timeout=5).result(5)
+            h = ini.write(src, remote, 0, 4096, notify=f"note-{i}".encode(), timeout=5)
+            h.result(5)
             lat.append(time.perf_counter() - s)
+            assert h.transport == transports[0]
         ini.notify(remote, b"bare", timeout=5)
         took = time.monotonic() - t0
         assert took < 4, f"20 notifying writes took {took:.1f} s against a target holding its GIL (10 s interval)"
         assert max(lat) < 2, f"slowest notifying write {max(lat):.2f} s"
         print(f"\nspinning target: notifying 4 KiB write p50 {sorted(lat)[10] * 1e6:.0f} us, max {max(lat) * 1e3:.1f} ms")
         got = t.report()
-        want = [f"note-{i}".encode().hex() for i in range(20)] + [b"bare".hex()]
+        want = [b"warm".hex()] + [f"note-{i}".encode().hex() for i in range(20)] + [b"bare".hex()]
         assert [n[2] for n in got["queue"]] == want  # in order, every one, the right payload
         assert {(n[0], n[1]) for n in got["queue"]} == {(ini.node_id, "kv")}  # the sender the handshake proved
         assert got["callbacks"] == (want if callbacks else [])  # the callbacks ran, later, in order
@@ -268,6 +275,9 @@ def test_the_native_queue_bounds_count_and_bytes_without_wrapping() -> None:
     assert q.get(0.01) is None and q.get(float("nan")) is None and q.get(-1) is None
     with pytest.raises(ValueError):
         q.put("p", "r", b"z" * (MAX_NOTIFY + 1), True)
+    from mpcomm.engine.notify import MAX_NOTIFY as ENGINE_MAX
+
+    assert m.MAX_NOTIFY == ENGINE_MAX == MAX_NOTIFY  # the C bound is the engine's
 
 
 def test_the_native_queue_holds_notes_for_the_callbacks_in_order() -> None:
