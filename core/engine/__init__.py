@@ -592,6 +592,8 @@ class Engine:
         """Next notification received; raises TimeoutError after ``timeout`` seconds.
 
         At most ``limits.max_queued_notifications`` wait here; beyond that senders are refused.
+        Where tcp's native data port runs, this waits on its native queue with the GIL released
+        (docs/tcp.md).
         """
         return self._notifications.wait(timeout)
 
@@ -787,6 +789,8 @@ class Engine:
         (``mpcomm.peer.*``, ``mpcomm.queue.backlog``) with ``observability.metrics``.
         ``inline_lane``: whether small requests of a bound pair run through the
         C lane (``"in use"``) or, and why, through the same checks in Python.
+        ``notifications_awaiting_callbacks``: notifications queued by tcp's native
+        data port whose ``on_notification`` callbacks have not run yet.
         """
         return {
             "requests_held": self._pipeline.slots.in_use,
