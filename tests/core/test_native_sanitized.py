@@ -68,6 +68,7 @@ TESTS = [
     "tests/tcp/test_tcp_notify_native.py::test_the_native_queue_holds_notes_for_the_callbacks_in_order",
     "tests/tcp/test_tcp_notify_native.py::test_a_full_queue_is_a_retryable_back_pressure_error_and_draining_makes_room",
     "tests/tcp/test_tcp_notify_native.py::test_the_control_channel_and_the_data_port_fill_one_queue",
+    "tests/tcp/test_tcp_notify_native.py::test_generated_notify_frames_get_an_answer_or_a_closed_connection",
 ]
 
 

@@ -14,6 +14,8 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tcp_support import Target, closed, error_code, reply, req
 
 import mpcomm
@@ -300,3 +302,58 @@ def test_the_native_queue_holds_notes_for_the_callbacks_in_order() -> None:
     assert q.put("p", "r", b"5", False) is None
     q.close()  # no callback thread any more: what waited for one is wait_notification's
     assert q.dispatch(None) is None and q.get(0) == ("p", "r", b"5")
+
+
+# -- generated frames against a server in this process (a crash would end the test run) ----------
+
+def _raw_to(engine: mpcomm.Engine) -> socket.socket:
+    from mpcomm.auth import client_authenticate
+
+    port = engine.info().transports["tcp"]["port"]
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    node, epoch = wire.ident("fuzz-client"), wire.ident(engine.epoch)
+    s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, node, epoch))
+    client_authenticate(s, "", time.monotonic() + 5, wire.context(node, epoch))
+    s.settimeout(5)
+    return s
+
+
+@pytest.fixture(scope="module")
+def small_target() -> Any:
+    e = mpcomm.Engine({"limits": {"max_notify_bytes": 1000, "max_queued_notifications": 4}}, transports=["tcp"])
+    e.register(bytearray(4096), name="kv")
+    yield e
+    e.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(count=st.sampled_from([0, 1, 2, 1023, 1024, 1025, 1 << 31, U32]) | st.integers(0, U32),
+       length=st.sampled_from([0, 1, 999, 1000, 1001, MAX_NOTIFY, MAX_NOTIFY + 1, U32, 1 << 63, U64 - 1, U64])
+       | st.integers(0, U64),
+       body=st.integers(0, 2048))
+def test_generated_notify_frames_get_an_answer_or_a_closed_connection(small_target: mpcomm.Engine, count: int,
+                                                                      length: int, body: int) -> None:
+    s = _raw_to(small_target)
+    try:
+        s.sendall(req(wire.OP_NOTIFY, count=count, length=length, req_id=5) + b"n" * body)
+        if count > 1024 or length > MAX_NOTIFY:
+            assert closed(s, 5)
+        elif body >= count + length:  # the whole frame arrived: one answer
+            status, rid, _c, payload = reply(s)
+            assert rid == 5
+            if length > 1000:
+                assert (status, error_code(payload)) == (wire.ST_ERR, "limit")
+            else:
+                assert status == wire.ST_OK or error_code(payload) == "back_pressure"
+        while True:  # keep the queue from filling for the next example
+            try:
+                small_target.wait_notification(0)
+            except TimeoutError:
+                break
+    finally:
+        s.close()
+    t = _raw_to(small_target)  # the port still serves
+    t.sendall(_notify(2, payload=b"ok", rid=9))
+    assert reply(t)[:2] == (wire.ST_OK, 9)
+    t.close()
+    assert small_target.wait_notification(1).peer == "fuzz-client"
