@@ -707,6 +707,47 @@ static void spin_readable(int fd, long long budget_ns, double *quiet_until) {
     __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
 }
 
+/* A request header (wire.py REQ), decoded. */
+typedef struct {
+    int op;
+    uint32_t count;
+    uint64_t req_id, rid, token, epoch, off, n;
+    double left; /* seconds it may take from now: to its deadline, at most max_request, at least 0 */
+} Req;
+
+/* The header parser, as server.py's _one reads a header: the 64 bytes at h, at wall-clock time
+ * now. 0 with *q filled, or END_PROTOCOL with why. Pure (no I/O, no table): one() parses every
+ * header it receives with it, and the module function parse_head() any bytes (the fuzz tests,
+ * tests/fuzz/fuzz_dataport.py, against the Python rule). */
+static int parse_req(const unsigned char *h, double now, double max_request, Req *q, char *why, size_t wsz) {
+    if (h[0] != 'M' || h[1] != 'Q') {
+        snprintf(why, wsz, "bad request magic %02x%02x", h[0], h[1]);
+        return END_PROTOCOL;
+    }
+    q->op = h[2];
+    q->count = get_be32(h + 4);
+    q->req_id = get_be64(h + 8);
+    q->rid = get_be64(h + 16);
+    q->token = get_be64(h + 24);
+    q->epoch = get_be64(h + 32);
+    q->off = get_be64(h + 40);
+    q->n = get_be64(h + 48);
+    uint64_t dbits = get_be64(h + 56);
+    double deadline;
+    memcpy(&deadline, &dbits, 8);
+    if (!isfinite(deadline) || deadline <= 0) {
+        snprintf(why, wsz, "request deadline %g is not a finite positive time", deadline);
+        return END_PROTOCOL;
+    }
+    double left = deadline - now;
+    if (left < 0)
+        left = 0;
+    if (left > max_request)
+        left = max_request;
+    q->left = left;
+    return 0;
+}
+
 /* One request (server.py's _one): -1 to go on, else END_*. */
 static int one(Ctx *x, int first) {
     Port *p = x->p;
@@ -730,23 +771,13 @@ static int one(Ctx *x, int first) {
         if (r)
             return io_end(x, r, "tcp request header");
     }
-    if (h[0] != 'M' || h[1] != 'Q')
-        return fail(x, END_PROTOCOL, "bad request magic %02x%02x", h[0], h[1]);
-    int op = h[2];
-    uint32_t count = get_be32(h + 4);
-    uint64_t req_id = get_be64(h + 8), rid = get_be64(h + 16), token = get_be64(h + 24);
-    uint64_t epoch = get_be64(h + 32), off = get_be64(h + 40), n = get_be64(h + 48);
-    uint64_t dbits = get_be64(h + 56);
-    double deadline;
-    memcpy(&deadline, &dbits, 8);
-    if (!isfinite(deadline) || deadline <= 0)
-        return fail(x, END_PROTOCOL, "request deadline %g is not a finite positive time", deadline);
-    double left = deadline - wall();
-    if (left < 0)
-        left = 0;
-    if (left > p->max_request)
-        left = p->max_request;
-    double end = mono() + left;
+    Req q;
+    if (parse_req(h, wall(), p->max_request, &q, x->why, sizeof x->why))
+        return END_PROTOCOL;
+    int op = q.op;
+    uint32_t count = q.count;
+    uint64_t req_id = q.req_id, rid = q.rid, token = q.token, epoch = q.epoch, off = q.off, n = q.n;
+    double end = mono() + q.left;
     switch (op) {
     case OP_WRITE:
         return do_write(x, req_id, rid, token, epoch, off, n, end);
@@ -1052,8 +1083,37 @@ static PyObject *set_spin_limit(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* parse_head(header, now, max_request_s) -> (op, count, req_id, region_id, token, epoch, offset,
+ * length, left_s): the loop's header parser on any 64 bytes; ValueError(why) where the loop would
+ * close the connection. */
+static PyObject *parse_head(PyObject *m, PyObject *args) {
+    (void)m;
+    Py_buffer b;
+    double now, max_request;
+    if (!PyArg_ParseTuple(args, "y*dd", &b, &now, &max_request))
+        return NULL;
+    if (b.len != REQ_SIZE) {
+        PyBuffer_Release(&b);
+        PyErr_Format(PyExc_ValueError, "a request header is %d bytes, not %zd", REQ_SIZE, b.len);
+        return NULL;
+    }
+    Req q;
+    char why[512];
+    int rc = parse_req(b.buf, now, max_request, &q, why, sizeof why);
+    PyBuffer_Release(&b);
+    if (rc) {
+        PyErr_SetString(PyExc_ValueError, why);
+        return NULL;
+    }
+    return Py_BuildValue("(iIKKKKKKd)", q.op, (unsigned int)q.count, (unsigned long long)q.req_id,
+                         (unsigned long long)q.rid, (unsigned long long)q.token, (unsigned long long)q.epoch,
+                         (unsigned long long)q.off, (unsigned long long)q.n, q.left);
+}
+
 static PyMethodDef module_methods[] = {
     {"set_spin_limit", set_spin_limit, METH_O, "How many connections may busy-poll at once."},
+    {"parse_head", parse_head, METH_VARARGS,
+     "parse_head(header, now, max_request_s) -> the decoded header; ValueError where the loop closes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -32,11 +32,16 @@ every check gives ``RegionTable.serve``'s outcome (None, or the same error code 
 an admitted range satisfies ``mpcomm.engine.checks.fits``, a revoke reports what the Python
 table held, a duplicate publish is refused, and ``published()`` counts the model's entries.
 
+Every header the walk finds is also given to the C loop's header parser on its own
+(``parse_head``, the function ``Port.run`` parses each header with) and must decode to the
+fields and time budget server.py's ``_one`` reads, or be refused where it refuses.
+
 Any other outcome raises AssertionError: atheris prints the input and exits non-zero.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
@@ -119,11 +124,24 @@ class _Side:
             s.close()
 
 
+def headers(stream: bytes) -> list[int]:
+    """Where the stream's request headers start, walking it as the wire defines (module docstring)."""
+    at, pos = [], 0
+    while pos + wire.REQ.size <= len(stream):
+        _magic, op, _flags, count, _req_id, _rid, _token, _epoch, _off, n, _dl = wire.REQ.unpack_from(stream, pos)
+        at.append(pos)
+        pos += wire.REQ.size
+        if op == wire.OP_WRITE:
+            pos += n
+        elif op in (wire.OP_WRITEV, wire.OP_READV):
+            pos += 16 * count + (n if op == wire.OP_WRITEV else 0)
+    return at
+
+
 def patch(stream: bytes, side: _Side, taken: set[int]) -> bytes:
     """``stream`` with region selectors, zero tokens and zero epochs made ``side``'s (module docstring)."""
     out = bytearray(stream)
-    pos = 0
-    while pos + wire.REQ.size <= len(out):
+    for pos in headers(stream):
         magic, op, flags, count, req_id, rid, token, epoch, off, n, dl = wire.REQ.unpack_from(out, pos)
         if rid < len(side.regions):
             region = side.regions[rid]
@@ -132,12 +150,30 @@ def patch(stream: bytes, side: _Side, taken: set[int]) -> bytes:
             rid |= 1 << 63
         epoch = epoch or int(side.epoch, 16)
         wire.REQ.pack_into(out, pos, magic, op, flags, count, req_id, rid, token, epoch, off, n, dl)
-        pos += wire.REQ.size
-        if op == wire.OP_WRITE:
-            pos += n
-        elif op in (wire.OP_WRITEV, wire.OP_READV):
-            pos += 16 * count + (n if op == wire.OP_WRITEV else 0)
     return bytes(out)
+
+
+_NOW, _MAX_REQUEST = 1.7e9, 600.0
+
+
+def python_head(head: bytes) -> tuple[Any, ...] | None:
+    """server.py's _one on a header: its fields and time budget, or None where it raises ProtocolError."""
+    magic, op, _flags, count, req_id, rid, token, epoch, off, n, deadline = wire.REQ.unpack(head)
+    if magic != wire.REQ_MAGIC or not math.isfinite(deadline) or deadline <= 0:
+        return None
+    return (op, count, req_id, rid, token, epoch, off, n, min(max(deadline - _NOW, 0.0), _MAX_REQUEST))
+
+
+def check_headers(stream: bytes) -> None:
+    """The C loop's header parser (``parse_head``, what ``Port.run`` calls) against the Python rule."""
+    parse = dataport.load().parse_head
+    for pos in headers(stream):
+        head = stream[pos : pos + wire.REQ.size]
+        try:
+            native = parse(head, _NOW, _MAX_REQUEST)
+        except ValueError:
+            native = None
+        assert native == python_head(head), f"header {head.hex()}: native {native} != python {python_head(head)}"
 
 
 _sides: list[_Side] = []
@@ -148,6 +184,7 @@ def fuzz_frames(data: bytes) -> None:
         _sides.extend([_Side(True), _Side(False)])
     taken = {r.id for side in _sides for r in side.regions}
     native, python = _sides
+    check_headers(data)
     got_n = native.exchange(patch(data, native, taken))
     got_p = python.exchange(patch(data, python, taken))
     assert got_n == got_p, f"the servers answered differently:\nnative {got_n[:400]!r}\npython {got_p[:400]!r}"
