@@ -71,6 +71,7 @@ TESTS = [
     "tests/regressions/test_native_path.py::test_a_batch_value_outside_int64_is_out_of_bounds",
     "tests/core/test_lane_agreement.py",
     "tests/tcp/test_tcp_native_port.py",
+    "tests/tcp/test_tcp_native_parser.py",
 ]
 
 
