@@ -164,13 +164,13 @@ def test_atheris_over_the_native_data_port_finds_nothing(sanitized: tuple[Path, 
     assert cores, "this atheris has no core_with_libfuzzer"
     seeds = FUZZ / "corpus" / corpus
     n_seeds = len(list(seeds.iterdir()))
-    assert n_seeds >= 40, f"the seed corpus {seeds} is missing (python tests/fuzz/seeds.py writes it)"
+    assert n_seeds >= 50, f"the seed corpus {seeds} is missing (python tests/fuzz/seeds.py writes it)"
     env = {**env, "LD_PRELOAD": f"{_coverage_hooks(tmp_path)} {libasan}", "MPCOMM_ATHERIS_CORE": str(cores[0]),
            "ASAN_OPTIONS": env["ASAN_OPTIONS"] + ":verify_asan_link_order=0"}
     found = tmp_path / "found"  # new inputs go here: the checked-in corpus is only read
     found.mkdir()
     run = subprocess.run([sys.executable, "-c", RUN_SCRIPT, str(FUZZ / "fuzz_dataport.py"), target, str(found),
-                          str(seeds), f"-max_total_time={FUZZ_SECONDS}", "-max_len=4096", "-timeout=60",
+                          str(seeds), f"-max_total_time={FUZZ_SECONDS}", "-max_len=20000", "-timeout=60",
                           f"-artifact_prefix={tmp_path}/", "-print_final_stats=1"],
                          capture_output=True, text=True, timeout=FUZZ_SECONDS + 150, env=env, cwd=ROOT)
     out = run.stdout + run.stderr

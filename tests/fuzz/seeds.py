@@ -82,6 +82,9 @@ def frames() -> dict[str, bytes]:
                       + req(OP_READ, RW, 0, 8, token=5, req_id=5) + req(OP_READ, RW, 255, 2, req_id=6)),
         "pipelined_then_garbage": req(OP_READ, RW, 0, 4) + req(OP_READ, RW, 4, 4, req_id=2) + b"MQ\x07garbage",
     }
+    # More pieces than one sendmsg takes (IOV_MAX 1024): the native reply goes out in several calls.
+    s["readv_past_iov_max"] = batch(OP_READV, [i % 256 for i in range(1100)], [i % 2 for i in range(1100)])
+    s["writev_past_iov_max"] = batch(OP_WRITEV, [i % 64 for i in range(1030)], [1] * 1030)
     for i, v in enumerate(EDGES):
         s[f"read_offset_edge_{i}"] = req(OP_READ, RW, v, 8)
         s[f"read_length_edge_{i}"] = req(OP_READ, RW, 0, v)
