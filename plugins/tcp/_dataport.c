@@ -55,6 +55,15 @@ int mpcomm_dataport_abi(void) { return DP_ABI; }
 #define ACC_R 1
 #define ACC_W 2
 
+/* Refusal messages name the region (repr(region.name)) in full, as server.py's do, up to
+ * QNAME_MAX bytes of it (cut at a UTF-8 character boundary beyond); MSG_CAP holds any message
+ * with such a name, BODY_CAP its JSON (each byte escaped at most as \uXXXX). With 1024-byte
+ * buffers a long name was cut, and cut inside a character it made the reply invalid UTF-8:
+ * the initiator took a refusal for a malformed reply (tests/tcp/test_tcp_native_messages.py). */
+#define QNAME_MAX 4096
+#define MSG_CAP (QNAME_MAX + 512)
+#define BODY_CAP (6 * MSG_CAP + 64)
+
 /* Outcomes of run(): how the connection ended (dataport.py logs them as server.py does). */
 #define END_CLOSED 0 /* the initiator closed, idle timeout, or transport closed */
 #define END_PROTOCOL 1 /* ProtocolError: warning, reset */
@@ -427,7 +436,7 @@ static int reply(Ctx *x, int status, uint32_t count, uint64_t req_id, const void
 }
 
 static int refuse(Ctx *x, uint64_t req_id, int code, const char *msg, double end) {
-    char body[2048];
+    static __thread char body[BODY_CAP]; /* per thread: too big for a small thread stack */
     size_t n = error_body(body, sizeof body, code, msg);
     return reply(x, ST_ERR, 0, req_id, body, n, end);
 }
@@ -455,7 +464,7 @@ static long long recv_region(Ctx *x, Entry *e, uint64_t off, uint64_t n, double 
 static int do_write(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint64_t epoch, uint64_t off,
                     uint64_t n, double end) {
     Port *p = x->p;
-    char msg[1024];
+    char msg[MSG_CAP];
     Entry *e;
     int code = admit(p, x->c, rid, token, epoch, off, n, ACC_W, end, 1, &e, msg, sizeof msg);
     if (code) {
@@ -482,7 +491,7 @@ static int do_write(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint6
 static int do_read(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint64_t epoch, uint64_t off,
                    uint64_t n, double end) {
     Port *p = x->p;
-    char msg[1024];
+    char msg[MSG_CAP];
     Entry *e;
     int code = admit(p, x->c, rid, token, epoch, off, n, ACC_R, end, 1, &e, msg, sizeof msg);
     if (code)
@@ -508,7 +517,7 @@ static int do_batch(Ctx *x, int op, uint32_t count, uint64_t req_id, uint64_t ri
     unsigned char *status = calloc(count, 1);
     struct iovec *iov = malloc(((size_t)count + 2) * sizeof *iov);
     Entry *e = NULL;
-    char msg[1024], first[1200];
+    char msg[MSG_CAP], first[MSG_CAP];
     if (!desc || !offs || !lens || !status || !iov) {
         rc = fail(x, END_OS, "out of memory for a batch of %u", count);
         goto out;
@@ -571,7 +580,7 @@ static int do_batch(Ctx *x, int op, uint32_t count, uint64_t req_id, uint64_t ri
         rc = refuse(x, req_id, code, msg, end);
         goto out;
     }
-    char body[2048];
+    static __thread char body[BODY_CAP]; /* per thread: too big for a small thread stack */
     size_t blen = 0;
     unsigned char jl[4];
     if (refused) {
@@ -865,7 +874,11 @@ static PyObject *Port_publish(Port *self, PyObject *args) {
     e->base = e->view.buf;
     e->size = (uint64_t)e->view.len;
     e->rights = (strchr(rights, 'r') ? ACC_R : 0) | (strchr(rights, 'w') && !e->view.readonly ? ACC_W : 0);
-    e->qname = strndup(qname, 1024);
+    size_t qlen = strlen(qname);
+    if (qlen > QNAME_MAX) /* cut at a character boundary: never half a UTF-8 sequence */
+        for (qlen = QNAME_MAX; qlen > 0 && ((unsigned char)qname[qlen] & 0xC0) == 0x80; qlen--)
+            ;
+    e->qname = strndup(qname, qlen);
     if (!e->qname) {
         PyBuffer_Release(&e->view);
         free(e);
@@ -955,7 +968,7 @@ static PyObject *Port_check(Port *self, PyObject *args) {
     const char *acc;
     if (!ready(self) || !PyArg_ParseTuple(args, "KKKKKs", &rid, &token, &epoch, &off, &n, &acc))
         return NULL;
-    char msg[1024];
+    char msg[MSG_CAP];
     Entry *e;
     int code = admit(self, NULL, rid, token, epoch, off, n, acc[0] == 'w' ? ACC_W : ACC_R, INFINITY, 1, &e, msg,
                      sizeof msg);

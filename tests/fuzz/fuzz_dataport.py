@@ -77,7 +77,9 @@ _instrument(server, regions, checks)  # server.py's branches are the C loop's de
 
 U64 = (1 << 64) - 1
 EDGES = [0, 1, 2, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 63) - 1, 1 << 63, U64 - 1, U64]
-REGIONS = (("rw", 256, "rw"), ("ro", 256, "r"), ("wo", 64, "w"))  # selectors 0, 1, 2 of a frame's region_id
+#: Selectors 0, 1, 2 of a frame's region_id. The third's long name (with quotes and backslashes) is
+#: in every refusal naming it: both servers must send it whole and escaped alike.
+REGIONS = (("rw", 256, "rw"), ("ro", 256, "r"), ('wo "quoted" \\ ' * 150, 64, "w"))
 
 # -- frames -------------------------------------------------------------------------------------
 
@@ -195,7 +197,8 @@ def fuzz_frames(data: bytes) -> None:
 # -- table --------------------------------------------------------------------------------------
 # The input: the table's epoch (u64), then records, each an op byte and its fields (integers
 # little-endian; a record cut short ends the input):
-#   0 publish  id u64, token u64, size index u8 (_SIZES), access index u8 (_ACCESS), read-only u8
+#   0 publish  id u64, token u64, size index u8 (_SIZES), access index u8 (_ACCESS), u8: bit 0 read-only,
+#              bits 1-3 the name's kind (_NAMES: long and non-ASCII names, quoted in every refusal)
 #   1 burst    base id u64, stride index u8 (_STRIDES), how many u8 (1..80 as k % 80 + 1)
 #   2 revoke   id u64, flags u8
 #   3 check    id u64, token u64, epoch u64, offset u64, length u64, access u8 (odd: "w"), flags u8
@@ -204,6 +207,9 @@ def fuzz_frames(data: bytes) -> None:
 # 16 the length likewise (the edges around the region's size).
 
 _SIZES = [1, 7, 64, 4095, 4096, 4097]
+#: Name stems (the publish count is appended: names are unique). Their reprs stay within the
+#: 4096 bytes the native table keeps of a name (_dataport.c QNAME_MAX).
+_NAMES = ["r", "é" * 1990, "€" * 1300, "x" * 4000, 'q"\\\n\t' * 500, "名前"]
 _ACCESS = ["rw", "r", "w"]
 _STRIDES = [1, 64, 1 << 32, 1 << 63]
 _U8, _U64 = struct.Struct("<B"), struct.Struct("<Q")
@@ -237,10 +243,10 @@ class _Tables:
         ids = list(self.model)
         return ids[rid % len(ids)] if flags & 1 and ids else rid
 
-    def publish(self, rid: int, token: int, size: int, access: str, readonly: bool) -> None:
+    def publish(self, rid: int, token: int, size: int, access: str, readonly: bool, stem: str = "r") -> None:
         self.made += 1
         buf = bytes(size) if readonly else bytearray(size)
-        region = Region(memoryview(buf), name=f"r{self.made}", access=access)
+        region = Region(memoryview(buf), name=f"{stem}{self.made}", access=access)
         region.id, region.token = rid, token  # the ids and tokens under test, published as the transport does
         try:
             self.native.publish(region.id, region.token, region.access, region.view, repr(region.name))
@@ -281,7 +287,8 @@ def fuzz_table(data: bytes) -> None:
             op = r.take(_U8) % 4
             if op == 0:
                 rid, token, size, acc, ro = r.take(_U64), r.take(_U64), r.take(_U8), r.take(_U8), r.take(_U8)
-                t.publish(rid, token, _SIZES[size % len(_SIZES)], _ACCESS[acc % len(_ACCESS)], bool(ro & 1))
+                t.publish(rid, token, _SIZES[size % len(_SIZES)], _ACCESS[acc % len(_ACCESS)], bool(ro & 1),
+                          _NAMES[(ro >> 1) % len(_NAMES)])
             elif op == 1:  # a burst: the hash table grows and rehashes under the entries already there
                 base, stride, k = r.take(_U64), _STRIDES[r.take(_U8) % len(_STRIDES)], r.take(_U8) % 80 + 1
                 for i in range(k):

@@ -130,6 +130,9 @@ def table() -> dict[str, bytes]:
                                                           for o in range(3) for m in range(3)
                                                           for f in (8, 16, 24)),
         "burst_rehash": epoch + burst(0, 0, 79) + burst(1 << 40, 2, 79) + check(rid=70) + revoke(3) + check(rid=3),
+        "long_names": epoch + b"".join(publish(20 + k, k, 2, 1, k << 1) + check(rid=20 + k, flags=1 | 4)
+                                        + check(rid=20 + k, off=60, n=8) + check(rid=20 + k, write=1)
+                                        for k in range(6)),
         "burst_top_bit": epoch + burst(I63, 3, 4) + check(rid=1) + check(rid=2),
     }
     for i, v in enumerate(EDGES):
