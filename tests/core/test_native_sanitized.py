@@ -72,6 +72,7 @@ TESTS = [
     "tests/core/test_lane_agreement.py",
     "tests/tcp/test_tcp_native_port.py",
     "tests/tcp/test_tcp_native_parser.py",
+    "tests/tcp/test_tcp_native_messages.py",
 ]
 
 
