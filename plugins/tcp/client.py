@@ -48,6 +48,7 @@ import struct
 import termios
 import threading
 import time
+from array import array
 from typing import Any
 
 from mpcomm.auth import client_authenticate
@@ -68,6 +69,7 @@ HANDOFF = 0.001
 STICKY_IDLE = 0.01
 _DRIVE_SLICE = 0.05  # a driver rechecks its request at least this often (another thread may report it)
 _DRIVE_MAX = 256 << 10  # replies larger than this are left to the reader thread
+_REPARK_MS = 500  # the reader's native wait returns this often to look at its connection
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
 QUEUED, SENDING, SENT, RECEIVING, DONE = range(5)
@@ -120,6 +122,8 @@ class Conn:
         #: the driver expected next, and takes them over after HANDOFF.
         self.sticky = False
         self.driven = 0  # replies a driver read (diagnostics and tests)
+        #: [driving, sticky] for the reader's native wait (busypoll.await_reply), under ``lock``.
+        self._flags = array("i", (0, 0))
         threading.Thread(target=self._writer, name=f"mpcomm-tcp-w-{pool.where}", daemon=True).start()
 
     # -- the posting side ----------------------------------------------------------------
@@ -347,6 +351,9 @@ class Conn:
 
     def _wait_turn(self) -> None:
         """Reader: wait until replies are due and no driver reads them (or the connection ended)."""
+        if busypoll.await_reply is not None and self.pool.tls is None:
+            self._await_turn()
+            return
         with self.lock:
             while not self.broken:
                 if self.driving:
@@ -374,6 +381,30 @@ class Conn:
                     continue
                 self.rcv.wait(HANDOFF)
             self.reading = True
+
+    def _await_turn(self) -> None:
+        """Reader, with the compiled wait: asleep outside Python until a reply no driver takes is there.
+
+        Nothing wakes this thread per request (submit's notify finds nobody on ``rcv``): a
+        reply read by its ``result()`` caller (``drive``) costs no Python here. A reply is
+        taken at once, or, after a driver read the last ones (sticky), once it sat unread
+        for HANDOFF; the thread looks at the connection every ``_REPARK`` seconds.
+        """
+        fd = self.sock.fileno()  # type: ignore[union-attr]
+        wait = busypoll.await_reply
+        handoff = int(HANDOFF * 1e9)
+        while True:
+            r = wait(fd, self._flags, handoff, _REPARK_MS)
+            with self.lock:
+                if self.broken or r == busypoll.AWAIT_END:
+                    self.reading = True  # it meets the end and reports
+                    return
+                if r == busypoll.AWAIT_REPLY and not self.driving and self._idle_poll.poll(0):
+                    # Nobody drove it (or nobody will): requests are read at once again.
+                    self.sticky = False
+                    self._flags[1] = 0
+                    self.reading = True  # a driver leaves the connection alone from now on
+                    return
 
     def _one_reply(self, sock: socket.socket, head: bytearray) -> None:
         """Handle the reply whose header is in ``head`` (its body is read from ``sock``)."""
@@ -411,6 +442,7 @@ class Conn:
                     or piece.state == DONE or piece.conn is not self or self.pool.tls is not None):
                 return
             self.driving = True
+            self._flags[0] = 1
         try:
             self._drive(sock, piece, until)
         except (OSError, MpcommError) as exc:
@@ -426,6 +458,7 @@ class Conn:
             with self.lock:
                 self.driving = False
                 self.sticky = not self.pending and not self.broken
+                self._flags[0], self._flags[1] = 0, self.sticky
                 if not self.sticky:
                     self.rcv.notify()
 
@@ -479,7 +512,7 @@ class Conn:
     def _whole(self, fd: int, head: bytearray) -> bool | None:
         """Whether the reply whose header is ``head`` sits whole in the socket buffer; None: not for a driver."""
         magic, status, _flags, _count, _rid, length = wire.RESP.unpack(head)
-        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR) or length > _DRIVE_MAX:
+        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR, wire.ST_PARTIAL) or length > _DRIVE_MAX:
             return None
         if length == 0:
             return True

@@ -48,7 +48,7 @@ from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes
 
 from . import dataport, wire
-from .client import Piece, Pool, next_id
+from .client import DONE, Piece, Pool, next_id
 from .server import Server
 from .staging import Staged
 from .staging import state_of as staging_state
@@ -357,13 +357,23 @@ class TcpTransport(Transport):
         return report
 
     def drive(self, op: Any, until: float) -> None:
-        """Read the reply of a one-frame request on the ``result()`` caller's thread (see Conn.drive)."""
+        """Read the replies of ``op``'s frames on the ``result()`` caller's thread (see Conn.drive).
+
+        Every frame: a striped request's stripes and a batch's runs, on whichever connections
+        they went, one after the other (the replies of the others wait in their sockets
+        meanwhile). A frame whose connection a driver cannot read now is left to that
+        connection's reader, and so is the rest of the request.
+        """
         plist = op.state
-        if plist is not None and staging_state(op) is None and len(plist) == 1:
-            piece = plist[0]
+        if not plist or staging_state(op) is not None:
+            return
+        for piece in list(plist):
             conn = piece.conn
-            if conn is not None:
-                conn.drive(piece, until)
+            if conn is None:
+                return
+            conn.drive(piece, until)
+            if piece.state != DONE:
+                return  # left to the reader (or out of time): the caller waits the usual way
 
     def abort(self, op: Any) -> None:
         staged = staging_state(op)
