@@ -8,11 +8,12 @@ thread that is not Python's, and the engine settles the handle there.
 Callbacks still run on the engine's completion thread.
 
 :class:`PythonThreads` proves it for real: a profile function installed
-with :func:`threading.setprofile` and :func:`sys.setprofile` *before* the
+with :func:`threading.setprofile` *before* the
 engine starts any thread sees every Python call and return of every Python
-thread of the process (the GIL is taken for each). Between the submit and
-the return of ``result()`` it records which threads other than the waiter
-ran Python, and what they ran. The target runs in another process.
+thread the process starts afterwards (the GIL is taken for each). Between
+the submit and the return of ``result()`` it records which threads other
+than the waiter (the thread that installed it) ran Python, and what they
+ran. The target runs in another process.
 
 :func:`check_completion_on_waiter` runs single requests, vectored batches
 (``write_many``/``read_many``) and ``submit`` of several requests through
@@ -67,11 +68,11 @@ class PythonThreads:
         alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
         if alive:
             raise RuntimeError(f"install before any other thread starts; running already: {alive}")
+        # Every thread started from now on; not this one, the waiter's: the hook would only slow
+        # it down (and a slowed caller loses races a real one wins).
         threading.setprofile(self._hook)
-        sys.setprofile(self._hook)
 
     def uninstall(self) -> None:
-        sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
         # Threads started meanwhile keep the hook: it does nothing outside a window.
 
@@ -90,7 +91,7 @@ class PythonThreads:
         return "; ".join(f"{name}: {', '.join(calls)}" for name, calls in self.others.values())
 
 
-def waiter_only(threads: PythonThreads, what: str, run: Callable[[], Any], tries: int = 3) -> Any:
+def waiter_only(threads: PythonThreads, what: str, run: Callable[[], Any], tries: int = 5) -> Any:
     """Run ``run()`` (submit and ``result()``) inside a window; AssertionError if another thread ran Python.
 
     A thread of the engine that runs for a reason of its own (a heartbeat,
@@ -135,30 +136,55 @@ def check_completion_on_waiter(make_env: Callable[[], Any], *, remote_name: str 
             dst = eng.allocate(biggest)
             src.view[:] = pattern(11, biggest)
             # Warm up: connection, attach, route caches and lazily started threads are not the wait.
-            eng.write(src, remote, 0, size).result(timeout=30)
-            eng.read(dst, remote, 0, size).result(timeout=30)
+            for n in (size, large) if large else (size,):
+                eng.write(src, remote, 0, n).result(timeout=30)
+                eng.read(dst, remote, 0, n).result(timeout=30)
             eng.write_many(src, remote, [0], [0], [size]).result(timeout=30)
             eng.submit([Request("write", src, remote, 0, size)]).result(timeout=30)
             sizes = [size] + ([large] if large else [])
             for n in sizes:
-                waiter_only(threads, f"write of {n} bytes", lambda n=n: eng.write(src, remote, 0, n).result(30))
+                waiter_only(threads, f"write of {n} bytes", lambda n=n: eng.write(src, remote, 0, n).result())
                 dst.view[:n] = bytes(n)
-                waiter_only(threads, f"read of {n} bytes", lambda n=n: eng.read(dst, remote, 0, n).result(30))
+                waiter_only(threads, f"read of {n} bytes", lambda n=n: eng.read(dst, remote, 0, n).result())
                 assert bytes(dst.view[:n]) == bytes(src.view[:n]), f"read of {n} bytes returned other data"
             offs = [i * size for i in range(batch)]
             lens = [size] * batch
             waiter_only(threads, f"write_many of {batch}x{size}",
-                        lambda: eng.write_many(src, remote, offs, offs, lens).result(30))
+                        lambda: eng.write_many(src, remote, offs, offs, lens).result())
             dst.view[:] = bytes(biggest)
             waiter_only(threads, f"read_many of {batch}x{size}",
-                        lambda: eng.read_many(dst, remote, offs, offs, lens).result(30))
+                        lambda: eng.read_many(dst, remote, offs, offs, lens).result())
             assert bytes(dst.view[:size * batch]) == bytes(src.view[:size * batch]), "read_many returned other data"
             reqs = [Request("write", src, remote, o, size, local_offset=o) for o in offs]
-            waiter_only(threads, f"submit of {batch} writes", lambda: eng.submit(reqs).result(30))
+            waiter_only(threads, f"submit of {batch} writes", lambda: eng.submit(reqs).result())
             reqs = [Request("read", dst, remote, o, size, local_offset=o) for o in offs]
-            waiter_only(threads, f"submit of {batch} reads", lambda: eng.submit(reqs).result(30))
+            waiter_only(threads, f"submit of {batch} reads", lambda: eng.submit(reqs).result())
         finally:
             threads.uninstall()
             env.close()
     finally:
         threads.uninstall()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mpcomm.testing.completion TRANSPORT REGION [LARGE] [CONFIG_JSON]``: the check in a
+    fresh process (no thread runs before the profile is installed); exit status 1 with the report."""
+    import json
+
+    from .kit import ConformanceEnv
+
+    args = sys.argv[1:] if argv is None else argv
+    transport, region = args[0], args[1]
+    large = int(args[2]) if len(args) > 2 else 0
+    config = json.loads(args[3]) if len(args) > 3 else None
+    try:
+        check_completion_on_waiter(lambda: ConformanceEnv(transport, config=config), remote_name=region, large=large)
+    except AssertionError as exc:
+        print(f"FAILED {transport} {region}: {exc}")
+        return 1
+    print(f"passed {transport} {region}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -367,13 +367,28 @@ class TcpTransport(Transport):
         plist = op.state
         if not plist or staging_state(op) is not None:
             return
-        for piece in list(plist):
-            conn = piece.conn
-            if conn is None:
-                return
-            conn.drive(piece, until)
-            if piece.state != DONE:
-                return  # left to the reader (or out of time): the caller waits the usual way
+        if len(plist) == 1:
+            conn = plist[0].conn
+            if conn is not None:
+                conn.drive(plist[0], until)
+            return
+        # Every connection first, so no reader takes a reply of this request while this
+        # thread reads another connection's.
+        entered: dict[Any, Any] = {}
+        try:
+            for piece in plist:
+                conn = piece.conn
+                if conn is not None and conn not in entered:
+                    sock = conn.enter_drive(piece)
+                    if sock is not None:
+                        entered[conn] = sock
+            for piece in plist:
+                sock = entered.get(piece.conn)
+                if sock is not None and piece.state != DONE:
+                    piece.conn.drive_entered(sock, piece, until)
+        finally:
+            for conn in entered:
+                conn.leave_drive()
 
     def abort(self, op: Any) -> None:
         staged = staging_state(op)
