@@ -216,88 +216,117 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(r);
 }
 
-/* await_reply(fd, flags, handoff_ns, max_ms) -> 1 a reply is there for the reader thread, 0 not
- * yet (max_ms passed: the caller looks at its connection and comes back), 3 the connection ended
- * or failed (the reader meets it).
+/* await_reply(fd, flags, handoff_ns, idle_ns, max_ms) -> 1 a reply is there for the reader thread,
+ * 0 not yet (max_ms passed: the caller looks at its connection and comes back), 3 the connection
+ * ended or failed (the reader meets it).
  *
  * The initiator's reader thread waits here, without the GIL, instead of on a Python condition
  * that every submit would notify: a reply a result() caller reads itself (a driver) then costs
- * no Python on this thread (docs/concepts.md, "Completion"). flags is the connection's
+ * no Python on this thread (docs/contract.md, "What a waiter gets"). flags is the connection's
  * array('i') [driving, sticky], written by Python under the connection's lock:
- *   driving: a driver reads replies now; bytes in the socket are its own, this thread waits until
- *            they are gone or the driver left;
- *   sticky:  the last replies were read by a driver: a reply is left to the next driver for
- *            handoff_ns after it arrived before this thread takes it;
- *   neither: a reply is the reader's at once. */
+ *   driving: a driver reads replies now;
+ *   sticky:  the last replies were read by a driver, so the next ones are left to a driver;
+ *   neither: a reply is the reader's at once (it waits in poll() on the socket).
+ * With either set this thread does not watch the socket (its wake-up at every reply would
+ * compete with the driver for a CPU): it looks every handoff_ns and takes a reply it found
+ * there, undriven, at two looks in a row. After idle_ns with nothing there it sleeps in poll()
+ * until bytes come, and then looks as before. */
+static int readable_now(int fd) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int n = poll(&p, 1, 0);
+    if (n < 0)
+        return errno == EINTR ? 0 : -1;
+    if (n == 0)
+        return 0;
+    if (p.revents & (POLLERR | POLLNVAL))
+        return -1;
+    char c;
+    ssize_t got = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (got == 0)
+        return -1; /* the end of the stream */
+    if (got < 0)
+        return (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : -1;
+    return 1;
+}
+
 static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long a[4];
+    long long a[5];
     Py_buffer flags;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "await_reply(fd, flags, handoff_ns, max_ms) takes 4 arguments");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "await_reply(fd, flags, handoff_ns, idle_ns, max_ms) takes 5 arguments");
         return NULL;
     }
-    if (int_args(args, 1, a) < 0 || int_args(args + 2, 2, a + 2) < 0 || writable(args[1], &flags, 2 * sizeof(int)) < 0)
+    if (int_args(args, 1, a) < 0 || int_args(args + 2, 3, a + 2) < 0 || writable(args[1], &flags, 2 * sizeof(int)) < 0)
         return NULL;
     int fd = (int)a[0], r = 0;
     const int *f = flags.buf;
-    long long handoff = a[2] < 0 ? 0 : a[2];
-    long long max_ms = a[3] < 0 ? 0 : (a[3] > 1 << 30 ? 1 << 30 : a[3]);
+    long long handoff = a[2] < 1000 ? 1000 : a[2], idle = a[3] < 0 ? 0 : a[3];
+    long long max_ms = a[4] < 0 ? 0 : (a[4] > 1 << 30 ? 1 << 30 : a[4]);
     Py_BEGIN_ALLOW_THREADS
-    long long start = now_ns(), end = start + max_ms * 1000000LL, since = -1;
+    long long end = now_ns() + max_ms * 1000000LL, quiet = 0;
+    int seen = 0;
     for (;;) {
         long long t = now_ns();
         if (t >= end)
             break;
-        int driving = __atomic_load_n(&f[0], __ATOMIC_ACQUIRE), sticky = __atomic_load_n(&f[1], __ATOMIC_ACQUIRE);
-        /* Asleep in poll() until bytes come; with bytes a driver may take, look again soon. */
-        long long wait_ms = since < 0 ? (end - t + 999999) / 1000000 : 1;
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        int n = poll(&p, 1, (int)(wait_ms > 1 << 30 ? 1 << 30 : wait_ms));
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            r = 3;
-            break;
-        }
-        if (n == 0) {
-            since = -1;
-            continue;
-        }
-        if (p.revents & (POLLERR | POLLHUP | POLLNVAL)) {
-            r = 3;
-            break;
-        }
-        int avail = 0;
-        if (ioctl(fd, FIONREAD, &avail) < 0) {
-            r = 3;
-            break;
-        }
-        if (avail == 0) {
-            char c;
-            ssize_t got = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-            if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-                r = 3; /* the end of the stream, or an error */
+        if (!__atomic_load_n(&f[0], __ATOMIC_ACQUIRE) && !__atomic_load_n(&f[1], __ATOMIC_ACQUIRE)) {
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            long long ms = (end - t + 999999) / 1000000;
+            int n = poll(&p, 1, (int)(ms > 1 << 30 ? 1 << 30 : ms));
+            if (n < 0 && errno != EINTR) {
+                r = 3;
                 break;
             }
-            since = -1; /* a driver took it meanwhile */
+            if (n > 0) {
+                int k = readable_now(fd);
+                if (k < 0) {
+                    r = 3;
+                    break;
+                }
+                if (k > 0 && !__atomic_load_n(&f[0], __ATOMIC_ACQUIRE) && !__atomic_load_n(&f[1], __ATOMIC_ACQUIRE)) {
+                    r = 1;
+                    break;
+                }
+            }
             continue;
         }
-        t = now_ns();
-        if (since < 0)
-            since = t;
-        if (driving) {
-            since = t; /* the driver's: its turn lasts as long as it reads */
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
+        if (quiet >= idle) { /* nothing for a while: asleep until bytes come */
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            long long ms = (end - t + 999999) / 1000000;
+            int n = poll(&p, 1, (int)(ms > 1 << 30 ? 1 << 30 : ms));
+            if (n < 0 && errno != EINTR) {
+                r = 3;
+                break;
+            }
+            quiet = 0;
+            seen = 0;
+            if (n == 0)
+                continue;
+        }
+        struct timespec ts = {handoff / 1000000000LL, handoff % 1000000000LL};
+        nanosleep(&ts, NULL);
+        if (__atomic_load_n(&f[0], __ATOMIC_ACQUIRE)) {
+            seen = 0; /* a driver reads: its replies */
+            quiet = 0;
             continue;
         }
-        if (!sticky || t - since >= handoff) {
+        int k = readable_now(fd);
+        if (k < 0) {
+            r = 3;
+            break;
+        }
+        if (k == 0) {
+            seen = 0;
+            quiet += handoff;
+            continue;
+        }
+        quiet = 0;
+        if (seen) { /* there at two looks in a row, nobody drove it */
             r = 1;
             break;
         }
-        struct timespec ts = {0, 20000};
-        nanosleep(&ts, NULL);
+        seen = 1;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&flags);

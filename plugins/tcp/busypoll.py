@@ -51,10 +51,10 @@ next_reply: Callable[[int, int, int, int, bytearray], int] | None = None
 #: next_reply's answers: nothing yet, a whole reply's header in ``head``, a reply partly there,
 #: not one for a driver (the reader thread takes it).
 REPLY_NONE, REPLY_GOT, REPLY_SHORT, REPLY_LEAVE = 0, 1, 2, 3
-#: ``await_reply(fd, flags, handoff_ns, max_ms) -> AWAIT_*`` (see _busypoll.c): the initiator's
+#: ``await_reply(fd, flags, handoff_ns, idle_ns, max_ms) -> AWAIT_*`` (see _busypoll.c): the initiator's
 #: reader thread waits there without the GIL, so a reply its result() caller reads itself wakes
 #: no Python on that thread. None: the reader waits on its condition (the Python twin).
-await_reply: Callable[[int, Any, int, int], int] | None = None
+await_reply: Callable[[int, Any, int, int, int], int] | None = None
 AWAIT_NONE, AWAIT_REPLY, AWAIT_END = 0, 1, 3
 #: Why busy-polling is or is not available (shown in the transport's availability).
 reason = "not loaded yet"

@@ -396,9 +396,9 @@ class Conn:
         """
         fd = self.sock.fileno()  # type: ignore[union-attr]
         wait = busypoll.await_reply
-        handoff = int(HANDOFF * 1e9)
+        handoff, idle = int(HANDOFF * 1e9), int(STICKY_IDLE * 1e9)
         while True:
-            r = wait(fd, self._flags, handoff, _REPARK_MS)
+            r = wait(fd, self._flags, handoff, idle, _REPARK_MS)
             with self.lock:
                 if self.broken or r == busypoll.AWAIT_END:
                     self.reading = True  # it meets the end and reports
