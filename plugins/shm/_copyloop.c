@@ -26,7 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MP_ABI 3
+#define MP_ABI 4
 #define MP_IOV 1024 /* IOV_MAX on Linux */
 
 int mp_abi(void) { return MP_ABI; }

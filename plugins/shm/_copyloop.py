@@ -42,7 +42,7 @@ from . import _native
 
 log = logging.getLogger("mpcomm.transport.shm")
 
-ABI = 3
+ABI = 4
 MODULE = "mpcomm.plugins.shm._mpcomm_copyloop"
 _ENV = "MPCOMM_SHM_NATIVE"
 
