@@ -19,9 +19,10 @@ ran. The target runs in another process.
 (``write_many``/``read_many``) and ``submit`` of several requests through
 it; it is an optional check (a transport without ``drive`` whose reports
 come from a Python thread of its own fails it by design), so it is not in
-:data:`~mpcomm.testing.CHECKS`: run it with
-``run_conformance(name, checks=[check_completion_on_waiter])`` or call it
-with a :class:`~mpcomm.testing.ConformanceEnv` factory.
+:data:`~mpcomm.testing.CHECKS`, and it needs a process where no thread ran
+before it: ``python -m mpcomm.testing.completion NAME REGION [LARGE]
+[CONFIG_JSON]`` (exit status 0 when it holds), or call it first thing with a
+:class:`~mpcomm.testing.ConformanceEnv` factory.
 """
 
 from __future__ import annotations

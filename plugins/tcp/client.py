@@ -70,7 +70,7 @@ STICKY_IDLE = 0.01
 _DRIVE_SLICE = 0.05  # a driver rechecks its request at least this often (another thread may report it)
 _DRIVE_MAX = 256 << 10  # replies larger than this are left to the reader thread
 _UNDRIVEN = 4  # replies nobody drove, in a row, after which the reader reads at once again
-_REPARK_MS = 500  # the reader's native wait returns this often to look at its connection
+_REPARK_MS = 5000  # the reader's native wait returns this often to look at its connection (a shut socket wakes it at once)
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
 QUEUED, SENDING, SENT, RECEIVING, DONE = range(5)
