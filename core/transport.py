@@ -775,6 +775,28 @@ class Transport:
         """
         return {}
 
+    def notification_queue(self) -> Any:
+        """A native bounded notification queue this transport's serving threads fill, or None.
+
+        Offered by a transport that takes notifications from peers below the
+        interpreter (tcp's native data port: ``_dataport.c`` ``Notes``). The
+        engine adopts the first one offered, after :meth:`start`, as its only
+        notification queue: the control channel then delivers into it too, so
+        every notification meets the same limits, refusal and order. Called once.
+        """
+        return None
+
+    def notify(self, peer: PeerInfo, remote: Any, data: bytes, deadline: float) -> bool:
+        """Deliver a notification about ``remote`` to its owner on this transport's connections.
+
+        Returns False (the default) to leave it to the control channel. True
+        means the target took it into its queue; a refusal raises (a full
+        queue: BackPressureError). ``deadline`` is ``time.monotonic()``. The
+        engine calls it only after the request the notification follows
+        completed, so it arrives after the data whatever the connection.
+        """
+        return False
+
     def close(self) -> None:
         """Release every resource; must not raise. Called once, after the last post."""
 
@@ -833,6 +855,8 @@ TRANSPORT_CONTRACT: dict[str, ContractMember] = {
     "abort": ContractMember("method"),
     "peer_changed": ContractMember("method"),
     "handle_control": ContractMember("method"),
+    "notification_queue": ContractMember("method"),
+    "notify": ContractMember("method"),
     "close": ContractMember("method"),
 }
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import itertools
 import json
 import logging
 import os
@@ -177,6 +178,27 @@ class _Local:
     numa_node: int = -1
 
 
+class _Bound:
+    """The (local range, remote range) pair a host's last request went through, as resolved then.
+
+    :meth:`Provider.issue_bound` takes a request whose two ranges lie inside
+    these, without looking either up again. It is valid while the provider's
+    version is the one it was resolved under: every change that could make a
+    look-up answer differently for a range it already answered for (a local
+    range unregistered or unpublished, a host connected again, its keys
+    fetched again or marked stale, shutdown) moves the version on. A new
+    registration cannot: registered ranges never overlap.
+    """
+
+    __slots__ = ("version", "lstart", "lend", "local", "rstart", "rend", "remote", "write", "read")
+
+    def __init__(self, version: int, entry: _Local, buf: PublishedBuffer, eng: Engine) -> None:
+        self.version = version
+        self.lstart, self.lend, self.local = entry.addr, entry.addr + entry.length, entry.region
+        self.rstart, self.rend, self.remote = buf.addr, buf.addr + buf.length, buf.remote
+        self.write, self.read = eng.write, eng.read
+
+
 @dataclass
 class _Host:
     host_id: str
@@ -207,6 +229,10 @@ class Provider:
         self._directory: Region | None = None
         self._dir_buf: Any = None
         self._generation = 0
+        #: Moved on (after the change is made) by every change a cached _Bound may not outlive.
+        self._version = 0
+        self._versions = itertools.count(1)
+        self._bound: dict[str, _Bound] = {}
         #: Name of this node's directory region: DIRECTORY, or a per-host-id name
         #: when peers find it in the cluster metadata (see directory_name_for).
         self.directory_name = DIRECTORY
@@ -273,8 +299,18 @@ class Provider:
             self._directory = None
             self._local = _Ranges()
             self._hosts.clear()
+            self._bound.clear()
+            self._changed()
         if eng is not None:
             eng.close()
+
+    def _changed(self) -> None:
+        """A look-up may now answer differently: no cached _Bound taken before this is used again.
+
+        Called after the change. ``next`` on a count is atomic, so two changes
+        at once leave a version that no _Bound was resolved under.
+        """
+        self._version = next(self._versions)
 
     def _engine(self) -> Engine:
         eng = self.engine
@@ -305,6 +341,8 @@ class Provider:
                 raise ProviderError(codes.ERR_OUT_OF_RANGE, f"{addr:#x} is not the start of a registered range")
             eng.unregister(entry.region, timeout=timeout or None)  # RegionBusyError while leased
             self._local.remove(addr)
+            self._changed()
+            self._bound.clear()  # nothing keeps the region alive through a cached pair
             if entry.published:
                 self._write_directory()
 
@@ -333,17 +371,23 @@ class Provider:
             entry.published = False
             self._write_directory()
             eng.unregister(entry.region, timeout=5.0)
+            self._changed()  # the old region is gone whatever happens next
+            self._bound.clear()
             entry.region = eng.register(raw_view(entry.addr, entry.length), name=_secret_name())
+            self._changed()
 
     def local_region(self, addr: int, length: int) -> tuple[Region, int]:
+        entry, off = self._local_entry(addr, length)
+        return entry.region, off
+
+    def _local_entry(self, addr: int, length: int) -> tuple[_Local, int]:
         if not isinstance(length, int) or length <= 0:
             raise ProviderError(codes.ERR_INVALID_ARGUMENT, f"length must be a positive integer, not {length!r}")
         found = self._local.find(addr, length)
         if found is None:
             raise ProviderError(codes.ERR_OUT_OF_RANGE,
                                 f"local [{addr:#x}, {addr + length:#x}) is outside every registered range")
-        entry, off = found
-        return entry.region, off
+        return found  # type: ignore[return-value]
 
     def published(self) -> list[tuple[int, int, int]]:
         return [(e.addr, e.length, e.numa_node) for _s, _e, e in self._local.items() if e.published]
@@ -384,6 +428,7 @@ class Provider:
             raise _as_connection(exc, address) from exc
         with self._lock:
             self._hosts[host_id] = host
+            self._changed()
 
     def connect_named(self, host_id: str) -> None:
         """Bind ``host_id`` to whichever node publishes its directory in the cluster metadata."""
@@ -395,6 +440,7 @@ class Provider:
             raise _as_connection(exc, host_id) from exc
         with self._lock:
             self._hosts[host_id] = host
+            self._changed()
 
     def _open_directory(self, host: _Host) -> RemoteRegion:
         eng = self._engine()
@@ -460,6 +506,7 @@ class Provider:
         host.ranges = ranges
         host.queried = True
         host.stale = False
+        self._changed()
         return out
 
     def _read_directory(self, host: _Host) -> list[list[Any]] | None:
@@ -497,18 +544,27 @@ class Provider:
     def mark_stale(self, host_id: str) -> None:
         host = self._hosts.get(host_id)
         if host is not None:
-            host.stale = True
+            self._stale(host)
+
+    def _stale(self, host: _Host) -> None:
+        """The next issue to ``host`` fetches its keys again first (it restarted, or its link broke)."""
+        host.stale = True
+        self._changed()
 
     # -- transfers -------------------------------------------------------------------------
 
     def _remote(self, host: _Host, addr: int, length: int) -> tuple[RemoteRegion, int]:
+        buf, off = self._remote_buffer(host, addr, length)
+        return buf.remote, off  # type: ignore[return-value]
+
+    @staticmethod
+    def _remote_buffer(host: _Host, addr: int, length: int) -> tuple[PublishedBuffer, int]:
         found = host.ranges.find(addr, length)
         if found is None:
             raise ProviderError(codes.ERR_OUT_OF_RANGE,
                                 f"remote [{addr:#x}, {addr + length:#x}) is outside every range {host.host_id!r} "
                                 "published (as of the last queryRemoteBuffer)")
-        buf, off = found
-        return buf.remote, off
+        return found  # type: ignore[return-value]
 
     def _host(self, host_id: str) -> _Host:
         host = self._hosts.get(host_id)
@@ -532,18 +588,22 @@ class Provider:
         eng = self._engine()
         if length <= 0:
             raise ProviderError(codes.ERR_INVALID_ARGUMENT, f"length must be positive, not {length}")
-        local, loff = self.local_region(local_addr, length)
-        host = self._host(host_id)
+        self._local_entry(local_addr, length)  # refused first, before the host is looked at
+        host = self._host(host_id)  # may fetch the keys again, which moves the version on
+        version = self._version  # read before the look-ups kept below: a change during them retires them
+        entry, loff = self._local_entry(local_addr, length)
+        local = entry.region
         fn = eng.write if kind == "write" else eng.read
         for attempt in (0, 1):
             try:
-                remote, roff = self._remote(host, remote_addr, length)
+                buf, roff = self._remote_buffer(host, remote_addr, length)
+                remote = buf.remote
             except ProviderError:
                 if attempt or not self._restarted(host):
                     raise
                 with host.lock:  # a restarted peer publishes new ranges: fetch them, then decide
                     self._refresh(host)
-                continue
+                continue  # the refresh moved the version on: what this finds is not kept
             try:
                 t = fn(local, remote, roff, length, local_offset=loff, timeout=timeout,
                        completion_queue=completion_queue)
@@ -552,11 +612,33 @@ class Provider:
                     raise
                 with host.lock:  # the peer restarted (or its link broke): fetch its keys again
                     self._refresh(host)
-                continue
+                continue  # the refresh moved the version on: what this finds is not kept
             if watch:
                 t.add_done_callback(lambda tr, h=host: self._watch(h, tr))
+            self._bound[host_id] = _Bound(version, entry, buf, eng)
             return t
         raise AssertionError("unreachable")
+
+    def issue_bound(self, kind: str, local_addr: Any, host_id: str, remote_addr: Any, length: Any,
+                    timeout: float | None) -> Transfer | None:
+        """:meth:`issue` (``watch=False``) for a request between the two ranges the host's last
+        :meth:`issue` went through, or None: then :meth:`issue` takes it, and raises what it raises.
+
+        The look-ups and their checks are what :meth:`issue` does, made against the ranges it
+        found last (kept while nothing changed since, see :class:`_Bound`): exact ints, a positive
+        length, the local range inside one registered range, the remote one inside one the peer
+        published. The engine checks bounds, rights and deadline again, as for every request.
+        """
+        b = self._bound.get(host_id)
+        if (b is None or b.version != self._version or type(local_addr) is not int or type(remote_addr) is not int
+                or type(length) is not int or length <= 0 or local_addr < b.lstart or local_addr + length > b.lend
+                or remote_addr < b.rstart or remote_addr + length > b.rend):
+            return None
+        try:
+            return (b.write if kind == "write" else b.read)(b.local, b.remote, remote_addr - b.rstart, length,
+                                                           local_offset=local_addr - b.lstart, timeout=timeout)
+        except MpcommError:  # refused before anything moved (a restarted peer, a closed engine): issue() decides
+            return None
 
     def issue_many(self, kind: str, local_addr: int, host_ids: Sequence[str], remote_addrs: Sequence[int],
                    lengths: Sequence[int], local_offsets: Sequence[int], timeout: float | None = None,
@@ -625,19 +707,17 @@ class Provider:
             return batch
         raise AssertionError("unreachable")
 
-    @staticmethod
-    def _watch_batch(batch: Transfer, hosts: Sequence[_Host]) -> None:
-        batch.add_done_callback(lambda b: Provider._batch_outcome(hosts, b))
+    def _watch_batch(self, batch: Transfer, hosts: Sequence[_Host]) -> None:
+        batch.add_done_callback(lambda b: self._batch_outcome(hosts, b))
 
-    @staticmethod
-    def _batch_outcome(hosts: Sequence[_Host], b: Any) -> None:
+    def _batch_outcome(self, hosts: Sequence[_Host], b: Any) -> None:
         if b.cancelled() or b.exception() is None:
             return
         errors = getattr(b, "errors", {}) or {}
         for i, e in errors.items():
             if isinstance(e, (PeerConnectionError, StaleRegionError)):
                 # the next issue to that peer re-fetches its keys first
-                hosts[i if len(hosts) > 1 else 0].stale = True
+                self._stale(hosts[i if len(hosts) > 1 else 0])
 
     def _restarted(self, host: _Host) -> bool:
         """Whether the peer runs a new epoch (checked only on a refusal, one round trip)."""
@@ -659,10 +739,9 @@ class Provider:
         else:
             self._watch(host, t)
 
-    @staticmethod
-    def _watch(host: _Host, t: Transfer) -> None:
+    def _watch(self, host: _Host, t: Transfer) -> None:
         if not t.cancelled() and isinstance(t.exception(), (PeerConnectionError, StaleRegionError)):
-            host.stale = True  # the next issue re-fetches the peer's keys first
+            self._stale(host)  # the next issue re-fetches the peer's keys first
 
 
 def _good_entry(e: Any) -> bool:

@@ -58,6 +58,9 @@ _SLAB_KB = (8, 16, 32, 64, 128, 256, 512, 1024, 2 << 10, 4 << 10, 8 << 10, 16 <<
             32 << 10, 64 << 10, 128 << 10, 256 << 10)
 _ARENA = 16 << 20
 
+#: Largest length a sync transfer may take through Provider.issue_bound (larger: the general path refuses it).
+_BOUND_MAX = 1 << 62
+
 _PROTOCOLS = {"tcp": ["tcp"], "rdma": ["rdma_zerocopy"], "shm": ["shm"], "ucx": ["ucx"]}
 
 
@@ -97,15 +100,21 @@ def _api(error: Any) -> Callable[[_F], _F]:
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
-            except MpcommError as exc:  # a refusal (a bad argument, a hostile peer): its reason is enough
-                log.error("mpcomm.tent.TransferEngine.%s refused: %s", fn.__name__, exc)
-            except Exception:  # noqa: BLE001 - the API's contract: a code, never an exception
-                log.exception("mpcomm.tent.TransferEngine.%s failed", fn.__name__)
+            except Exception as exc:  # noqa: BLE001 - the API's contract: a code, never an exception
+                _log_failure(fn.__name__, exc)
             return error() if callable(error) else error
 
         return call  # type: ignore[return-value]
 
     return wrap
+
+
+def _log_failure(method: str, exc: Exception) -> None:
+    """What :func:`_api` logs for ``exc`` escaping ``method``."""
+    if isinstance(exc, MpcommError):  # a refusal (a bad argument, a hostile peer): its reason is enough
+        log.error("mpcomm.tent.TransferEngine.%s refused: %s", method, exc)
+    else:
+        log.error("mpcomm.tent.TransferEngine.%s failed", method, exc_info=exc)
 
 
 def _index(value: Any, what: str) -> int:
@@ -461,18 +470,44 @@ class TransferEngine:
     @_api(-1)
     def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                       opcode: int, notify: TransferNotify | None = None, transport_hint: str = "") -> int:
+        if notify is None and (type(opcode) is int or type(opcode) is TransferOpcode):
+            return self._sync_one("transfer_sync", WRITE if opcode == WRITE else READ, target_hostname, buffer,
+                                  peer_buffer_address, length)  # as _submit: any opcode other than Write reads
         return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode,
                                         notify, transport_hint)
 
-    @_api(-1)
+    # Not wrapped by _api: _sync_one keeps its promise (a code, never an exception) one call shorter.
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                             transport_hint: str = "") -> int:
-        return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, WRITE, None, transport_hint)
+        return self._sync_one("transfer_sync_write", WRITE, target_hostname, buffer, peer_buffer_address, length)
 
-    @_api(-1)
     def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                            transport_hint: str = "") -> int:
-        return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, READ, None, transport_hint)
+        return self._sync_one("transfer_sync_read", READ, target_hostname, buffer, peer_buffer_address, length)
+
+    def _sync_one(self, method: str, opcode: TransferOpcode, target: str, buffer: Any, peer: Any, length: Any) -> int:
+        """One transfer, waited for; 0 or -1 as a Mooncake-API method (see :func:`_api`).
+
+        Between the two ranges the peer's last transfer went through it goes
+        straight to the engine (:meth:`Provider.issue_bound`); otherwise the
+        general path takes it, and its look-ups let the next one go straight.
+        """
+        try:
+            t = None
+            if type(length) is int and 0 < length <= _BOUND_MAX:  # the deadline's float cannot overflow
+                t = self._p.issue_bound("write" if opcode is WRITE else "read", buffer, target, peer, length,
+                                        self._timeout + length / 1e9)
+            if t is None:
+                return self.batch_transfer_sync(target, [buffer], [peer], [length], opcode)
+        except Exception as exc:  # noqa: BLE001 - the API's contract: a code, never an exception
+            _log_failure(method, exc)
+            return -1
+        try:
+            t.result()  # the engine's own deadline bounds this
+        except BaseException:  # noqa: BLE001 - as _wait: a code, and the peer's keys looked at again if it restarted
+            self._p.settled(target, t)
+            return -1
+        return 0
 
     @_api(-1)
     def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int], peer_buffer_addresses: Sequence[int],

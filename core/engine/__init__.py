@@ -183,6 +183,7 @@ class Engine:
         cfg.check_plugin_sections(self.plugin_set.transports)
         try:
             self._start_transports()
+            self._adopt_notification_queue()
             # Listen only once the transports run: a peer that connects while we
             # start (a restarted node) must not learn a transport list that is
             # still empty — its link would keep that list for good.
@@ -574,10 +575,16 @@ class Engine:
     # -- notifications ------------------------------------------------------------------------
 
     def on_notification(self, callback: Callable[[Notification], None], *, consume: bool = False) -> None:
-        """Call ``callback(note)`` on the control thread for each notification received.
+        """Call ``callback(note)`` for each notification received.
 
         With ``consume=True`` the callback takes the notification instead of the
-        queue :meth:`wait_notification` reads.
+        queue :meth:`wait_notification` reads. A notification that came over the
+        control channel runs the callbacks on the control thread before its sender
+        is answered; one that came over tcp's native data port (docs/tcp.md) is
+        answered as soon as it is queued, and its callbacks run afterwards on the
+        engine's ``mpcomm-notify-callbacks`` thread, in arrival order (until then it
+        counts in ``stats()["notifications_awaiting_callbacks"]`` and against the
+        queue's limits).
         """
         self._notifications.subscribe(callback, consume)
 
@@ -585,6 +592,8 @@ class Engine:
         """Next notification received; raises TimeoutError after ``timeout`` seconds.
 
         At most ``limits.max_queued_notifications`` wait here; beyond that senders are refused.
+        Where tcp's native data port runs, this waits on its native queue with the GIL released
+        (docs/tcp.md).
         """
         return self._notifications.wait(timeout)
 
@@ -593,12 +602,28 @@ class Engine:
         self._send_notify(remote, data, self.config.request_timeout if timeout is None else timeout)
 
     def _send_notify(self, remote: RemoteRegion, data: bytes, timeout: float) -> None:
+        """Deliver a notification to ``remote``'s owner: on a transport that serves it there without
+        the interpreter (tcp's native data port, whatever transport moved the data: it is sent
+        only after the request completed), else on the control channel."""
         if len(data) > MAX_NOTIFY:
             raise MpcommError(f"notification of {len(data)} bytes exceeds {MAX_NOTIFY}")
         deadline = time.monotonic() + timeout
         link = self._peer(remote.address, timeout)
-        link.request({"t": "notify", "region": remote.name, "data": bytes(data).hex()},
+        payload = bytes(data)
+        for t in list(self._transports.values()):
+            if t.notify(link.info, remote, payload, deadline):
+                return
+        link.request({"t": "notify", "region": remote.name, "data": payload.hex()},
                      max(deadline - time.monotonic(), 0.001))
+
+    def _adopt_notification_queue(self) -> None:
+        """The first native notification queue a running transport offers becomes the engine's one
+        queue (notify.py): the control channel delivers into it too."""
+        for t in self._transports.values():
+            notes = t.notification_queue()
+            if notes is not None and self._notifications.adopt(notes):
+                log.debug("notifications: %s's native queue", t.name)
+                return
 
     # -- transfers ----------------------------------------------------------------------------
 
@@ -764,12 +789,15 @@ class Engine:
         (``mpcomm.peer.*``, ``mpcomm.queue.backlog``) with ``observability.metrics``.
         ``inline_lane``: whether small requests of a bound pair run through the
         C lane (``"in use"``) or, and why, through the same checks in Python.
+        ``notifications_awaiting_callbacks``: notifications queued by tcp's native
+        data port whose ``on_notification`` callbacks have not run yet.
         """
         return {
             "requests_held": self._pipeline.slots.in_use,
             "inline_lane": fastlane.status(),
             "queue_depth": self._pipeline.slots.capacity,
             "notifications_queued": len(self._notifications),
+            "notifications_awaiting_callbacks": self._notifications.awaiting_callbacks(),
             "peers": len(self._peers.links()),
             "health": self._health_snapshot(),
         }
@@ -844,6 +872,7 @@ class Engine:
         # Not cancelled: with the links closed each pending notification fails at once with
         # EngineClosedError, so every notified request's handle is resolved before close returns.
         self._notifier.shutdown(wait=True, cancel_futures=False)
+        self._notifications.close()
 
 
     def _unregister_all(self) -> None:

@@ -7,15 +7,29 @@ sender's request fails with a retryable BackPressureError, so nothing is
 silently lost and a flooding peer costs a fixed amount of memory. Callbacks
 registered with ``on_notification(..., consume=True)`` take notifications
 instead of the queue (a consumer that only uses callbacks never fills it).
+
+One queue: where a transport serves notifications below the interpreter (tcp's
+native data port, ``Transport.notification_queue``), the engine adopts that
+native queue (:meth:`Notifications.adopt`) and the control channel delivers
+into it too, so both paths meet the same limits, refusal and FIFO order, and
+``wait_notification`` waits on it with the GIL released. A natively delivered
+notification is acknowledged to its sender as soon as it is queued; the
+callbacks run afterwards on this engine's callback thread
+(``mpcomm-notify-callbacks``), and the notification counts against the limits
+until they ran (until it is consumed or taken). One that came over the control
+channel runs the callbacks on the control thread before its ack, as before.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..control import NotificationQueue
+from ..errors import BackPressureError
 
 __all__ = ["MAX_NOTIFY", "Notification", "Notifications"]
 
@@ -23,6 +37,8 @@ log = logging.getLogger("mpcomm.engine")
 
 #: Largest notification payload, on the sender and on the receiver.
 MAX_NOTIFY = 64 << 10
+#: Longest region name a notification carries (the control channel truncates to it too).
+MAX_REGION = 256
 
 
 @dataclass(frozen=True)
@@ -34,28 +50,123 @@ class Notification:
     data: bytes
 
 
+class _NativeQueue:
+    """:class:`NotificationQueue`'s interface over a native queue (``_dataport.c`` ``Notes``)."""
+
+    def __init__(self, notes: Any) -> None:
+        self.notes = notes
+
+    def put(self, note: Notification, size: int) -> None:
+        refused = self.notes.put(note.peer, note.region, note.data, True)  # callbacks ran: settled
+        if refused is not None:
+            raise BackPressureError(refused)
+
+    def get(self, timeout: float | None = None) -> Notification:
+        got = self.notes.get(timeout)  # waits with the GIL released
+        if got is None:
+            raise TimeoutError(f"no notification within {timeout}s")
+        return _note(got)
+
+    def __len__(self) -> int:
+        return int(self.notes.size()[0])
+
+    def awaiting_callbacks(self) -> int:
+        return int(self.notes.size()[2])
+
+
+def _note(got: tuple[str, str, bytes]) -> Notification:
+    peer, region, data = got
+    return Notification(peer, region[:MAX_REGION], data)
+
+
 class Notifications:
     def __init__(self, max_count: int, max_bytes: int) -> None:
-        self._q = NotificationQueue(max_count, max_bytes)
+        self._q: NotificationQueue | _NativeQueue = NotificationQueue(max_count, max_bytes)
         self._callbacks: list[tuple[Callable[[Notification], None], bool]] = []
+        self._lock = threading.Lock()
+        self._native: Any = None
+        self._dispatcher: threading.Thread | None = None
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._q)
 
+    def awaiting_callbacks(self) -> int:
+        """Notifications queued whose callbacks have not run yet (natively delivered ones only)."""
+        q = self._q
+        return q.awaiting_callbacks() if isinstance(q, _NativeQueue) else 0
+
+    def adopt(self, notes: Any) -> bool:
+        """Make the native queue ``notes`` the one queue (False: one was adopted already).
+
+        Called once the transports started, before the control channel
+        listens; anything queued before moves over in order.
+        """
+        with self._lock:
+            if self._native is not None or self._closed:
+                return False
+            old, self._q = self._q, _NativeQueue(notes)
+            self._native = notes
+            while len(old):
+                self._q.put(old.get(0), 0)
+            if self._callbacks:
+                self._start_dispatcher()
+        return True
+
     def subscribe(self, callback: Callable[[Notification], None], consume: bool) -> None:
-        self._callbacks.append((callback, consume))
+        with self._lock:
+            self._callbacks.append((callback, consume))
+            if self._native is not None:
+                self._start_dispatcher()
 
     def deliver(self, note: Notification) -> None:
-        """Queue ``note`` (raises BackPressureError when full) and run the callbacks."""
+        """The control channel's delivery: queue ``note`` (raises BackPressureError when full) and run
+        the callbacks, before the sender's ack."""
         callbacks = list(self._callbacks)
         if not any(consume for _, consume in callbacks):
             self._q.put(note, len(note.data))
-        for cb, _consume in callbacks:
-            try:
-                cb(note)
-            except Exception:  # noqa: BLE001
-                log.exception("notification callback failed")
+        _run(callbacks, note)
 
     def wait(self, timeout: float | None) -> Notification:
         note: Notification = self._q.get(timeout)
         return note
+
+    def close(self) -> None:
+        """Stop the callback thread; notifications still waiting for callbacks stay for wait()."""
+        with self._lock:
+            self._closed = True
+            if self._native is not None:
+                self._native.close()
+
+    # -- natively delivered notifications: their callbacks, after the sender's ack -------------
+
+    def _start_dispatcher(self) -> None:
+        """(lock held) From now on native deliveries wait in the queue for the callbacks."""
+        self._native.set_callbacks(True)
+        if self._dispatcher is None and not self._closed:
+            self._dispatcher = threading.Thread(target=self._dispatch, args=(self._native,),
+                                                name="mpcomm-notify-callbacks", daemon=True)
+            self._dispatcher.start()
+
+    def _dispatch(self, notes: Any) -> None:
+        while True:
+            got = notes.dispatch(None)  # the GIL released while it waits; None once closed
+            if got is None:
+                return
+            seq, raw = got
+            note = _note(raw)
+            callbacks = list(self._callbacks)
+            consumed = False
+            try:
+                _run(callbacks, note)
+                consumed = any(consume for _, consume in callbacks)
+            finally:
+                notes.settle(seq, consumed)
+
+
+def _run(callbacks: list[tuple[Callable[[Notification], None], bool]], note: Notification) -> None:
+    for cb, _consume in callbacks:
+        try:
+            cb(note)
+        except Exception:  # noqa: BLE001
+            log.exception("notification callback failed")

@@ -30,6 +30,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
@@ -93,7 +94,8 @@ def main(argv: list[str]) -> int:
     notes: list[dict[str, Any]] = []
 
     def on_note(note: Any) -> None:
-        entry: dict[str, Any] = {"region": note.region, "data": note.data.decode(errors="replace")}
+        entry: dict[str, Any] = {"peer": note.peer, "region": note.region,
+                                 "data": note.data.decode(errors="replace")}
         try:
             d = json.loads(note.data)
             view = regions[note.region].view[d["off"] : d["off"] + d["len"]]
@@ -130,7 +132,15 @@ def main(argv: list[str]) -> int:
         regions[name] = engine.register(memory[name], name=name)
         return "ok"
 
-    serve_commands({"sha": sha, "fill": fill, "zero": zero, "notes": lambda: json.dumps(notes),
+    def settled_notes() -> str:
+        # Natively delivered notifications run their callbacks after the sender's ack
+        # (docs/tcp.md): let the ones already accepted run first.
+        until = time.monotonic() + 10
+        while engine.stats()["notifications_awaiting_callbacks"] and time.monotonic() < until:
+            time.sleep(0.001)
+        return json.dumps(notes)
+
+    serve_commands({"sha": sha, "fill": fill, "zero": zero, "notes": settled_notes,
                     "unregister": unregister, "register": register}, out)
     engine.close()
     return 0

@@ -34,7 +34,7 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#define DP_ABI 1
+#define DP_ABI 2
 int mpcomm_dataport_abi(void) { return DP_ABI; }
 
 #ifdef MP_PYMODULE
@@ -48,10 +48,13 @@ int mpcomm_dataport_abi(void) { return DP_ABI; }
 #define OP_READ 2
 #define OP_WRITEV 3
 #define OP_READV 4
+#define OP_NOTIFY 5
 #define ST_OK 0
 #define ST_ERR 1
 #define ST_PARTIAL 2
 #define MAX_ERROR_PAYLOAD (64 << 10)
+#define MAX_NOTIFY (64 << 10) /* notify.py MAX_NOTIFY: the largest notification any node takes */
+#define MAX_NOTE_REGION 1024 /* bytes of the region name a NOTIFY frame may carry */
 #define ACC_R 1
 #define ACC_W 2
 
@@ -62,9 +65,15 @@ int mpcomm_dataport_abi(void) { return DP_ABI; }
 #define END_OS 3 /* a socket error: silent */
 
 /* Error classes a refusal names (their wire codes, errors.py). */
-enum { E_NONE = 0, E_TIMEOUT, E_STALE, E_UNKNOWN, E_DENIED, E_BOUNDS };
-static const char *const CODES[] = {"", "timeout", "stale_region", "unknown_region", "permission_denied",
-                                    "out_of_bounds"};
+enum { E_NONE = 0, E_TIMEOUT, E_STALE, E_UNKNOWN, E_DENIED, E_BOUNDS, E_LIMIT, E_BACKPRESSURE };
+static const char *const CODES[] = {"",
+                                    "timeout",
+                                    "stale_region",
+                                    "unknown_region",
+                                    "permission_denied",
+                                    "out_of_bounds",
+                                    "limit",
+                                    "back_pressure"};
 
 static uint64_t get_be64(const unsigned char *p) {
     uint64_t v = 0;
@@ -114,6 +123,396 @@ static void u128_str(unsigned __int128 v, char *out) {
     out[n] = 0;
 }
 
+/* ---- the notification queue (core/engine/notify.py) ---------------------------------------
+ *
+ * The engine's one bounded queue of received notifications when this transport runs: the
+ * engine adopts it (Notifications.adopt), so the control channel's deliveries (Python) and the
+ * data port's (here, no GIL) end in the same FIFO with the same limits (count and bytes,
+ * limits.max_queued_notifications / max_queued_notify_bytes) and the same refusal.
+ *
+ * A note is READY (wait_notification may take it) or, when the engine has on_notification
+ * callbacks and the note came from a native thread, PENDING until the engine's callback thread
+ * has run them (DISPATCHED meanwhile); it then becomes READY or, consumed, leaves. A note counts
+ * against the limits from its put until it leaves, so callbacks never widen the bound. get()
+ * takes only the head, and only when it is READY: notes leave in the order they came. */
+enum { NOTE_READY = 0, NOTE_PENDING, NOTE_DISPATCHED };
+
+typedef struct Note {
+    struct Note *next;
+    uint64_t seq;
+    int state;
+    size_t plen, rlen, dlen;
+    char *peer, *region; /* UTF-8, not terminated; in the same block as the struct */
+    unsigned char *data;
+} Note;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* monotonic clock: a note was put, settled, or the queue closed */
+    Note *head, *tail;
+    uint64_t count, bytes, max_count, max_bytes, seq;
+    int callbacks; /* native deliveries wait for the callbacks (PENDING) */
+    int closed; /* no more dispatching: PENDING notes were made READY */
+    int ready;
+} Notes;
+
+static PyTypeObject NotesType;
+
+/* Queue a copy of the note, or refuse: 0, E_BACKPRESSURE (msg set), or -1 (out of memory). The
+ * limits are checked on unsigned values without a sum that can wrap. */
+static int notes_put(Notes *q, const char *peer, size_t plen, const char *region, size_t rlen,
+                     const unsigned char *data, size_t dlen, int settled, char *msg, size_t msz) {
+    if (plen > 4096 || rlen > 4096 || dlen > MAX_NOTIFY)
+        return -1;
+    Note *n = malloc(sizeof *n + plen + rlen + dlen + 1);
+    if (!n)
+        return -1;
+    n->next = NULL;
+    n->plen = plen;
+    n->rlen = rlen;
+    n->dlen = dlen;
+    n->peer = (char *)(n + 1);
+    n->region = n->peer + plen;
+    n->data = (unsigned char *)n->region + rlen;
+    memcpy(n->peer, peer, plen);
+    memcpy(n->region, region, rlen);
+    if (dlen)
+        memcpy(n->data, data, dlen);
+    pthread_mutex_lock(&q->mu);
+    if (q->count >= q->max_count || dlen > q->max_bytes || q->bytes > q->max_bytes - dlen) {
+        snprintf(msg, msz,
+                 "notification queue full (%llu notifications, %llu bytes; limits.max_queued_notifications=%llu, "
+                 "limits.max_queued_notify_bytes=%llu): nobody is consuming them",
+                 (unsigned long long)q->count, (unsigned long long)q->bytes, (unsigned long long)q->max_count,
+                 (unsigned long long)q->max_bytes);
+        pthread_mutex_unlock(&q->mu);
+        free(n);
+        return E_BACKPRESSURE;
+    }
+    n->seq = ++q->seq;
+    n->state = settled || !q->callbacks || q->closed ? NOTE_READY : NOTE_PENDING;
+    if (q->tail)
+        q->tail->next = n;
+    else
+        q->head = n;
+    q->tail = n;
+    q->count++;
+    q->bytes += dlen;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    return 0;
+}
+
+/* Unlink n (mutex held); prev is the note before it or NULL. */
+static void notes_unlink_locked(Notes *q, Note *prev, Note *n) {
+    if (prev)
+        prev->next = n->next;
+    else
+        q->head = n->next;
+    if (q->tail == n)
+        q->tail = prev;
+    q->count--;
+    q->bytes -= n->dlen;
+}
+
+/* A timeout argument: None or +inf waits without end; NaN, 0 or less does not wait. */
+static int timeout_arg(PyObject *arg, double *left, int *forever) {
+    *forever = 0;
+    *left = 0;
+    if (arg == Py_None) {
+        *forever = 1;
+        return 0;
+    }
+    double t = PyFloat_AsDouble(arg);
+    if (t == -1.0 && PyErr_Occurred())
+        return -1;
+    if (isinf(t) && t > 0)
+        *forever = 1;
+    else if (t > 0)
+        *left = t;
+    return 0;
+}
+
+static void cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double until) {
+    struct timespec ts;
+    double s = floor(until);
+    ts.tv_sec = (time_t)s;
+    ts.tv_nsec = (long)((until - s) * 1e9);
+    if (ts.tv_nsec >= 1000000000L)
+        ts.tv_nsec = 999999999L;
+    pthread_cond_timedwait(cv, mu, &ts);
+}
+
+/* Wait (GIL released, in slices so signals are seen) until pick(q) finds a note, which it
+ * returns with the mutex released; NULL at the timeout, once the queue is closed where
+ * stop_on_close, or with an exception from a signal (*err). */
+typedef Note *(*Pick)(Notes *q, Note **prev);
+static Note *notes_wait(Notes *q, PyObject *timeout, Pick pick, int stop_on_close, Note **prev, int *err) {
+    double left;
+    int forever;
+    *err = 0;
+    if (timeout_arg(timeout, &left, &forever) < 0) {
+        *err = 1;
+        return NULL;
+    }
+    double end = mono() + left;
+    for (;;) {
+        Note *n;
+        int stop;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&q->mu);
+        double now = mono(), until = now + 0.5;
+        if (!forever && end < until)
+            until = end;
+        while (!(n = pick(q, prev)) && !(stop = stop_on_close && q->closed) && (now = mono()) < until)
+            cond_wait_until(&q->cv, &q->mu, until);
+        stop = stop_on_close && q->closed;
+        pthread_mutex_unlock(&q->mu);
+        Py_END_ALLOW_THREADS
+        if (n || stop || (!forever && mono() >= end))
+            return n;
+        if (PyErr_CheckSignals() < 0) {
+            *err = 1;
+            return NULL;
+        }
+    }
+}
+
+/* get(): the head when it is READY, unlinked (mutex held by notes_wait). */
+static Note *pick_ready(Notes *q, Note **prev) {
+    *prev = NULL;
+    Note *n = q->head;
+    if (!n || n->state != NOTE_READY)
+        return NULL;
+    notes_unlink_locked(q, NULL, n);
+    return n;
+}
+
+/* dispatch(): the first PENDING note, now DISPATCHED (it stays queued). */
+static Note *pick_pending(Notes *q, Note **prev) {
+    *prev = NULL;
+    if (q->closed)
+        return NULL;
+    for (Note *n = q->head; n; n = n->next)
+        if (n->state == NOTE_PENDING) {
+            n->state = NOTE_DISPATCHED;
+            return n;
+        }
+    return NULL;
+}
+
+static PyObject *note_tuple(const Note *n) {
+    return Py_BuildValue("(NNy#)", PyUnicode_DecodeUTF8(n->peer, (Py_ssize_t)n->plen, "replace"),
+                         PyUnicode_DecodeUTF8(n->region, (Py_ssize_t)n->rlen, "replace"), (const char *)n->data,
+                         (Py_ssize_t)n->dlen);
+}
+
+static int Notes_init(Notes *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"max_count", "max_bytes", NULL};
+    unsigned long long mc, mb;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Notes is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KK", names, &mc, &mb))
+        return -1;
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&self->mu, NULL);
+    pthread_cond_init(&self->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    self->max_count = mc;
+    self->max_bytes = mb;
+    self->ready = 1;
+    return 0;
+}
+
+static int notes_ready(Notes *q) {
+    if (!q->ready)
+        PyErr_SetString(PyExc_RuntimeError, "Notes is not initialised");
+    return q->ready;
+}
+
+/* put(peer, region, data, settled) -> None, or the refusal's message when the queue is full. */
+static PyObject *Notes_put(Notes *q, PyObject *args) {
+    const char *peer, *region;
+    Py_ssize_t plen, rlen;
+    Py_buffer data;
+    int settled;
+    if (!notes_ready(q) || !PyArg_ParseTuple(args, "s#s#y*p", &peer, &plen, &region, &rlen, &data, &settled))
+        return NULL;
+    char msg[512];
+    int rc = -1;
+    if (plen <= 4096 && rlen <= 4096 && data.len <= MAX_NOTIFY) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = notes_put(q, peer, (size_t)plen, region, (size_t)rlen, data.buf, (size_t)data.len, settled, msg,
+                       sizeof msg);
+        Py_END_ALLOW_THREADS
+    } else {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "notification too large for the queue");
+        return NULL;
+    }
+    PyBuffer_Release(&data);
+    if (rc < 0)
+        return PyErr_NoMemory();
+    if (rc)
+        return PyUnicode_FromString(msg);
+    Py_RETURN_NONE;
+}
+
+/* get(timeout) -> (peer, region, data), or None at the timeout. */
+static PyObject *Notes_get(Notes *q, PyObject *timeout) {
+    if (!notes_ready(q))
+        return NULL;
+    Note *prev;
+    int err;
+    Note *n = notes_wait(q, timeout, pick_ready, 0, &prev, &err);
+    if (err)
+        return NULL;
+    if (!n)
+        Py_RETURN_NONE;
+    PyObject *t = note_tuple(n);
+    if (!t) { /* not lost: back at the head, as it was */
+        pthread_mutex_lock(&q->mu);
+        n->next = q->head;
+        q->head = n;
+        if (!q->tail)
+            q->tail = n;
+        q->count++;
+        q->bytes += n->dlen;
+        pthread_mutex_unlock(&q->mu);
+        return NULL;
+    }
+    free(n);
+    return t;
+}
+
+/* dispatch(timeout) -> (seq, peer, region, data) of the next note whose callbacks are to run, or None. */
+static PyObject *Notes_dispatch(Notes *q, PyObject *timeout) {
+    if (!notes_ready(q))
+        return NULL;
+    Note *prev;
+    int err;
+    Note *n = notes_wait(q, timeout, pick_pending, 1, &prev, &err);
+    if (err)
+        return NULL;
+    if (!n)
+        Py_RETURN_NONE;
+    /* n stays queued (DISPATCHED) until settle(): only this thread frees it then */
+    PyObject *t = note_tuple(n);
+    PyObject *r = t ? Py_BuildValue("(KN)", (unsigned long long)n->seq, t) : NULL;
+    if (!r) {
+        pthread_mutex_lock(&q->mu);
+        n->state = NOTE_READY; /* its callbacks cannot run: wait_notification still gets it */
+        pthread_cond_broadcast(&q->cv);
+        pthread_mutex_unlock(&q->mu);
+    }
+    return r;
+}
+
+/* settle(seq, consumed): the callbacks of a dispatched note ran; consumed, it leaves, else READY. */
+static PyObject *Notes_settle(Notes *q, PyObject *args) {
+    unsigned long long seq;
+    int consumed;
+    if (!notes_ready(q) || !PyArg_ParseTuple(args, "Kp", &seq, &consumed))
+        return NULL;
+    Note *gone = NULL;
+    pthread_mutex_lock(&q->mu);
+    for (Note *prev = NULL, *n = q->head; n; prev = n, n = n->next) {
+        if (n->seq != seq || n->state != NOTE_DISPATCHED)
+            continue;
+        if (consumed) {
+            notes_unlink_locked(q, prev, n);
+            gone = n;
+        } else {
+            n->state = NOTE_READY;
+        }
+        break;
+    }
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    free(gone);
+    Py_RETURN_NONE;
+}
+
+/* set_callbacks(on): whether native deliveries wait for the callbacks (PENDING). */
+static PyObject *Notes_set_callbacks(Notes *q, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (!notes_ready(q) || on < 0)
+        return NULL;
+    pthread_mutex_lock(&q->mu);
+    q->callbacks = on;
+    pthread_mutex_unlock(&q->mu);
+    Py_RETURN_NONE;
+}
+
+/* close(): dispatching ends; notes still waiting for callbacks become READY (nothing is lost). */
+static PyObject *Notes_close(Notes *q, PyObject *unused) {
+    (void)unused;
+    if (!notes_ready(q))
+        return NULL;
+    pthread_mutex_lock(&q->mu);
+    q->closed = 1;
+    for (Note *n = q->head; n; n = n->next)
+        if (n->state != NOTE_DISPATCHED)
+            n->state = NOTE_READY;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Notes_size(Notes *q, PyObject *unused) {
+    (void)unused;
+    if (!notes_ready(q))
+        return NULL;
+    pthread_mutex_lock(&q->mu);
+    unsigned long long c = q->count, b = q->bytes, w = 0;
+    for (Note *n = q->head; n; n = n->next)
+        w += n->state != NOTE_READY;
+    pthread_mutex_unlock(&q->mu);
+    return Py_BuildValue("(KKK)", c, b, w);
+}
+
+static void Notes_dealloc(Notes *self) {
+    if (self->ready) {
+        for (Note *n = self->head; n;) {
+            Note *nx = n->next;
+            free(n);
+            n = nx;
+        }
+        pthread_mutex_destroy(&self->mu);
+        pthread_cond_destroy(&self->cv);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Notes_methods[] = {
+    {"put", (PyCFunction)Notes_put, METH_VARARGS,
+     "put(peer, region, data, settled) -> None | str: queue a note, or the refusal's message when full"},
+    {"get", (PyCFunction)Notes_get, METH_O, "get(timeout) -> (peer, region, data) | None: take the head"},
+    {"dispatch", (PyCFunction)Notes_dispatch, METH_O,
+     "dispatch(timeout) -> (seq, (peer, region, data)) | None: the next note whose callbacks are to run"},
+    {"settle", (PyCFunction)Notes_settle, METH_VARARGS, "settle(seq, consumed): its callbacks ran"},
+    {"set_callbacks", (PyCFunction)Notes_set_callbacks, METH_O, "set_callbacks(on)"},
+    {"close", (PyCFunction)Notes_close, METH_NOARGS, "close(): stop dispatching"},
+    {"size", (PyCFunction)Notes_size, METH_NOARGS, "size() -> (notes, bytes, awaiting callbacks) queued"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject NotesType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_mpcomm_dataport.Notes",
+    .tp_basicsize = sizeof(Notes),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Notes_init,
+    .tp_dealloc = (destructor)Notes_dealloc,
+    .tp_methods = Notes_methods,
+    .tp_doc = "The engine's bounded notification queue, filled by the data port's threads without the GIL.",
+};
+
 /* ---- the region table ---------------------------------------------------------------- */
 typedef struct Entry {
     struct Entry *next; /* hash chain */
@@ -147,6 +546,9 @@ typedef struct {
     uint32_t max_batch;
     uint64_t chunk;
     long long busy_ns;
+    Notes *notes; /* the engine's notification queue (a reference), or NULL: no NOTIFY frames */
+    uint64_t max_note; /* limits.max_notify_bytes */
+    double notify_rate; /* limits.notify_rate, per connection */
     int closed;
     int ready;
 } Port;
@@ -365,6 +767,9 @@ typedef struct {
     int fd;
     char why[512]; /* how the connection ended, for the log */
     double quiet_until; /* no busy-polling before this time (spin_readable) */
+    char peer[64]; /* the initiator's node id, as HELLO and authentication proved it */
+    size_t plen;
+    double tokens, stamp; /* the connection's notification rate bucket (control.py _TokenBucket) */
 } Ctx;
 
 static int fail(Ctx *x, int kind, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -668,6 +1073,64 @@ out:
     return rc;
 }
 
+/* A NOTIFY frame (wire.py): ``count`` region-name bytes and ``length`` notification bytes follow.
+ * Both lengths are checked before a byte is read or allocated, so their sum cannot wrap and a
+ * hostile length closes the connection instead of being drained. The sender is the node id the
+ * connection's HELLO and authentication proved, never a field of the frame. The notification goes
+ * into the engine's queue without the GIL; the reply (OK, or the refusal: over the node's
+ * max_notify_bytes, over notify_rate, queue full, past the deadline) is sent at once: on_notification
+ * callbacks run later, on the engine's callback thread. */
+static int do_notify(Ctx *x, uint64_t req_id, uint32_t rlen, uint64_t dlen, double end) {
+    Port *p = x->p;
+    if (!p->notes)
+        return fail(x, END_PROTOCOL, "notification frame, but this port delivers none");
+    if (rlen > MAX_NOTE_REGION)
+        return fail(x, END_PROTOCOL, "notification region name of %u bytes (the limit is %d)", rlen, MAX_NOTE_REGION);
+    if (dlen > MAX_NOTIFY)
+        return fail(x, END_PROTOCOL, "notification of %llu bytes (the limit is %d)", (unsigned long long)dlen,
+                    MAX_NOTIFY);
+    size_t total = (size_t)rlen + (size_t)dlen; /* at most 1 KiB + 64 KiB */
+    unsigned char *buf = malloc(total + 1);
+    if (!buf)
+        return fail(x, END_OS, "out of memory for a notification");
+    int r = recv_exact(x->fd, buf, total, end + p->grace);
+    if (r) {
+        free(buf);
+        return io_end(x, r, "tcp notification");
+    }
+    char msg[512];
+    int code;
+    double now = mono();
+    x->tokens += (now - x->stamp) * p->notify_rate;
+    if (x->tokens > p->notify_rate)
+        x->tokens = p->notify_rate;
+    x->stamp = now;
+    if (now >= end) {
+        snprintf(msg, sizeof msg, "notification arrived after its deadline; it was not delivered");
+        code = E_TIMEOUT;
+    } else if (dlen > p->max_note) {
+        snprintf(msg, sizeof msg,
+                 "notification of %llu bytes exceeds this node's limit of %llu (limits.max_notify_bytes)",
+                 (unsigned long long)dlen, (unsigned long long)p->max_note);
+        code = E_LIMIT;
+    } else if (x->tokens < 1) {
+        snprintf(msg, sizeof msg,
+                 "more than %.0f notifications a second on one connection (limits.notify_rate); retry later",
+                 p->notify_rate);
+        code = E_BACKPRESSURE;
+    } else {
+        x->tokens -= 1;
+        code = notes_put(p->notes, x->peer, x->plen, (const char *)buf, rlen, buf + rlen, (size_t)dlen, 0, msg,
+                         sizeof msg);
+    }
+    free(buf);
+    if (code < 0)
+        return fail(x, END_OS, "out of memory for a notification");
+    if (code)
+        return refuse(x, req_id, code, msg, end);
+    return reply(x, ST_OK, 0, req_id, NULL, 0, end);
+}
+
 /* Poll fd without sleeping for up to budget_ns (busypoll.py's rules: a bounded number of spinners).
  *
  * A poller that is always runnable loses the scheduler's wake-up preference. Where the CPUs are
@@ -757,6 +1220,8 @@ static int one(Ctx *x, int first) {
         if (count < 1 || count > p->max_batch)
             return fail(x, END_PROTOCOL, "batch of %u descriptors (the limit is %u)", count, p->max_batch);
         return do_batch(x, op, count, req_id, rid, token, epoch, n, end);
+    case OP_NOTIFY:
+        return do_notify(x, req_id, count, n, end);
     default:
         return fail(x, END_PROTOCOL, "unknown request op %d", op);
     }
@@ -765,7 +1230,10 @@ static int one(Ctx *x, int first) {
 /* ---- the Python object ----------------------------------------------------------------------- */
 static int Port_init(Port *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"epoch", "epoch_ok", "idle_ms", "max_request_ms", "grace_ms", "handshake_ms",
-                            "max_batch", "chunk", "busy_ns", NULL};
+                            "max_batch", "chunk", "busy_ns", "notes", "max_note", "notify_rate", NULL};
+    PyObject *notes = Py_None;
+    unsigned long long max_note = MAX_NOTIFY;
+    double notify_rate = 10000;
     unsigned long long epoch, chunk;
     int epoch_ok;
     double idle, maxr, grace, hs;
@@ -775,9 +1243,17 @@ static int Port_init(Port *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "Port is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KpddddIKL", names, &epoch, &epoch_ok, &idle, &maxr, &grace, &hs,
-                                     &max_batch, &chunk, &busy))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KpddddIKL|OKd", names, &epoch, &epoch_ok, &idle, &maxr, &grace,
+                                     &hs, &max_batch, &chunk, &busy, &notes, &max_note, &notify_rate))
         return -1;
+    if (notes != Py_None && !PyObject_TypeCheck(notes, &NotesType)) {
+        PyErr_SetString(PyExc_TypeError, "notes must be a Notes queue or None");
+        return -1;
+    }
+    if (!(notify_rate > 0)) {
+        PyErr_SetString(PyExc_ValueError, "notify_rate must be positive");
+        return -1;
+    }
     if (chunk == 0 || max_batch == 0) {
         PyErr_SetString(PyExc_ValueError, "chunk and max_batch must be positive");
         return -1;
@@ -800,6 +1276,12 @@ static int Port_init(Port *self, PyObject *args, PyObject *kw) {
     self->max_batch = max_batch;
     self->chunk = chunk;
     self->busy_ns = busy;
+    if (notes != Py_None) {
+        Py_INCREF(notes);
+        self->notes = (Notes *)notes;
+    }
+    self->max_note = max_note < MAX_NOTIFY ? max_note : MAX_NOTIFY;
+    self->notify_rate = notify_rate;
     self->ready = 1;
     return 0;
 }
@@ -938,10 +1420,13 @@ static PyObject *Port_check(Port *self, PyObject *args) {
     return Py_BuildValue("(ss)", CODES[code], msg);
 }
 
-/* run(fd) -> (END_*, message): serve fd's requests until the connection ends, without the GIL. */
+/* run(fd, peer) -> (END_*, message): serve fd's requests until the connection ends, without the GIL.
+ * peer: the node id HELLO and authentication proved (notifications of this connection carry it). */
 static PyObject *Port_run(Port *self, PyObject *args) {
     int fd;
-    if (!ready(self) || !PyArg_ParseTuple(args, "i", &fd))
+    const char *peer = "";
+    Py_ssize_t plen = 0;
+    if (!ready(self) || !PyArg_ParseTuple(args, "i|s#", &fd, &peer, &plen))
         return NULL;
     Ctx x;
     Conn c;
@@ -952,6 +1437,10 @@ static PyObject *Port_run(Port *self, PyObject *args) {
     x.fd = fd;
     x.why[0] = 0;
     x.quiet_until = 0;
+    x.plen = (size_t)plen < sizeof x.peer ? (size_t)plen : sizeof x.peer;
+    memcpy(x.peer, peer, x.plen);
+    x.tokens = self->notify_rate; /* a burst of notify_rate, as the control channel's bucket */
+    x.stamp = mono();
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
@@ -1013,6 +1502,7 @@ static void Port_dealloc(Port *self) {
             }
         }
         free(self->buckets);
+        Py_XDECREF((PyObject *)self->notes);
         pthread_mutex_destroy(&self->mu);
         pthread_cond_destroy(&self->cv);
     }
@@ -1061,13 +1551,16 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_mpcomm_dataport", N
                                     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__mpcomm_dataport(void) {
-    if (PyType_Ready(&PortType) < 0)
+    if (PyType_Ready(&PortType) < 0 || PyType_Ready(&NotesType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moddef);
     if (!m)
         return NULL;
     Py_INCREF(&PortType);
-    if (PyModule_AddObject(m, "Port", (PyObject *)&PortType) < 0 || PyModule_AddIntConstant(m, "ABI", DP_ABI) < 0 ||
+    Py_INCREF(&NotesType);
+    if (PyModule_AddObject(m, "Port", (PyObject *)&PortType) < 0 ||
+        PyModule_AddObject(m, "Notes", (PyObject *)&NotesType) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_NOTIFY", MAX_NOTIFY) < 0 || PyModule_AddIntConstant(m, "ABI", DP_ABI) < 0 ||
         PyModule_AddIntConstant(m, "END_CLOSED", END_CLOSED) < 0 ||
         PyModule_AddIntConstant(m, "END_PROTOCOL", END_PROTOCOL) < 0 ||
         PyModule_AddIntConstant(m, "END_ERROR", END_ERROR) < 0 || PyModule_AddIntConstant(m, "END_OS", END_OS) < 0) {

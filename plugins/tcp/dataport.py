@@ -17,6 +17,11 @@ publishes a region at ``register`` (the table keeps an export of its buffer,
 so the address stays valid) and revokes it at ``unregister`` (see
 :meth:`NativePort.revoke`).
 
+Notifications (NOTIFY frames) go into a native bounded queue (:attr:`NativePort.notes`,
+the limits of ``[limits]``) without the GIL; the engine adopts that queue as
+its one notification queue (``Transport.notification_queue``), so the control
+channel delivers into it too.
+
 Used for plain connections (no TLS, zero-copy mode) unless the
 ``native_server`` option is false (or ``MPCOMM_TCP_NATIVE_SERVER=0`` is
 set in the target's environment); TLS and copy mode keep the Python server,
@@ -38,7 +43,7 @@ from . import busypoll
 
 log = logging.getLogger("mpcomm.transport.tcp")
 
-ABI = 1
+ABI = 2
 MODULE = "mpcomm.plugins.tcp._mpcomm_dataport"
 
 #: The native loop busy-polls (``busy_poll_us``) only where the process may run on this many CPUs.
@@ -90,11 +95,17 @@ class NativePort:
             # write in 66-70 us, a polling one in 32-35 us, idle or with the application spinning.
             busy = 0
         self.grace = ctx.config.runtime.abort_grace_ms / 1000
+        lim = ctx.config.limits
+        #: The engine's notification queue once it adopts it (bounded as ``[limits]`` says).
+        self.notes = module.Notes(max_count=int(lim.max_queued_notifications),
+                                  max_bytes=int(lim.max_queued_notify_bytes))
         self._port = module.Port(epoch=int(epoch, 16) if ok else 0, epoch_ok=ok,
                                  idle_ms=float(o["idle_timeout_ms"]), max_request_ms=float(o["max_request_ms"]),
                                  grace_ms=float(ctx.config.runtime.abort_grace_ms),
                                  handshake_ms=float(ctx.config.transport.handshake_timeout_ms),
-                                 max_batch=int(o["max_batch"]), chunk=int(o["chunk"]), busy_ns=busy)
+                                 max_batch=int(o["max_batch"]), chunk=int(o["chunk"]), busy_ns=busy,
+                                 notes=self.notes, max_note=int(lim.max_notify_bytes),
+                                 notify_rate=float(lim.notify_rate))
         self.END_CLOSED, self.END_PROTOCOL, self.END_ERROR = module.END_CLOSED, module.END_PROTOCOL, module.END_ERROR
         # Ids in the table: unregister of a buffer never published (one request's ephemeral
         # registration) then costs no call that releases and retakes the GIL.
@@ -127,9 +138,10 @@ class NativePort:
         """What the table would answer a request (None: admitted), moving nothing."""
         return self._port.check(region_id, token, epoch, offset, length, access)  # type: ignore[no-any-return]
 
-    def run(self, fd: int) -> tuple[int, str]:
-        """Serve the connection ``fd`` (authenticated) until it ends; the GIL is released meanwhile."""
-        return self._port.run(fd)  # type: ignore[no-any-return]
+    def run(self, fd: int, peer: str = "") -> tuple[int, str]:
+        """Serve the connection ``fd`` (authenticated as node ``peer``) until it ends; the GIL is
+        released meanwhile. Its notifications carry ``peer`` as their sender."""
+        return self._port.run(fd, peer)  # type: ignore[no-any-return]
 
     def published(self) -> int:
         return int(self._port.published())

@@ -115,7 +115,7 @@ class Server:
             who = self._hello(sock)
             peer = f"{who} at {peer}"
             if self.native is not None:
-                self._serve_native(sock, peer)
+                self._serve_native(sock, peer, who)
                 return
             sock.settimeout(None)  # blocking mode: the kernel bounds blocking calls (SO_*TIMEO)
             # Between requests the kernel bounds the wait (one blocking recv, no
@@ -135,11 +135,15 @@ class Server:
         except OSError:
             pass  # the initiator went away
 
-    def _serve_native(self, sock: socket.socket, peer: str) -> None:
-        """Every request of this connection in C, without the GIL, until it ends (dataport.py)."""
+    def _serve_native(self, sock: socket.socket, peer: str, who: str) -> None:
+        """Every request of this connection in C, without the GIL, until it ends (dataport.py).
+
+        ``who``: the initiator's node id as HELLO and authentication proved it; the
+        notifications this connection delivers carry it as their sender.
+        """
         native = self.native
         assert native is not None
-        end, why = native.run(sock.fileno())
+        end, why = native.run(sock.fileno(), who)
         if end == native.END_PROTOCOL:
             self.log.warning("tcp: closing data connection from %s: %s", peer, why)
             _reset(sock)

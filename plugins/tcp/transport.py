@@ -27,6 +27,11 @@ without the GIL),
   it; with ``transport.tls`` it runs TLS first (:mod:`.tls_stream`).
 * Abort is fenced per connection that carried the request (see
   :mod:`.client`): a timed-out request on a live target is confirmed.
+* Notifications: where the peer's data port is native (it advertises
+  ``notify``), :meth:`TcpTransport.notify` sends a NOTIFY frame on a data
+  connection, which the target queues without its GIL (``_dataport.c``); the
+  engine calls it after the request completed, for any transport's request.
+  Elsewhere (TLS, copy mode, no compiler) the control channel carries them.
 
 Zero-copy mode moves payloads straight between sockets and registered
 memory; copy mode stages them through bounce buffers on both sides, for the
@@ -39,11 +44,12 @@ import logging
 import math
 import operator
 import threading
+import time
 from typing import Any, ClassVar
 
 from mpcomm import Availability, Capabilities, Transport, TransportContext
 from mpcomm.control import listen
-from mpcomm.errors import MpcommError, OutOfBoundsError
+from mpcomm.errors import MpcommError, OutOfBoundsError, TransferTimeout
 from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes
 
@@ -175,11 +181,22 @@ class TcpTransport(Transport):
         o = self.ctx.options
         server = listen(self.ctx.bind_host, int(o["port"]), backlog=512)
         port = server.getsockname()[1]
-        self._accept = AcceptLoop(server, self.server_class(self).serve, name=f"mpcomm-tcp-{port}",
+        serving = self.server_class(self)
+        self._accept = AcceptLoop(server, serving.serve, name=f"mpcomm-tcp-{port}",
                                   max_total=int(o["max_connections"]),
                                   max_per_peer=int(o["max_connections_per_peer"]), log=self.log).start()
-        return {"port": port, "idle_timeout_ms": int(o["idle_timeout_ms"]), "max_batch": int(o["max_batch"]),
+        info = {"port": port, "idle_timeout_ms": int(o["idle_timeout_ms"]), "max_batch": int(o["max_batch"]),
                 "proto": wire.VERSION, "tls": self.tls_server is not None}
+        # Every connection is served by the native loop: it takes NOTIFY frames into the queue
+        # the engine adopts (notification_queue); peers then send notifications here that way.
+        self._notes = self.dataport.notes if self.dataport is not None and serving.native is not None else None
+        if self._notes is not None:
+            info["notify"] = True
+        return info
+
+    def notification_queue(self) -> Any:
+        """The native data port's notification queue (dataport.py), when it serves every connection."""
+        return getattr(self, "_notes", None)
 
     def register(self, region: Any) -> dict[str, Any] | None:
         """Publish ``region`` in the native table (only host regions peers can name are there:
@@ -355,6 +372,42 @@ class TcpTransport(Transport):
             group.fail(err, indices=bad, confirmed=confirmed)
 
         return report
+
+    def notify(self, peer: PeerInfo, remote: Any, data: bytes, deadline: float) -> bool:
+        """A NOTIFY frame on a data connection, where the peer's native data port takes them.
+
+        The target queues it and answers without its interpreter; a refusal
+        (queue full, over its limits) raises as the control channel's would.
+        """
+        info = peer.transports.get(self.name) or {}
+        if self.closed or not info.get("notify") or not self.reach(peer):
+            return False
+        pool = self._pool(peer, remote.address)
+        name = str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
+        rid = next_id()
+        left = max(deadline - time.monotonic(), 0.0)
+        head = memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_NOTIFY, 0, len(name), rid, 0, 0, 0, 0, len(data),
+                                        time.time() + left))
+        done = threading.Event()
+        outcome: list[BaseException | None] = []
+
+        def report(err: BaseException | None, _status: Any, _confirmed: bool) -> None:
+            outcome.append(err)
+            done.set()
+
+        views = [v for v in (head, memoryview(name), memoryview(data)) if v.nbytes]
+        piece = Piece(rid, False, views, [], report, 0, len(data))
+        self._submit(pool, pool.pick(1)[0], piece, True)
+        conn = piece.conn
+        if conn is not None:
+            conn.drive(piece, deadline)  # read the reply on this thread when it is there
+        if not done.wait(max(deadline - time.monotonic(), 0.0)):
+            if conn is not None:
+                conn.abort(piece)
+            raise TransferTimeout(f"{pool.where}: the target did not take the notification within its deadline")
+        if outcome[0] is not None:
+            raise outcome[0]
+        return True
 
     def drive(self, op: Any, until: float) -> None:
         """Read the replies of ``op``'s frames on the ``result()`` caller's thread (see Conn.drive).

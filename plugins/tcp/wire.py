@@ -19,6 +19,10 @@ that names its request id.
            op WRITEV/READV (one frame for ``count`` requests into one region): ``offset`` is 0,
            ``length`` the sum of the lengths; then ``count`` remote offsets and ``count`` lengths
            (int64 little-endian each); then, for WRITEV, the payloads one after the other
+           op NOTIFY (native data port only, advertised as ``"notify"``): ``count`` bytes of the
+           region name (UTF-8, at most MAX_NOTE_REGION) then ``length`` notification bytes (at most
+           MAX_NOTIFY; a larger ``count``/``length`` closes the connection); region_id, token,
+           epoch and offset are 0. Queued in the target's notification queue; replied OK or ERR
     REPLY  magic "MR" | status B | flags B | count I | req_id Q | length Q                     (24 bytes)
            status OK:      READ/READV: ``length`` payload bytes follow (READV: every index, in order)
            status ERR:     the whole request was refused; ``length`` bytes of JSON {code, message}
@@ -46,7 +50,8 @@ REQ = struct.Struct("!2sBBIQQQQQQd")
 RESP = struct.Struct("!2sBBIQQ")
 JSON_LEN = struct.Struct("!I")
 HELLO_MAGIC, REQ_MAGIC, RESP_MAGIC = b"MH", b"MQ", b"MR"
-OP_WRITE, OP_READ, OP_WRITEV, OP_READV = 1, 2, 3, 4
+OP_WRITE, OP_READ, OP_WRITEV, OP_READV, OP_NOTIFY = 1, 2, 3, 4, 5
+MAX_NOTE_REGION = 1024  # region-name bytes of a NOTIFY frame (_dataport.c)
 ST_OK, ST_ERR, ST_PARTIAL = 0, 1, 2
 MAX_ERROR_PAYLOAD = 64 << 10
 LITTLE = sys.byteorder == "little"

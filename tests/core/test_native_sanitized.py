@@ -11,7 +11,8 @@ reported) and that the sanitized builds are the ones loaded; then the native-pat
 and Python bound lanes (tests/core/test_fastlane.py), the copy loops (tests/shm/test_copyloop.py,
 tests/regressions/test_native_path.py), the differential lane test over shm and tcp
 (tests/core/test_lane_agreement.py) and tcp's native data port (tests/tcp/test_tcp_native_port.py:
-its in-process table and server tests; the targets it starts as subprocesses load the installed
+its in-process table and server tests; the in-process notification tests of
+tests/tcp/test_tcp_notify_native.py; the targets it starts as subprocesses load the installed
 build). Bounded at about a minute here; skipped, saying why, without
 gcc's libasan.
 """
@@ -63,6 +64,11 @@ TESTS = [
     "tests/regressions/test_native_path.py::test_a_batch_value_outside_int64_is_out_of_bounds",
     "tests/core/test_lane_agreement.py",
     "tests/tcp/test_tcp_native_port.py",
+    "tests/tcp/test_tcp_notify_native.py::test_the_native_queue_bounds_count_and_bytes_without_wrapping",
+    "tests/tcp/test_tcp_notify_native.py::test_the_native_queue_holds_notes_for_the_callbacks_in_order",
+    "tests/tcp/test_tcp_notify_native.py::test_a_full_queue_is_a_retryable_back_pressure_error_and_draining_makes_room",
+    "tests/tcp/test_tcp_notify_native.py::test_the_control_channel_and_the_data_port_fill_one_queue",
+    "tests/tcp/test_tcp_notify_native.py::test_generated_notify_frames_get_an_answer_or_a_closed_connection",
 ]
 
 
