@@ -120,7 +120,9 @@ def check_completion_on_waiter(make_env: Callable[[], Any], *, remote_name: str 
     engine starts is seen. Cases, each a write then a read, checked for data:
     single requests of ``size`` bytes (and of ``large`` bytes, when given:
     e.g. past a transport's inline threshold), ``write_many``/``read_many``
-    of ``batch`` pieces, and ``submit`` of ``batch`` requests.
+    of ``batch`` pieces, ``submit`` of ``batch`` requests, and ``submit`` of
+    requests to two remote regions (two groups in one batch; the target has
+    ``alloc`` and ``buf``, as the kit's target does).
     """
     from mpcomm import Request
     from mpcomm.testing.patterns import pattern
@@ -160,6 +162,12 @@ def check_completion_on_waiter(make_env: Callable[[], Any], *, remote_name: str 
             waiter_only(threads, f"submit of {batch} writes", lambda: eng.submit(reqs).result())
             reqs = [Request("read", dst, remote, o, size, local_offset=o) for o in offs]
             waiter_only(threads, f"submit of {batch} reads", lambda: eng.submit(reqs).result())
+            # Two remote regions: two groups in one batch, each driven in turn.
+            other = env.remote("alloc" if remote_name != "alloc" else "buf")
+            eng.submit([Request("write", src, other, 0, size)]).result()  # warm-up of that region
+            reqs = [Request("write", src, r, o, size, local_offset=o) for o in offs for r in (remote, other)]
+            waiter_only(threads, f"submit of {2 * batch} writes to two regions",
+                        lambda: eng.submit(reqs).result())
         finally:
             threads.uninstall()
             env.close()

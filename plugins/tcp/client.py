@@ -121,13 +121,14 @@ class Conn:
         self.driving = False  # a caller is reading replies in drive()
         #: The last replies were read by a driver: the reader leaves new requests to
         #: the driver expected next, and takes them over after HANDOFF.
-        #: (It starts set: a reply the first caller would drive is not snatched by the reader.)
-        self.sticky = True
+        #: (It starts set where a caller can drive, not TLS: a reply the first caller would drive
+        #: is not snatched by the reader.)
+        self.sticky = pool.tls is None
         self.driven = 0  # replies a driver read (diagnostics and tests)
         #: Replies the reader took in a row after leaving them to a driver for HANDOFF.
         self.undriven = 0
         #: [driving, sticky] for the reader's native wait (busypoll.await_reply), under ``lock``.
-        self._flags = array("i", (0, 1))
+        self._flags = array("i", (0, int(self.sticky)))
         threading.Thread(target=self._writer, name=f"mpcomm-tcp-w-{pool.where}", daemon=True).start()
 
     # -- the posting side ----------------------------------------------------------------
