@@ -21,8 +21,9 @@ thread, which also runs the callbacks. No callback runs on a transport's
 thread, on the deadline timer or under a lock, so a callback may submit more
 transfers and wait on them with ``result()``. ``result()`` itself wakes as
 soon as the transport reported (one thread hop, not two); a transport that
-implements :meth:`~mpcomm.Transport.drive` (tcp) may report on the waiting
-thread itself, with no hop at all.
+implements :meth:`~mpcomm.Transport.drive` (tcp, shm) reports on the waiting
+thread itself, with no hop at all: the outcome reaches a waiter with no
+other Python thread scheduled (docs/contract.md, "What a waiter gets").
 
 **Timeouts.** Every request has a deadline (``runtime.request_timeout_ms``
 unless given). When it passes, the engine asks the transport to abort; the

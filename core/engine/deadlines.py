@@ -52,7 +52,7 @@ class DeadlineTimer:
             elif when < self._wakes_at:
                 # Only a deadline earlier than the one the thread sleeps towards wakes it: most
                 # requests end long before theirs, and a wake-up here would run Python on this
-                # thread while the request's caller waits in result() (docs/concepts.md).
+                # thread while the request's caller waits in result() (docs/contract.md).
                 self._cond.notify()
         return entry
 
