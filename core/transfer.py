@@ -21,8 +21,9 @@ thread, which also runs the callbacks. No callback runs on a transport's
 thread, on the deadline timer or under a lock, so a callback may submit more
 transfers and wait on them with ``result()``. ``result()`` itself wakes as
 soon as the transport reported (one thread hop, not two); a transport that
-implements :meth:`~mpcomm.Transport.drive` (tcp) may report on the waiting
-thread itself, with no hop at all.
+implements :meth:`~mpcomm.Transport.drive` (tcp, shm) reports on the waiting
+thread itself, with no hop at all: the outcome reaches a waiter with no
+other Python thread scheduled (docs/contract.md, "What a waiter gets").
 
 **Timeouts.** Every request has a deadline (``runtime.request_timeout_ms``
 unless given). When it passes, the engine asks the transport to abort; the
@@ -266,17 +267,20 @@ class Transfer(Future):  # type: ignore[type-arg]
         with self._lock:
             self._waiters_n += 1
         try:
-            op = self._op
-            t = getattr(op, "transport", None)
-            if getattr(type(t), "drive", Transport.drive) is not Transport.drive and timeout != 0:
+            end = None if timeout is None else time.monotonic() + max(timeout, 0)
+            for op in self._driven() if timeout != 0 else ():
+                t = getattr(op, "transport", None)
+                if getattr(type(t), "drive", Transport.drive) is Transport.drive or op.done:
+                    continue
                 # Counted as a waiter first, so a report made by this very call leaves the settling here.
-                end = None if timeout is None else time.monotonic() + max(timeout, 0)
                 try:
                     t.drive(op, math.inf if end is None else end)
                 except Exception:  # noqa: BLE001 - the caller still waits the usual way
                     log.exception("transport %s failed in drive()", t.name)
-                if end is not None:
-                    timeout = max(end - time.monotonic(), 0)
+                if self._outcome is not None or (end is not None and time.monotonic() >= end):
+                    break
+            if end is not None:
+                timeout = max(end - time.monotonic(), 0)
             # The outcome is in (the usual end of a drive): the wake lock is released already.
             if self._outcome is None and self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
                 self._wake.release()  # pass it on to the next waiter
@@ -295,6 +299,10 @@ class Transfer(Future):  # type: ignore[type-arg]
         # No report in time. A handle no engine owns (or one settled another
         # way, e.g. cancel()) may still be resolved through the Future itself.
         return 0 if self._dispatch is not None else timeout
+
+    def _driven(self) -> tuple[Any, ...]:
+        """The posted units a waiter may drive (Transport.drive): this request's own."""
+        return () if self._op is None else (self._op,)
 
     def _leave_to_waiter(self) -> bool:
         """Engine, after :meth:`_record`: True when a ``result()`` waiter will settle this handle.
@@ -676,6 +684,10 @@ class Batch(Transfer):
 
     def cancel(self, timeout: float | None = 0) -> bool:  # type: ignore[override]
         return super().cancel(timeout)
+
+    def _driven(self) -> tuple[Any, ...]:
+        # Every part (a group or a lone request), each on its own transport and connections.
+        return tuple(part for _, part in self._parts)
 
 
 def _status_of(err: BaseException | None) -> TransferStatus:

@@ -748,7 +748,10 @@ class Transport:
         ``until``, never wait on another operation, never leave a half-read
         frame behind, and never raise (an exception is logged and ignored).
         Reports of other operations made on the way are allowed. The default
-        returns at once.
+        returns at once. With it, a waiter's outcome reaches it with no other
+        Python thread scheduled (docs/contract.md, "What a waiter gets";
+        ``python -m mpcomm.testing.completion NAME REGION`` checks it): tcp reads
+        its reply frames here, shm runs the copies nobody started yet.
         """
 
     def abort(self, op: Operation | OperationGroup) -> None:

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpcomm import Engine, Region, RemoteRegion, Request, Transfer
+from mpcomm import Batch, Engine, Region, RemoteRegion, Request, Transfer
 from mpcomm.errors import AccessError, MpcommError, PeerConnectionError, StaleRegionError
 from mpcomm.wire import loads_bounded
 
@@ -667,12 +667,13 @@ class Provider:
         return batch
 
     def issue_vector(self, kind: str, host_id: str, local_addrs: Sequence[int], remote_addrs: Sequence[int],
-                     lengths: Sequence[int], timeout: float | None = None) -> Transfer:
+                     lengths: Sequence[int], timeout: float | None = None, *, watch: bool = True) -> Transfer:
         """N requests to one host as one handle (Mooncake's batch calls).
 
         When every piece lies in one local and one remote range this is one
         ``Engine.write_many``/``read_many`` (one lease, one slot, one posting);
         otherwise one ``Engine.submit``. Every piece is checked before any is posted.
+        ``watch`` as for :meth:`issue`: a caller that waits passes False and calls :meth:`settled`.
         """
         eng = self._engine()
         n = len(local_addrs)
@@ -701,21 +702,22 @@ class Provider:
                 with host.lock:
                     self._refresh(host)
                 continue
-            self._watch_batch(batch, [host])
+            if watch:
+                self._watch_batch(batch, [host])
             return batch
         raise AssertionError("unreachable")
 
     def _watch_batch(self, batch: Transfer, hosts: Sequence[_Host]) -> None:
-        def done(b: Any) -> None:
-            if b.cancelled() or b.exception() is None:
-                return
-            errors = getattr(b, "errors", {}) or {}
-            for i, e in errors.items():
-                if isinstance(e, (PeerConnectionError, StaleRegionError)):
-                    # the next issue to that peer re-fetches its keys first
-                    self._stale(hosts[i if len(hosts) > 1 else 0])
+        batch.add_done_callback(lambda b: self._batch_outcome(hosts, b))
 
-        batch.add_done_callback(done)
+    def _batch_outcome(self, hosts: Sequence[_Host], b: Any) -> None:
+        if b.cancelled() or b.exception() is None:
+            return
+        errors = getattr(b, "errors", {}) or {}
+        for i, e in errors.items():
+            if isinstance(e, (PeerConnectionError, StaleRegionError)):
+                # the next issue to that peer re-fetches its keys first
+                self._stale(hosts[i if len(hosts) > 1 else 0])
 
     def _restarted(self, host: _Host) -> bool:
         """Whether the peer runs a new epoch (checked only on a refusal, one round trip)."""
@@ -727,9 +729,14 @@ class Provider:
         return host.directory is None or current.epoch != host.directory.epoch
 
     def settled(self, host_id: str, t: Transfer) -> None:
-        """``t`` (from ``issue(..., watch=False)``) is done: what its done-callback would have done."""
+        """``t`` (from ``issue``/``issue_vector(..., watch=False)``) is done: what its done-callback
+        would have done."""
         host = self._hosts.get(host_id)
-        if host is not None:
+        if host is None:
+            return
+        if isinstance(t, Batch):
+            self._batch_outcome([host], t)
+        else:
             self._watch(host, t)
 
     def _watch(self, host: _Host, t: Transfer) -> None:

@@ -429,7 +429,7 @@ class TransferEngine:
     def _submit(self, target: str, buffers: Sequence[int], peers: Sequence[int], lengths: Sequence[int],
                 opcode: int, *, waited: bool = False) -> Transfer:
         """Post the transfer. ``waited``: the caller waits for it and then calls ``self._p.settled``
-        for a single request (no done-callback on the engine's completion thread)."""
+        (no done-callback on the engine's completion thread)."""
         n = len(buffers)
         if n != len(peers) or n != len(lengths) or n == 0:
             raise codes.ProviderError(codes.ERR_INVALID_ARGUMENT, "buffers, peer addresses and lengths differ in size")
@@ -443,7 +443,7 @@ class TransferEngine:
         timeout = self._deadline(sum(sizes))
         if n == 1:
             return self._p.issue(kind, local[0], target, remote[0], sizes[0], timeout, watch=not waited)
-        return self._p.issue_vector(kind, target, local, remote, sizes, timeout)
+        return self._p.issue_vector(kind, target, local, remote, sizes, timeout, watch=not waited)
 
     def _wait(self, t: Transfer) -> int:
         try:
@@ -519,8 +519,7 @@ class TransferEngine:
             log.error("transfer to %s refused: %s", target_hostname, exc)
             return -1
         rc = self._wait(t)
-        if len(buffers) == 1:
-            self._p.settled(target_hostname, t)
+        self._p.settled(target_hostname, t)
         return rc or self._notify(target_hostname, notify)
 
     @_api(-1)

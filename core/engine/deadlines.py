@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,8 @@ class DeadlineTimer:
         self._closed = False
         self._name = name
         self._thread: threading.Thread | None = None
+        #: When the thread wakes next by itself (inf: only when notified); under _mutex.
+        self._wakes_at = -math.inf
 
     def schedule(self, when: float, fn: Callable[[], None]) -> list[Any]:
         """Run ``fn`` at monotonic time ``when``; returns a handle for :meth:`cancel`."""
@@ -46,7 +49,10 @@ class DeadlineTimer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            elif self._heap[0] is entry:
+            elif when < self._wakes_at:
+                # Only a deadline earlier than the one the thread sleeps towards wakes it: most
+                # requests end long before theirs, and a wake-up here would run Python on this
+                # thread while the request's caller waits in result() (docs/contract.md).
                 self._cond.notify()
         return entry
 
@@ -67,12 +73,16 @@ class DeadlineTimer:
             with self._cond:
                 while not self._closed:
                     if not self._heap:
+                        self._wakes_at = math.inf
                         self._cond.wait()
                         continue
-                    left = self._heap[0][0] - time.monotonic()
+                    when = self._heap[0][0]
+                    left = when - time.monotonic()
                     if left <= 0:
                         break
+                    self._wakes_at = when
                     self._cond.wait(left)
+                self._wakes_at = -math.inf  # awake: it looks at the heap before it sleeps again
                 if self._closed:
                     return
                 entry = heapq.heappop(self._heap)

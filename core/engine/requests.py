@@ -1452,13 +1452,17 @@ class Pipeline:
             _statuses, errors, lengths = batch._index_state()
             error = errors[min(errors)] if errors else None
             total = sum(lengths)
-        batch._on_settled = _settle_members
+        if any(isinstance(p, OperationGroup) and p.member_handles for _, p in batch._parts):
+            # Per-request handles exist (batch.transfers): their callbacks run on the completion thread.
+            batch._on_settled = _settle_members
         if not batch._record(error, total):
             return
         with batch._lock:
             if batch._posting or batch.__dict__.get("_handed", False):
                 return
             batch._handed = True
+        if batch._dispatch is self.dispatch and batch._leave_to_waiter():
+            return  # the thread blocked in result() settles it: no completion-thread hop
         batch._dispatch.push(batch)
 
     def _deliver_inline(self, handle: Transfer, settle: Any) -> None:

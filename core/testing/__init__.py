@@ -36,6 +36,16 @@ from .kit import (
 from .patterns import pattern
 
 __all__ = [
-    "CHECKS", "CheckResult", "ConformanceEnv", "LineProcess", "Report", "Skip", "TargetProcess", "pattern",
-    "plugin_module", "run_conformance",
+    "CHECKS", "CheckResult", "ConformanceEnv", "LineProcess", "PythonThreads", "Report", "Skip", "TargetProcess",
+    "check_completion_on_waiter", "pattern", "plugin_module", "run_conformance",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The completion check is imported on first use: ``python -m mpcomm.testing.completion``
+    # must find that module not imported yet.
+    if name in ("PythonThreads", "check_completion_on_waiter"):
+        from . import completion
+
+        return getattr(completion, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MP_ABI 3
+#define MP_ABI 4
 #define MP_IOV 1024 /* IOV_MAX on Linux */
 
 int mp_abi(void) { return MP_ABI; }
@@ -214,6 +214,55 @@ int64_t mp_share_config(int64_t min_bytes, int64_t spin_ns) {
     STORE(share_min, min_bytes < 0 ? 0 : min_bytes);
     STORE(share_spin_ns, spin_ns < 0 ? 0 : spin_ns);
     return LOAD(share_min);
+}
+
+/* Posted copies a result() caller may claim (plugins/shm/_posted.py).
+ *
+ * A copy the shm transport hands off (past inline_threshold) waits in a slot of a ring
+ * the Python side owns: states[k] (0 free, the job's id > 0 while it waits, < 0 once
+ * claimed) and dues[k] (CLOCK_MONOTONIC ns from which a worker may take it). A thread that
+ * waits in result() claims it (mp_posted_claim) and copies on its own thread; otherwise a
+ * worker blocked here without the GIL takes it once due. A claim is a compare-and-swap of
+ * the job's own id, so each job runs exactly once, and a slot reused by a later job is never
+ * claimed by an earlier job's waiter. Nothing here allocates. */
+static inline int64_t cas64(int64_t *p, int64_t expect, int64_t to) {
+    return __atomic_compare_exchange_n(p, &expect, to, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
+/* A waiter's claim: 1 when it took job `id` (which then runs on the caller's thread). */
+int64_t mp_posted_claim(int64_t *state, int64_t id) { return id > 0 && cas64(state, id, -1); }
+
+/* A new job was published (or the ring is closing): wake one sleeping worker. */
+int64_t mp_posted_kick(int32_t *seq) {
+    __atomic_add_fetch(seq, 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, seq, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    return 0;
+}
+
+/* A worker: the slot of a due job it took (marked -2), or -1 after max_ns with none. */
+int64_t mp_posted_take(int64_t *states, int64_t *dues, int64_t k, int32_t *seq, int64_t max_ns) {
+    long long end = mono_ns() + (max_ns < 0 ? 0 : max_ns);
+    for (;;) {
+        int32_t s = __atomic_load_n(seq, __ATOMIC_SEQ_CST);
+        long long now = mono_ns(), next = end;
+        for (int64_t i = 0; i < k; i++) {
+            int64_t id = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
+            if (id <= 0)
+                continue;
+            int64_t due = __atomic_load_n(&dues[i], __ATOMIC_ACQUIRE);
+            if (due <= now) {
+                if (cas64(&states[i], id, -2))
+                    return i;
+            } else if (due < next) {
+                next = due;
+            }
+        }
+        if (now >= end)
+            return -1;
+        long long rel = next - now;
+        struct timespec ts = {rel / 1000000000LL, rel % 1000000000LL};
+        syscall(SYS_futex, seq, FUTEX_WAIT_PRIVATE, s, &ts, NULL, 0);
+    }
 }
 
 /* One contiguous copy, then the owner's liveness. */

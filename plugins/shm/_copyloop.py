@@ -42,7 +42,7 @@ from . import _native
 
 log = logging.getLogger("mpcomm.transport.shm")
 
-ABI = 3
+ABI = 4
 MODULE = "mpcomm.plugins.shm._mpcomm_copyloop"
 _ENV = "MPCOMM_SHM_NATIVE"
 
@@ -191,6 +191,10 @@ class NativeLoop(CopyLoop):
         self._copy_many = fn("mp_copy_many", vp, i64, vp, vp, i64, vp, vp, i64, i64, i64, ci)
         self._cma_many = fn("mp_cma_many", ci, ci, vp, i64, vp, vp, i64, vp, vp, i64, i64, i64, ci)
         self._share = fn("mp_share_config", i64, i64)
+        #: Posted copies (see _posted.py): ctypes calls, so each releases the GIL.
+        self.posted_claim = fn("mp_posted_claim", vp, i64)
+        self.posted_kick = fn("mp_posted_kick", vp)
+        self.posted_take = fn("mp_posted_take", vp, vp, i64, vp, i64)
         if module is not None:
             # The same C functions without ctypes' argument conversion: the single-request path.
             self.copy = module.copy  # type: ignore[method-assign]

@@ -112,7 +112,7 @@ from mpcomm.memory import check_allocatable
 from mpcomm.peer import PeerInfo, same_host
 from mpcomm.wire import NOSIGNAL, loads_bounded, sendall
 
-from . import _copyloop, _native
+from . import _copyloop, _native, _posted
 
 if TYPE_CHECKING:
     from mpcomm import Operation
@@ -126,6 +126,7 @@ _MAX_REVOKED = 4096  # revoked (epoch, region id) pairs remembered for a clear e
 _FD_CLIENTS = 64  # fd-socket clients served at once
 _FD_TIMEOUT = 1.0  # seconds an fd-socket client gets per step (one recv, one send: an initiator sends at once)
 _SMALL = 64 << 10  # single requests up to this size copy under the mapping's lock (one lock, no counter)
+_CLAIM_WINDOW = 50e-6  # seconds a posted copy waits for its result() caller before a worker takes it
 
 
 @dataclass(eq=False)
@@ -249,6 +250,8 @@ class _Pieces:
     mapping: _Mapping
     lock: threading.Lock = field(default_factory=threading.Lock)
     error: BaseException | None = None
+    #: Pieces waiting for a result() caller to claim them (_posted.py).
+    jobs: list[Any] = field(default_factory=list)
 
 
 class ShmTransport(Transport):
@@ -324,6 +327,10 @@ class ShmTransport(Transport):
         if len(self._node_cpus) < 2:
             self._node_cpus = {}
         self._near: dict[int, ThreadPoolExecutor] = {}
+        # Copies past inline_threshold wait for the result() caller to claim them (drive), with
+        # the compiled loop on a one-node host (NUMA hosts copy on threads pinned near the memory).
+        self._posted = _posted.PostedCopies(self._loop, self._stripes, _CLAIM_WINDOW, self.log) \
+            if self._loop.native and not self._node_cpus else None
 
     @classmethod
     def availability(cls) -> Availability:
@@ -1096,6 +1103,8 @@ class ShmTransport(Transport):
         st = _Pieces(left=len(starts), mapping=m)
         op.state = st
         submit = self._workers(m.numa if write else op.local.numa_node).submit
+        if posting and self._posted is not None:
+            submit = self._claimable(st.jobs, submit)
         # Striped: the workers take all pieces but the first, which the caller
         # copies itself (one thread hop less; the caller's core is not idle).
         inline_first = len(starts) > 1 and self._caller_stripes
@@ -1153,10 +1162,42 @@ class ShmTransport(Transport):
             self._run_many(g, m, write)
             return
         try:
-            self._workers(m.numa if write else g.local.numa_node).submit(self._run_many, g, m, write)
+            submit = self._workers(m.numa if write else g.local.numa_node).submit
+            if self._posted is not None:
+                g.state = []
+                submit = self._claimable(g.state, submit)
+            submit(self._run_many, g, m, write)
         except RuntimeError as exc:  # the executor is shut down
             m.exit()
             raise EngineClosedError(f"cannot schedule the shm batch: {exc}") from exc
+
+    def _claimable(self, jobs: list[Any], fallback: Any) -> Any:
+        """A submit that leaves each copy for the result() caller to claim (``jobs``), else ``fallback``."""
+        posted = self._posted
+        assert posted is not None
+
+        def submit(fn: Any, *args: Any) -> None:
+            job = posted.post(fn, *args)
+            if job is None:
+                fallback(fn, *args)  # no free slot: the engine's workers, as before
+            else:
+                jobs.append(job)
+        return submit
+
+    def drive(self, op: Any, until: float) -> None:
+        """The result() caller runs the posted copies of ``op`` nobody started yet, one at a time, on
+        its own thread (GIL released in the copy loop); a piece a worker took meanwhile is left to it
+        (a striped copy keeps its parallel pieces). See _posted.py."""
+        st = op.state
+        jobs = st.jobs if isinstance(st, _Pieces) else st if isinstance(st, list) else None
+        posted = self._posted
+        if not jobs or posted is None:
+            return
+        for job in list(jobs):
+            if time.monotonic() >= until:
+                return
+            if posted.claim(job):
+                job.run()
 
     def _run_many(self, g: OperationGroup, m: _Mapping, write: bool) -> None:
         """Copy the group ``chunk`` bytes per native call; indices done before a failure complete."""
@@ -1326,6 +1367,8 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         self._closed = True
+        if self._posted is not None:
+            self._posted.close()  # its workers still run the copies that wait (they see the abort)
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)

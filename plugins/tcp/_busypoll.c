@@ -12,7 +12,7 @@
 #include <sched.h>
 #include <time.h>
 
-int mpcomm_tcp_abi(void) { return 2; }
+int mpcomm_tcp_abi(void) { return 3; }
 
 static long long now_ns(void) {
     struct timespec t;
@@ -167,7 +167,7 @@ static uint64_t be64(const unsigned char *p) {
 /* next_reply(fd, spin_ns, wait_ms, max_len, head) -> 1 a reply header is in head (consumed; its
  * body, if any, is whole in the socket buffer), 0 nothing yet, 2 a reply only partly there,
  * 3 not for a driver: the end of the connection, an error, or a header that is not a whole
- * OK/ERR reply of at most max_len body bytes (the reader thread deals with it).
+ * OK/ERR/PARTIAL reply of at most max_len body bytes (the reader thread deals with it).
  *
  * Waits by polling up to spin_ns (when a poller slot is free), else up to wait_ms in poll(). */
 static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -198,7 +198,7 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
             r = 3;
         else if (got < RESP_SIZE)
             r = 2;
-        else if (h[0] != 'M' || h[1] != 'R' || h[2] > 1 || be64(h + 16) > (uint64_t)(a[3] < 0 ? 0 : a[3]))
+        else if (h[0] != 'M' || h[1] != 'R' || h[2] > 2 || be64(h + 16) > (uint64_t)(a[3] < 0 ? 0 : a[3]))
             r = 3;
         else {
             uint64_t length = be64(h + 16);
@@ -216,7 +216,126 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(r);
 }
 
+/* await_reply(fd, flags, handoff_ns, idle_ns, max_ms) -> 1 a reply is there for the reader thread,
+ * 0 not yet (max_ms passed: the caller looks at its connection and comes back), 3 the connection
+ * ended or failed (the reader meets it).
+ *
+ * The initiator's reader thread waits here, without the GIL, instead of on a Python condition
+ * that every submit would notify: a reply a result() caller reads itself (a driver) then costs
+ * no Python on this thread (docs/contract.md, "What a waiter gets"). flags is the connection's
+ * array('i') [driving, sticky], written by Python under the connection's lock:
+ *   driving: a driver reads replies now;
+ *   sticky:  the last replies were read by a driver, so the next ones are left to a driver;
+ *   neither: a reply is the reader's at once (it waits in poll() on the socket).
+ * With either set this thread does not watch the socket (its wake-up at every reply would
+ * compete with the driver for a CPU): it looks every handoff_ns and takes a reply it found
+ * there, undriven, at two looks in a row. After idle_ns with nothing there it sleeps in poll()
+ * until bytes come, and then looks as before. */
+static int readable_now(int fd) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int n = poll(&p, 1, 0);
+    if (n < 0)
+        return errno == EINTR ? 0 : -1;
+    if (n == 0)
+        return 0;
+    if (p.revents & (POLLERR | POLLNVAL))
+        return -1;
+    char c;
+    ssize_t got = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (got == 0)
+        return -1; /* the end of the stream */
+    if (got < 0)
+        return (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : -1;
+    return 1;
+}
+
+static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long a[5];
+    Py_buffer flags;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "await_reply(fd, flags, handoff_ns, idle_ns, max_ms) takes 5 arguments");
+        return NULL;
+    }
+    if (int_args(args, 1, a) < 0 || int_args(args + 2, 3, a + 2) < 0 || writable(args[1], &flags, 2 * sizeof(int)) < 0)
+        return NULL;
+    int fd = (int)a[0], r = 0;
+    const int *f = flags.buf;
+    long long handoff = a[2] < 1000 ? 1000 : a[2], idle = a[3] < 0 ? 0 : a[3];
+    long long max_ms = a[4] < 0 ? 0 : (a[4] > 1 << 30 ? 1 << 30 : a[4]);
+    Py_BEGIN_ALLOW_THREADS
+    long long end = now_ns() + max_ms * 1000000LL, quiet = 0;
+    int seen = 0;
+    for (;;) {
+        long long t = now_ns();
+        if (t >= end)
+            break;
+        if (!__atomic_load_n(&f[0], __ATOMIC_ACQUIRE) && !__atomic_load_n(&f[1], __ATOMIC_ACQUIRE)) {
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            long long ms = (end - t + 999999) / 1000000;
+            int n = poll(&p, 1, (int)(ms > 1 << 30 ? 1 << 30 : ms));
+            if (n < 0 && errno != EINTR) {
+                r = 3;
+                break;
+            }
+            if (n > 0) {
+                int k = readable_now(fd);
+                if (k < 0) {
+                    r = 3;
+                    break;
+                }
+                if (k > 0 && !__atomic_load_n(&f[0], __ATOMIC_ACQUIRE) && !__atomic_load_n(&f[1], __ATOMIC_ACQUIRE)) {
+                    r = 1;
+                    break;
+                }
+            }
+            continue;
+        }
+        if (quiet >= idle) { /* nothing for a while: asleep until bytes come */
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            long long ms = (end - t + 999999) / 1000000;
+            int n = poll(&p, 1, (int)(ms > 1 << 30 ? 1 << 30 : ms));
+            if (n < 0 && errno != EINTR) {
+                r = 3;
+                break;
+            }
+            quiet = 0;
+            seen = 0;
+            if (n == 0)
+                continue;
+        }
+        struct timespec ts = {handoff / 1000000000LL, handoff % 1000000000LL};
+        nanosleep(&ts, NULL);
+        if (__atomic_load_n(&f[0], __ATOMIC_ACQUIRE)) {
+            seen = 0; /* a driver reads: its replies */
+            quiet = 0;
+            continue;
+        }
+        int k = readable_now(fd);
+        if (k < 0) {
+            r = 3;
+            break;
+        }
+        if (k == 0) {
+            seen = 0;
+            quiet += handoff;
+            continue;
+        }
+        quiet = 0;
+        if (seen) { /* there at two looks in a row, nobody drove it */
+            r = 1;
+            break;
+        }
+        seen = 1;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&flags);
+    return PyLong_FromLong(r);
+}
+
 static PyMethodDef mp_methods[] = {
+    {"await_reply", (PyCFunction)(void (*)(void))py_await_reply, METH_FASTCALL,
+     "the reader thread's wait for a reply no driver takes"},
     {"spin_readable", (PyCFunction)(void (*)(void))py_spin_readable, METH_FASTCALL,
      "poll fd for readability without sleeping, up to budget_ns"},
     {"set_spin_limit", (PyCFunction)(void (*)(void))py_set_spin_limit, METH_FASTCALL,
@@ -233,7 +352,7 @@ static struct PyModuleDef mp_module = {PyModuleDef_HEAD_INIT, "_mpcomm_busypoll"
 
 PyMODINIT_FUNC PyInit__mpcomm_busypoll(void) {
     PyObject *m = PyModule_Create(&mp_module);
-    if (m != NULL && PyModule_AddIntConstant(m, "ABI", 2) < 0) {
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI", 3) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -35,7 +35,7 @@ from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.tcp")
 
-ABI = 2
+ABI = 3
 MODULE = "mpcomm.plugins.tcp._mpcomm_busypoll"
 _ENV = "MPCOMM_TCP_BUSY_POLL"
 _ENV_WAITS = "MPCOMM_TCP_NATIVE_WAITS"  # 0: the Python twins of next_request/next_reply (diagnostics, tests)
@@ -51,6 +51,11 @@ next_reply: Callable[[int, int, int, int, bytearray], int] | None = None
 #: next_reply's answers: nothing yet, a whole reply's header in ``head``, a reply partly there,
 #: not one for a driver (the reader thread takes it).
 REPLY_NONE, REPLY_GOT, REPLY_SHORT, REPLY_LEAVE = 0, 1, 2, 3
+#: ``await_reply(fd, flags, handoff_ns, idle_ns, max_ms) -> AWAIT_*`` (see _busypoll.c): the initiator's
+#: reader thread waits there without the GIL, so a reply its result() caller reads itself wakes
+#: no Python on that thread. None: the reader waits on its condition (the Python twin).
+await_reply: Callable[[int, Any, int, int, int], int] | None = None
+AWAIT_NONE, AWAIT_REPLY, AWAIT_END = 0, 1, 3
 #: Why busy-polling is or is not available (shown in the transport's availability).
 reason = "not loaded yet"
 
@@ -62,7 +67,7 @@ def limit() -> int:
 
 def load() -> Callable[[int, int], int] | None:
     """The compiled ``spin_readable(fd, budget_ns)``, or None (see :data:`reason`)."""
-    global _spin, _tried, reason, _module, next_request, next_reply
+    global _spin, _tried, reason, _module, next_request, next_reply, await_reply
     with _lock:
         if _tried:
             return _spin
@@ -83,6 +88,7 @@ def load() -> Callable[[int, int], int] | None:
         _spin = h.module.spin_readable
         if os.environ.get(_ENV_WAITS, "1") != "0":
             next_request, next_reply = h.module.next_request, h.module.next_reply
+            await_reply = h.module.await_reply
         reason = f"compiled helper ({h.path})"
         return _spin
 

@@ -48,6 +48,7 @@ import struct
 import termios
 import threading
 import time
+from array import array
 from typing import Any
 
 from mpcomm.auth import client_authenticate
@@ -68,6 +69,8 @@ HANDOFF = 0.001
 STICKY_IDLE = 0.01
 _DRIVE_SLICE = 0.05  # a driver rechecks its request at least this often (another thread may report it)
 _DRIVE_MAX = 256 << 10  # replies larger than this are left to the reader thread
+_UNDRIVEN = 4  # replies nobody drove, in a row, after which the reader reads at once again
+_REPARK_MS = 5000  # the reader's native wait returns this often to look at its connection (a shut socket wakes it at once)
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
 QUEUED, SENDING, SENT, RECEIVING, DONE = range(5)
@@ -118,8 +121,14 @@ class Conn:
         self.driving = False  # a caller is reading replies in drive()
         #: The last replies were read by a driver: the reader leaves new requests to
         #: the driver expected next, and takes them over after HANDOFF.
-        self.sticky = False
+        #: (It starts set where a caller can drive, not TLS: a reply the first caller would drive
+        #: is not snatched by the reader.)
+        self.sticky = pool.tls is None
         self.driven = 0  # replies a driver read (diagnostics and tests)
+        #: Replies the reader took in a row after leaving them to a driver for HANDOFF.
+        self.undriven = 0
+        #: [driving, sticky] for the reader's native wait (busypoll.await_reply), under ``lock``.
+        self._flags = array("i", (0, int(self.sticky)))
         threading.Thread(target=self._writer, name=f"mpcomm-tcp-w-{pool.where}", daemon=True).start()
 
     # -- the posting side ----------------------------------------------------------------
@@ -347,6 +356,9 @@ class Conn:
 
     def _wait_turn(self) -> None:
         """Reader: wait until replies are due and no driver reads them (or the connection ended)."""
+        if busypoll.await_reply is not None and self.pool.tls is None:
+            self._await_turn()
+            return
         with self.lock:
             while not self.broken:
                 if self.driving:
@@ -374,6 +386,35 @@ class Conn:
                     continue
                 self.rcv.wait(HANDOFF)
             self.reading = True
+
+    def _await_turn(self) -> None:
+        """Reader, with the compiled wait: asleep outside Python until a reply no driver takes is there.
+
+        Nothing wakes this thread per request (submit's notify finds nobody on ``rcv``): a
+        reply read by its ``result()`` caller (``drive``) costs no Python here. A reply is
+        taken at once, or, after a driver read the last ones (sticky), once it sat unread
+        for HANDOFF; the thread looks at the connection every ``_REPARK`` seconds.
+        """
+        fd = self.sock.fileno()  # type: ignore[union-attr]
+        wait = busypoll.await_reply
+        handoff, idle = int(HANDOFF * 1e9), int(STICKY_IDLE * 1e9)
+        while True:
+            r = wait(fd, self._flags, handoff, idle, _REPARK_MS)
+            with self.lock:
+                if self.broken or r == busypoll.AWAIT_END:
+                    self.reading = True  # it meets the end and reports
+                    return
+                if r == busypoll.AWAIT_REPLY and not self.driving and self._idle_poll.poll(0):
+                    if self.sticky:
+                        # Nobody drove it within HANDOFF. A few in a row: nobody waits on this
+                        # connection's requests, so they are read at once again. (One alone is a
+                        # caller that lost its CPU between its submit and its result().)
+                        self.undriven += 1
+                        if self.undriven >= _UNDRIVEN:
+                            self.sticky = False
+                            self._flags[1] = 0
+                    self.reading = True  # a driver leaves the connection alone from now on
+                    return
 
     def _one_reply(self, sock: socket.socket, head: bytearray) -> None:
         """Handle the reply whose header is in ``head`` (its body is read from ``sock``)."""
@@ -405,12 +446,28 @@ class Conn:
         connection, a malformed header) is left to the reader thread, which
         takes over when this returns.
         """
+        sock = self.enter_drive(piece)
+        if sock is None:
+            return
+        try:
+            self.drive_entered(sock, piece, until)
+        finally:
+            self.leave_drive()
+
+    def enter_drive(self, piece: Piece) -> socket.socket | None:
+        """Take this connection's replies for a driver (the reader leaves them alone until
+        :meth:`leave_drive`); None when a driver cannot read here now."""
         with self.lock:
             sock = self.sock
             if (sock is None or self.broken or not self.ready or self.driving or self.reading
                     or piece.state == DONE or piece.conn is not self or self.pool.tls is not None):
-                return
+                return None
             self.driving = True
+            self._flags[0] = 1
+            return sock
+
+    def drive_entered(self, sock: socket.socket, piece: Piece, until: float) -> None:
+        """:meth:`drive` on a connection this thread entered (:meth:`enter_drive`)."""
         try:
             self._drive(sock, piece, until)
         except (OSError, MpcommError) as exc:
@@ -422,12 +479,16 @@ class Conn:
             with self.lock:
                 self._shut(socket.SHUT_RDWR)
             self._fail_all(err, reader_started=True)
-        finally:
-            with self.lock:
-                self.driving = False
-                self.sticky = not self.pending and not self.broken
-                if not self.sticky:
-                    self.rcv.notify()
+
+    def leave_drive(self) -> None:
+        """Hand the replies back: to the next driver (sticky) or, if some are due, to the reader."""
+        with self.lock:
+            self.driving = False
+            self.undriven = 0
+            self.sticky = not self.pending and not self.broken
+            self._flags[0], self._flags[1] = 0, self.sticky
+            if not self.sticky:
+                self.rcv.notify()
 
     def _drive(self, sock: socket.socket, piece: Piece, until: float) -> None:
         fd = sock.fileno()
@@ -448,6 +509,9 @@ class Conn:
                     self._one_reply(sock, head)
                     self.driven += 1
                 elif r == busypoll.REPLY_SHORT:
+                    if until == math.inf and self._take_arriving(sock, hv, head):
+                        short = None
+                        continue
                     short = now if short is None else short
                     if now - short > spin / 1e9:
                         return  # still arriving: the reader blocks for the rest, this thread need not
@@ -467,6 +531,9 @@ class Conn:
             if whole is None:
                 return  # not a reply this thread takes: the reader does
             if not whole:
+                if until == math.inf and self._take_arriving(sock, hv, head):
+                    short = None
+                    continue
                 short = now if short is None else short
                 if now - short > spin / 1e9:
                     return  # still arriving: the reader blocks for the rest, this thread need not
@@ -476,10 +543,29 @@ class Conn:
             self._one_reply(sock, head)
             self.driven += 1
 
+    def _take_arriving(self, sock: socket.socket, hv: memoryview, head: bytearray) -> bool:
+        """A driver with no time limit (``result()`` without a timeout) reads a reply that is still
+        arriving, as the reader thread would, instead of leaving it to that thread: the caller
+        waits for it either way, and a reply larger than the socket buffer never sits in it whole.
+        True once one reply was read; False (nothing consumed) when its header is not all there
+        yet or it is not a reply this thread takes."""
+        try:
+            got = sock.recv_into(hv, wire.RESP.size, _PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        magic, status, _flags, _count, _rid, _length = wire.RESP.unpack(head) if got == wire.RESP.size else (
+            b"", -1, 0, 0, 0, 0)
+        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR, wire.ST_PARTIAL):
+            return False
+        self._recv_exact(sock, hv)
+        self._one_reply(sock, head)  # blocks for the rest of the body, as the reader would
+        self.driven += 1
+        return True
+
     def _whole(self, fd: int, head: bytearray) -> bool | None:
         """Whether the reply whose header is ``head`` sits whole in the socket buffer; None: not for a driver."""
         magic, status, _flags, _count, _rid, length = wire.RESP.unpack(head)
-        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR) or length > _DRIVE_MAX:
+        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR, wire.ST_PARTIAL) or length > _DRIVE_MAX:
             return None
         if length == 0:
             return True

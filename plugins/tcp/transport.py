@@ -54,7 +54,7 @@ from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes
 
 from . import dataport, wire
-from .client import Piece, Pool, next_id
+from .client import DONE, Piece, Pool, next_id
 from .server import Server
 from .staging import Staged
 from .staging import state_of as staging_state
@@ -410,13 +410,38 @@ class TcpTransport(Transport):
         return True
 
     def drive(self, op: Any, until: float) -> None:
-        """Read the reply of a one-frame request on the ``result()`` caller's thread (see Conn.drive)."""
+        """Read the replies of ``op``'s frames on the ``result()`` caller's thread (see Conn.drive).
+
+        Every frame: a striped request's stripes and a batch's runs, on whichever connections
+        they went, one after the other (the replies of the others wait in their sockets
+        meanwhile). A frame whose connection a driver cannot read now is left to that
+        connection's reader, and so is the rest of the request.
+        """
         plist = op.state
-        if plist is not None and staging_state(op) is None and len(plist) == 1:
-            piece = plist[0]
-            conn = piece.conn
+        if not plist or staging_state(op) is not None:
+            return
+        if len(plist) == 1:
+            conn = plist[0].conn
             if conn is not None:
-                conn.drive(piece, until)
+                conn.drive(plist[0], until)
+            return
+        # Every connection first, so no reader takes a reply of this request while this
+        # thread reads another connection's.
+        entered: dict[Any, Any] = {}
+        try:
+            for piece in plist:
+                conn = piece.conn
+                if conn is not None and conn not in entered:
+                    sock = conn.enter_drive(piece)
+                    if sock is not None:
+                        entered[conn] = sock
+            for piece in plist:
+                sock = entered.get(piece.conn)
+                if sock is not None and piece.state != DONE:
+                    piece.conn.drive_entered(sock, piece, until)
+        finally:
+            for conn in entered:
+                conn.leave_drive()
 
     def abort(self, op: Any) -> None:
         staged = staging_state(op)

@@ -36,3 +36,36 @@ def test_cancelled_entries_are_compacted_and_live_ones_still_fire() -> None:
     assert hit.wait(2), "a live deadline was lost in the compaction"
     timer.cancel(live)  # after it ran: a no-op
     timer.close()
+
+
+def test_the_timer_thread_sleeps_through_deadlines_later_than_the_one_it_waits_for() -> None:
+    """Scheduling a later deadline runs no Python on the timer thread (a result() caller's wait
+    must not schedule another Python thread), even after the heap was compacted empty; an
+    earlier one still wakes it in time."""
+    ran: list[str] = []
+
+    def hook(frame, event, arg):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name == "deadline-test":
+            ran.append(f"{event} {frame.f_code.co_name}")
+
+    threading.setprofile(hook)
+    timer = DeadlineTimer(name="deadline-test")
+    try:
+        first = timer.schedule(time.monotonic() + 60, lambda: None)  # starts the thread: asleep towards +60 s
+        time.sleep(0.1)
+        timer.cancel(first)
+        entries = [timer.schedule(time.monotonic() + 70, lambda: None) for _ in range(100)]
+        for e in entries:
+            timer.cancel(e)  # dead entries outnumber live ones: compacted, `first` dropped with them
+        ran.clear()
+        for _ in range(50):
+            # Earlier than every entry left (the heap's first), later than the thread's +60 s.
+            timer.schedule(time.monotonic() + 65, lambda: None)
+        time.sleep(0.1)
+        assert ran == [], ran[:8]
+        hit = threading.Event()
+        timer.schedule(time.monotonic() + 0.05, hit.set)  # earlier than +60 s: wakes it
+        assert hit.wait(5)
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        timer.close()

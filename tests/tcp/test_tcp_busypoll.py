@@ -83,8 +83,12 @@ def test_next_reply_takes_only_whole_replies_and_consumes_only_their_header() ->
         b.sendall(whole[30:])
         assert nr(fd, 0, 100, 1 << 20, head) == busypoll.REPLY_GOT and wire.RESP.unpack(head)[4] == 9
         assert a.recv(len(body)) == body
+        # A whole PARTIAL reply (a batch some of whose indices the target refused) is a driver's too.
+        b.sendall(_reply(wire.ST_PARTIAL, 4, b"ab"))
+        assert nr(fd, 0, 100, 1 << 20, head) == busypoll.REPLY_GOT and wire.RESP.unpack(head)[4] == 4
+        assert a.recv(2) == b"ab"
         # Not for a driver: nothing is consumed, the reader thread reads it all.
-        for frame, cap in ((b"XX" + _reply(wire.ST_OK, 1)[2:], 1 << 20), (_reply(wire.ST_PARTIAL, 2, b"ab"), 1 << 20),
+        for frame, cap in ((b"XX" + _reply(wire.ST_OK, 1)[2:], 1 << 20), (_reply(3, 2, b"ab"), 1 << 20),
                            (_reply(wire.ST_ERR, 3, b"z" * 100), 50)):
             b.sendall(frame)
             assert nr(fd, 0, 100, cap, head) == busypoll.REPLY_LEAVE
