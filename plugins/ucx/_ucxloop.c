@@ -1,15 +1,22 @@
 /* The ucx transport's native helper: UCX calls in a loop outside the interpreter.
  *
- * Compiled at first use by plugins/ucx/_native.py (through mpcomm.native_helper)
- * with the system `cc` into a private cache. It calls UCX only through the
+ * Built at install (setup.py) into the extension module mpcomm.plugins.ucx._mpcomm_ucxloop
+ * and loaded by plugins/ucx/_native.py (through mpcomm.native_helper). It calls UCX only through the
  * function pointers the ctypes binding already resolved, so it needs neither
  * UCX headers nor linking against UCX. Without a compiler the binding runs the
  * same loops in Python.
  */
 #include <stdint.h>
 #include <stddef.h>
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 
-#define MP_ABI 5
+#define MP_ABI 6
 
 int mpcomm_ucx_abi(void) { return MP_ABI; }
 
@@ -113,6 +120,167 @@ int64_t mpcomm_ucx_rma_one(rma_fn fn, check_fn check, free_fn rfree, progress_fn
     if (st != 0 || !write)
         return st;
     return settle(flush(ep, fparam), 2, check, rfree, progress, worker, pending);
+}
+
+/* -- The worker's progress loop: a native thread that never takes the GIL ----------------------
+ *
+ * A Python thread parks in one ctypes call (mpcomm_ucx_loop_run; ctypes releases the GIL) and
+ * progresses the worker until told to stop: progress while it does work, spin `spin_ns` after the
+ * last work, then ucp_worker_arm + poll on the worker's event fd. So UCX's two-sided work for this
+ * process -- a peer's put or get emulated over active messages on tcp, wire-up, keepalive -- is done
+ * however busy the interpreter is. Python is told only what it asked for:
+ *   - the transport's bookkeeping thread (it steps this process's own requests) sleeps on the
+ *     eventfd `nfd`. `want` says whether it has requests no result() waiter drives (the transport
+ *     keeps it, under its lock); `asked` is set by that thread before it checks its requests'
+ *     statuses. The loop writes `nfd` after a progress call that did work when both are set, and
+ *     clears `asked` (one wake-up per look): a process with nothing of its own in flight -- a pure
+ *     target -- is never woken;
+ *   - a thread waiting in result() (Transport.drive) reads `events`, checks its request, then waits
+ *     on `events` (a futex word the loop bumps after every progress call that did work).
+ * Stop: `stop` = 1, then ucp_worker_signal: either the signal comes after ucp_worker_arm (the poll
+ * wakes) or before it (arm answers BUSY), and `stop` is read after arm. The loop calls UCX only
+ * through the function pointers the ctypes binding resolved. An endpoint's error callback (a ctypes
+ * callback) would take the GIL inside progress: a pure target has none (see docs/ucx.md). */
+typedef int8_t (*arm_fn)(void *);
+typedef int8_t (*signal_fn)(void *);
+
+struct mp_loop {
+    progress_fn progress; /* ucp_worker_progress */
+    arm_fn arm;           /* ucp_worker_arm */
+    signal_fn signal;     /* ucp_worker_signal */
+    void *worker;
+    int64_t efd;          /* the worker's event fd */
+    int64_t nfd;          /* eventfd the bookkeeping thread sleeps on */
+    int64_t spin_ns;      /* keep progressing this long after the last work before sleeping */
+    int32_t stop;
+    int32_t want;         /* the bookkeeping thread has requests to step that nobody drives */
+    uint32_t events;      /* futex word: bumped after every progress call that did work, and by bump() */
+    int32_t drivers;      /* threads waiting on `events` */
+    int32_t asked;        /* the bookkeeping thread looks (or sleeps) and wants to hear of new work */
+    int32_t pad_;
+    int64_t sleeps;       /* polls that ended (observability) */
+    int64_t notified;     /* writes to nfd */
+};
+
+/* One step of a short busy wait. Not sched_yield(): against a thread that never sleeps (a Python
+   loop on the same CPU) a yield hands it the CPU until the next scheduler tick (4 ms here), and a
+   request arriving meanwhile waits for it; a thread that spins briefly and then sleeps in poll is
+   woken, and preempts, as soon as its event comes. */
+static inline void mp_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t mp_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void mp_notify(int64_t fd) {
+    uint64_t one = 1;
+    ssize_t r;
+    do
+        r = write((int)fd, &one, sizeof one); /* an eventfd adds: no write is lost */
+    while (r < 0 && errno == EINTR);
+}
+
+/* events++ (seq_cst), then wake the drivers that may be waiting on the old value. A driver counts
+   itself in `drivers` before it compares `events`: one of the two sees the other's store. */
+void mpcomm_ucx_loop_bump(struct mp_loop *l) {
+    __atomic_add_fetch(&l->events, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&l->drivers, __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, &l->events, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Progress did work: tell whoever asked. `asked` (and `want`) are set before the asker checks its
+   requests, and read here after the work that may have completed them: no lost wake-up. */
+static void mp_worked(struct mp_loop *l) {
+    mpcomm_ucx_loop_bump(l);
+    if (__atomic_load_n(&l->want, __ATOMIC_SEQ_CST) && __atomic_load_n(&l->asked, __ATOMIC_SEQ_CST)
+        && __atomic_exchange_n(&l->asked, 0, __ATOMIC_SEQ_CST)) {
+        mp_notify(l->nfd);
+        __atomic_add_fetch(&l->notified, 1, __ATOMIC_RELAXED);
+    }
+}
+
+/* Whether the bookkeeping thread has requests nobody drives (the transport, under its lock). */
+void mpcomm_ucx_loop_want(struct mp_loop *l, int64_t want) {
+    __atomic_store_n(&l->want, want ? 1 : 0, __ATOMIC_SEQ_CST);
+}
+
+/* The bookkeeping thread is about to check its requests: wake it after the next work. */
+void mpcomm_ucx_loop_ask(struct mp_loop *l) { __atomic_store_n(&l->asked, 1, __ATOMIC_SEQ_CST); }
+
+/* A posting thread handed a request in flight to the progress side: the bookkeeping thread must
+   hear of its completion (unless a result() waiter claims it first), and the loop progresses. */
+int64_t mpcomm_ucx_loop_handoff(struct mp_loop *l) {
+    __atomic_store_n(&l->want, 1, __ATOMIC_SEQ_CST);
+    return l->signal(l->worker);
+}
+
+/* Wake the bookkeeping thread (new work, an abort, a revocation), the drivers, and the loop itself
+   (it progresses what was just issued). */
+int64_t mpcomm_ucx_loop_kick(struct mp_loop *l) {
+    mp_notify(l->nfd);
+    mpcomm_ucx_loop_bump(l);
+    return l->signal(l->worker);
+}
+
+/* Tell the loop to end (it returns from mpcomm_ucx_loop_run soon after; join its thread). */
+void mpcomm_ucx_loop_stop(struct mp_loop *l) {
+    __atomic_store_n(&l->stop, 1, __ATOMIC_SEQ_CST);
+    l->signal(l->worker);
+}
+
+/* Runs until stop: the progress thread's whole life, outside the interpreter. Returns 0. */
+int64_t mpcomm_ucx_loop_run(struct mp_loop *l) {
+    int64_t last = mp_now_ns();
+    while (!__atomic_load_n(&l->stop, __ATOMIC_SEQ_CST)) {
+        if (l->progress(l->worker)) {
+            mp_worked(l);
+            last = mp_now_ns();
+            continue;
+        }
+        if (mp_now_ns() - last < l->spin_ns) {
+            mp_relax();
+            continue;
+        }
+        int8_t st = l->arm(l->worker);
+        if (st == -15) /* UCS_ERR_BUSY: events (or a signal) are pending: progress them */
+            continue;
+        if (__atomic_load_n(&l->stop, __ATOMIC_SEQ_CST))
+            break;
+        struct pollfd p = {(int)l->efd, POLLIN, 0};
+        /* armed: sleep until UCX has an event or someone signals; a failed arm polls in 1 ms steps */
+        poll(&p, 1, st == 0 ? -1 : 1);
+        __atomic_add_fetch(&l->sleeps, 1, __ATOMIC_RELAXED);
+        last = mp_now_ns();
+    }
+    return 0;
+}
+
+/* A driver (a result() waiter, GIL released): wait until `events` moves past `seen`, for at most
+   timeout_ns (spinning spin_ns first). Returns 1 when it moved, 0 on timeout. */
+int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t timeout_ns, int64_t spin_ns) {
+    uint32_t s = (uint32_t)seen;
+    int64_t start = mp_now_ns(), end = start + (timeout_ns < 0 ? 0 : timeout_ns);
+    while (mp_now_ns() - start < spin_ns) {
+        if (__atomic_load_n(&l->events, __ATOMIC_SEQ_CST) != s)
+            return 1;
+        mp_relax();
+    }
+    __atomic_add_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST);
+    int64_t now;
+    while (__atomic_load_n(&l->events, __ATOMIC_SEQ_CST) == s && (now = mp_now_ns()) < end) {
+        struct timespec t = {(end - now) / 1000000000, (end - now) % 1000000000};
+        syscall(SYS_futex, &l->events, FUTEX_WAIT_PRIVATE, s, &t, NULL, 0);
+    }
+    __atomic_sub_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST);
+    return __atomic_load_n(&l->events, __ATOMIC_SEQ_CST) != s;
 }
 
 #ifdef MP_PYMODULE
@@ -274,7 +442,8 @@ PyMODINIT_FUNC PyInit__mpcomm_ucxloop(void) {
     PyObject *m = PyModule_Create(&mp_module);
     if (m != NULL && (PyModule_AddIntConstant(m, "ABI", MP_ABI) < 0 ||
                       PyModule_AddIntConstant(m, "CALL_SIZE", (long)sizeof(struct mp_rma_call)) < 0 ||
-                      PyModule_AddIntConstant(m, "LANE_SIZE", (long)sizeof(struct mp_lane)) < 0)) {
+                      PyModule_AddIntConstant(m, "LANE_SIZE", (long)sizeof(struct mp_lane)) < 0 ||
+                      PyModule_AddIntConstant(m, "LOOP_SIZE", (long)sizeof(struct mp_loop)) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -233,7 +233,7 @@ class _Work:
 
     __slots__ = ("op", "group", "kind", "att", "peer", "items", "count", "lengths", "next", "reqs", "inflight",
                  "flush", "flushed", "error", "failed", "fatal", "stop", "abort_at", "fenced", "restart", "memh",
-                 "generation")
+                 "generation", "driven")
 
     def __init__(self, op: Any, group: bool, att: _Attach, memh: Any) -> None:
         self.op = op
@@ -258,6 +258,7 @@ class _Work:
         self.fenced = False
         self.restart = False
         self.generation = -1
+        self.driven = False  # a result() waiter steps it (drive): the Python thread need not be woken for it
 
     @property
     def outstanding(self) -> bool:
@@ -329,15 +330,18 @@ class UcxTransport(Transport):
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._by_info: dict[int, tuple[PeerInfo, _Peer]] = {}  # id(op.peer) -> (that PeerInfo, its peer)
         self._active: set[_Work] = set()
+        self._by_op: dict[int, _Work] = {}  # id(op) -> its _Work while active (drive() finds it; no op -> _Work cycle)
+        self._driven = 0  # how many of _active a result() waiter drives
         self._orphaned: set[_Attach] = set()  # attachments with inline-lane requests still in flight
         # Guards att.orphans and _orphaned: bound lanes register what they leave in flight
         # without the transport lock, which a closer may hold while it waits for them.
         self._orphan_lock = threading.Lock()
         self._waits: list[tuple[Any, threading.Event]] = []  # connector threads waiting for a wire-up flush
         self._thread: threading.Thread | None = None
+        self._loop: Any = None  # the native progress loop (_native.ProgressLoop), None without the helper
         self._closing = False
         self._closed = False
-        self.wakeups = 0  # progress-thread sleeps that ended (observability; tests check it stays event-driven)
+        self.wakeups = 0  # Python-thread sleeps that ended (observability; tests check it stays event-driven)
 
     # -- availability ---------------------------------------------------------
 
@@ -407,7 +411,14 @@ class UcxTransport(Transport):
         except BaseException:
             self._context.close()
             raise
-        self._thread = threading.Thread(target=self._progress_loop, name="mpcomm-ucx-progress", daemon=True)
+        # The worker's progress runs natively where the helper is built: nobody's GIL is needed for
+        # a peer's emulated put/get (tcp) to be served. Python's thread then only steps this
+        # process's own requests. Without the helper, the Python thread progresses (as before).
+        self._loop = self._worker.progress_loop(self._spin)
+        if self._loop is not None:
+            self._loop.start()
+        self._thread = threading.Thread(target=self._progress_loop if self._loop is None else self._bookkeeping_loop,
+                                        name="mpcomm-ucx-progress", daemon=True)
         self._thread.start()
         maj, mnr, rel = ucp.version()
         return {"worker": address, "error_handling": self.error_handling, "version": f"{maj}.{mnr}.{rel}"}
@@ -425,9 +436,16 @@ class UcxTransport(Transport):
                 self._shut_lanes(p)
         if self._thread is not None:
             self._thread.join(5.0)
+        if self._loop is not None:
+            # Stopped and joined before any endpoint is closed or the worker destroyed; from here
+            # on this thread progresses the closes itself.
+            if not self._loop.stop(5.0):
+                self.log.error("ucx: the native progress loop did not stop")
+            self._loop.close()
         with self._lock:
             works = list(self._active)
             self._active.clear()
+            self._by_op.clear()
             peers = list(self._peers.values())
             self._peers.clear()
             for p in peers:
@@ -923,8 +941,7 @@ class UcxTransport(Transport):
                             w.inflight = length
                         att.works.add(w)
                         p.works.add(w)
-                        self._active.add(w)
-                        self._signal()
+                        self._activate(w)
                         return
                     p.attached.move_to_end(att.key)
                     if self._active:
@@ -1243,8 +1260,7 @@ class UcxTransport(Transport):
                 if w.flushed or w.error is not None:
                     self._settled(w)
                     return None
-        self._active.add(w)
-        self._signal()
+        self._activate(w)
         return None
 
     def _fast(self, w: _Work) -> bool:
@@ -1282,8 +1298,7 @@ class UcxTransport(Transport):
         w.items = [(loc, op.remote_offset, op.length, 0)]
         att.works.add(w)
         peer.works.add(w)
-        self._active.add(w)
-        self._signal()
+        self._activate(w)
         return True
 
     @staticmethod
@@ -1434,9 +1449,28 @@ class UcxTransport(Transport):
         w.op.complete(w.op.length)
         return True
 
+    def _activate(self, w: _Work) -> None:
+        """``w`` is handed to the progress side (lock held): stepped until it is reported.
+
+        With the native loop, a request that only waits for what it issued does not wake the
+        Python thread: it hears of the request's progress from the loop, unless a result()
+        waiter claims the request first (drive). One with more to issue wakes it now."""
+        self._active.add(w)
+        self._by_op[id(w.op)] = w
+        if self._loop is not None and w.issued_all and w.outstanding:
+            if not self._closed:
+                self._loop.handoff()
+        else:
+            self._signal()
+
     def _forget(self, w: _Work) -> None:
         """``w`` leaves every table (lock held); a waiting revocation may now answer."""
         self._active.discard(w)
+        if self._by_op.get(id(w.op)) is w:
+            del self._by_op[id(w.op)]
+        if w.driven:
+            w.driven = False
+            self._driven -= 1
         w.peer.works.discard(w)
         if w in w.att.works:
             w.att.works.discard(w)
@@ -1504,17 +1538,94 @@ class UcxTransport(Transport):
             return
         self._issue(w)
 
-    # -- progress thread ----------------------------------------------------------------
+    # -- progress ------------------------------------------------------------------------
 
     def _signal(self) -> None:
-        w = self._worker
-        if w is not None and not self._closed:
-            try:
-                w.signal()
-            except Exception:  # noqa: BLE001
-                pass
+        """Wake the Python thread (new work, aborts, revocations), any driver, and the progress."""
+        if self._closed:
+            return
+        try:
+            if self._loop is not None:
+                self._loop.kick()
+            elif self._worker is not None:
+                self._worker.signal()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _busy(self) -> bool:
+        """Whether this thread has requests (or wire-up waits, or lane orphans) to step (lock held).
+
+        Requests a result() waiter drives do not count: the waiter steps them itself."""
+        return len(self._active) > self._driven or bool(self._waits or self._orphaned)
+
+    def _tick(self, now: float) -> float | None:
+        """Step everything of ours once (lock held): wire-up waits, lane orphans, requests.
+
+        Returns the next abort-grace expiry (the only timer), or None."""
+        wake_at = None
+        if self._waits:
+            keep = []
+            for req, ev in self._waits:
+                if req.status() == 1:
+                    keep.append((req, ev))
+                else:
+                    req.free()
+                    ev.set()
+            self._waits = keep
+        if self._orphaned:
+            self._reap_orphans()
+        for st in list(self._active):
+            self._step_safe(st, now)
+            if st.abort_at is not None and st in self._active:
+                t = st.abort_at + self._abort_grace
+                wake_at = t if wake_at is None else min(wake_at, t)
+        return wake_at
+
+    def _step_safe(self, w: _Work, now: float) -> None:
+        try:
+            self._step(w, now)
+        except Exception as exc:  # noqa: BLE001 - a bug fails the request, not the thread
+            self.log.exception("ucx: progress of a %s failed", w.kind)
+            self._release_requests(w)
+            self._report_fail(w, MpcommError(f"ucx transport failed: {exc}"))
+
+    def _bookkeeping_loop(self) -> None:
+        """With the native progress loop: step this process's own requests, woken only when it asked.
+
+        The native loop progresses the worker; this thread sleeps on the loop's eventfd. It is
+        woken by a kick (new work, an abort, a revocation) and, after a progress call that did
+        work, only while it has requests of its own that no result() waiter drives (``want``)
+        and it asked (``ask``, before it checks any status: no lost wake-up). So a process that
+        only serves (a target) never needs this thread, nor its GIL. What this thread issues (further chunks, flushes, fences) it progresses locally
+        until progress reports nothing, as a posting thread does; the rest (the peer's answers)
+        arrives through the loop."""
+        loop, worker = self._loop, self._worker
+        assert loop is not None and worker is not None
+        nfd = loop.nfd
+        try:
+            while not self._closing:
+                loop.drain()
+                with self._lock:
+                    wake_at = None
+                    if self._busy():
+                        loop.ask()  # before any status is checked: no completion goes unheard
+                        loop.want(True)
+                        wake_at = self._tick(time.monotonic())
+                    busy = self._busy()
+                    loop.want(busy)
+                loop.bump()  # a result() waiter whose request was reported here looks again
+                if busy and worker.progress():
+                    while worker.progress():
+                        pass
+                    continue  # local work done: look at the requests again before sleeping
+                timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic()) + 0.001
+                select.select([nfd], [], [], timeout)
+                self.wakeups += 1
+        except Exception:  # noqa: BLE001
+            self.log.exception("ucx: the progress thread died")
 
     def _progress_loop(self) -> None:
+        """Without the helper: this Python thread progresses the worker and steps the requests."""
         w = self._worker
         assert w is not None
         efd = w.fileno()
@@ -1523,30 +1634,8 @@ class UcxTransport(Transport):
             while not self._closing:
                 n = w.progress()
                 now = time.monotonic()
-                wake_at = None
                 with self._lock:
-                    if self._waits:
-                        keep = []
-                        for req, ev in self._waits:
-                            if req.status() == 1:
-                                keep.append((req, ev))
-                            else:
-                                req.free()
-                                ev.set()
-                        self._waits = keep
-                    if self._orphaned:
-                        self._reap_orphans()
-                    works = list(self._active)
-                    for st in works:
-                        try:
-                            self._step(st, now)
-                        except Exception as exc:  # noqa: BLE001 - a bug fails the request, not the thread
-                            self.log.exception("ucx: progress of a %s failed", st.kind)
-                            self._release_requests(st)
-                            self._report_fail(st, MpcommError(f"ucx transport failed: {exc}"))
-                        if st.abort_at is not None and st in self._active:
-                            t = st.abort_at + self._abort_grace
-                            wake_at = t if wake_at is None else min(wake_at, t)
+                    wake_at = self._tick(now)
                 if n:
                     last = now
                     continue
@@ -1563,6 +1652,56 @@ class UcxTransport(Transport):
                 last = time.monotonic()
         except Exception:  # noqa: BLE001
             self.log.exception("ucx: the progress thread died")
+
+    def drive(self, op: Any, until: float) -> None:
+        """Report ``op`` on the ``result()`` caller's thread (see Transport.drive).
+
+        With the native progress loop: step the request here, then wait with the GIL released
+        until the loop reports progress (``events``, read before the step: no lost wake-up), and
+        step again; the completion is reported from this thread. While it drives, the request
+        does not count for the Python thread's wake-ups (:meth:`_busy`), so no other Python
+        thread is scheduled for it; an abort still kicks this waiter, and its grace is this
+        waiter's timer too. Leaving unreported, it hands the request back to the Python thread."""
+        loop, worker = self._loop, self._worker
+        if loop is None or worker is None:
+            return
+        key = id(op)
+        with self._lock:
+            w = self._by_op.get(key)
+            if w is None or w.op is not op or w.driven:
+                return
+            w.driven = True
+            self._driven += 1
+            loop.want(self._busy())  # its progress wakes this waiter, not the Python thread
+        spin = self._spin
+        try:
+            while not self._closing:
+                seen = loop.events()
+                now = time.monotonic()
+                with self._lock:
+                    if self._by_op.get(key) is not w:
+                        return  # reported (here or elsewhere)
+                    self._step_safe(w, now)
+                    if self._by_op.get(key) is not w:
+                        if self._active:
+                            self._signal()  # this step may have changed others' state (a forced close)
+                        return
+                    end = until if w.abort_at is None else min(until, w.abort_at + self._abort_grace + 0.001)
+                if now >= until:
+                    return
+                if worker.progress():  # what the step issued (a flush, a chunk): local work
+                    while worker.progress():
+                        pass
+                    if len(self._active) > 1:
+                        self._signal()  # those calls may have completed others' requests
+                    continue
+                loop.wait(seen, min(max(0.0, end - now), 1.0), spin)
+        finally:
+            with self._lock:
+                if w.driven:  # not reported: the Python thread takes it over
+                    w.driven = False
+                    self._driven -= 1
+                    self._signal()
 
     def abort(self, op: Any) -> None:
         """Never blocks: the progress thread fences and reports."""
