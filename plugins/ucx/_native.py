@@ -140,7 +140,8 @@ class ProgressLoop:
                                 spin_ns=max(0, spin_ns))
         self._at = at = C.addressof(self._state)
         self._lib = lib
-        self._want, self._ask, self._handoff = lib.mpcomm_ucx_loop_want, lib.mpcomm_ucx_loop_ask, lib.mpcomm_ucx_loop_handoff
+        self._want, self._ask = lib.mpcomm_ucx_loop_want, lib.mpcomm_ucx_loop_ask
+        self._handoff = lib.mpcomm_ucx_loop_handoff
         self._kick, self._bump = lib.mpcomm_ucx_loop_kick, lib.mpcomm_ucx_loop_bump
         self._wait_fn = lib.mpcomm_ucx_loop_wait
         self._thread = threading.Thread(target=lib.mpcomm_ucx_loop_run, args=(at,), name="mpcomm-ucx-native",

@@ -40,15 +40,22 @@ alive (quarantined), so a late access lands in allocated memory, never in
 freed pages. Against a peer that does not cooperate nothing here (nor UCX on
 cma, sysv/posix or tcp) can stop it: see docs/ucx.md.
 
-Progress. One progress thread per engine sleeps on the worker's event fd
-(``ucp_worker_arm`` + ``select``), woken by UCX events and by
-``ucp_worker_signal`` (new work, aborts, revocations); its only timeout is
-the next abort-grace expiry. It polls for ``spin_us`` after the last event
-before arming. It reports completions (``op.complete``/``op.fail``) and does
-nothing else that could block. Requests up to ``inline_threshold`` bytes are
+Progress. The worker's progress runs in a native loop (``_ucxloop.c``,
+``mpcomm_ucx_loop_run``: a thread parked in one ctypes call, the GIL released):
+progress while it does work, then ``ucp_worker_arm`` + ``poll`` on the event
+fd. Over tcp UCX emulates RMA with active messages the *target* must
+progress; the loop does that however busy the interpreter is. A Python
+thread steps this process's own requests (chunks, flushes, fences, the abort
+grace, its only timer) and reports them; it sleeps on an eventfd the loop
+writes only while there are requests of ours that no ``result()`` waiter
+drives (``want``) and it asked (``ask``, set before it checks statuses), so a
+pure target never wakes it. ``drive`` lets a ``result()`` waiter step and
+report its own request, waiting on the loop's event futex with the GIL
+released. Without the helper the Python thread progresses the worker itself
+(``_progress_loop``: arm + ``select``, ``spin_us`` of polling). Requests up to ``inline_threshold`` bytes are
 issued on the posting thread (cma copies are synchronous and need nothing
 from the target); what is not done right after issuing is left to the
-progress thread.
+progress side. Why the revocation answer stays in Python: docs/ucx.md.
 
 Batches (``post_many``): the N puts/gets are issued as one unit (``Endpoint.rma_group``:
 a compiled loop when a C compiler is available, see ``_native.py``, else Python),
@@ -1601,9 +1608,9 @@ class UcxTransport(Transport):
         woken by a kick (new work, an abort, a revocation) and, after a progress call that did
         work, only while it has requests of its own that no result() waiter drives (``want``)
         and it asked (``ask``, before it checks any status: no lost wake-up). So a process that
-        only serves (a target) never needs this thread, nor its GIL. What this thread issues (further chunks, flushes, fences) it progresses locally
-        until progress reports nothing, as a posting thread does; the rest (the peer's answers)
-        arrives through the loop."""
+        only serves (a target) never needs this thread, nor its GIL. What this thread issues
+        (further chunks, flushes, fences) it progresses locally until progress reports nothing,
+        as a posting thread does; the rest (the peer's answers) arrives through the loop."""
         loop, worker = self._loop, self._worker
         assert loop is not None and worker is not None
         nfd = loop.nfd
