@@ -1471,7 +1471,10 @@ class UcxTransport(Transport):
         self._by_op[id(w.op)] = w
         if self._loop is not None and w.issued_all and w.outstanding:
             if not self._closed:
-                self._loop.handoff()
+                self._loop.handoff()  # `want` first, then the statuses: no completion goes unheard
+                # One the loop made between the issue and this hand-off told nobody: look now.
+                if any(r.status() != 1 for r, _n, _i in w.reqs) or (w.flush is not None and w.flush.status() != 1):
+                    self._signal()
         else:
             self._signal()
 

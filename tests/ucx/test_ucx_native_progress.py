@@ -175,3 +175,24 @@ def test_close_stops_the_native_loop_before_the_worker_goes(make_engine: Any) ->
     assert _native_threads() == before + 1
     e.close()  # joins the loop's thread (it returns from its one ctypes call) before the worker goes
     assert _native_threads() == before
+
+
+def test_a_request_nobody_waits_on_is_reported_after_each_new_attach(make_engine: Any) -> None:
+    """No result() waiter drives these: the Python thread must hear of every completion, including
+    one the native loop made between the request's issue and its hand-off (a lost wake-up there
+    left the first write after an attach pending for ever, now and then)."""
+    tgt = make_engine(TCP, transports=["ucx"])
+    ini = make_engine(TCP, transports=["ucx"])
+    src = ini.allocate(4096)
+    src.view[:] = b"n" * 4096
+    for i in range(40):
+        buf = bytearray(8192)
+        tgt.register(buf, name=f"r{i}")
+        remote = ini.open(tgt.address, f"r{i}", timeout=10)
+        fut = ini.write(src, remote, 4096, 4096)  # the first request attaches, then goes in flight over tcp
+        end = time.monotonic() + 5
+        while not fut.done() and time.monotonic() < end:  # done() does not drive: the Python thread reports
+            time.sleep(0.001)
+        assert fut.done(), f"round {i}: a write nobody waited on was never reported"
+        fut.result(0)
+        assert bytes(buf[4096:]) == b"n" * 4096
