@@ -411,6 +411,12 @@ class UcxTransport(Transport):
             env["TLS"] = tls
         if "UCX_RNDV_THRESH" not in os.environ:
             env["RNDV_THRESH"] = "inf"
+        if "UCX_USE_MT_MUTEX" not in os.environ:
+            # The worker's lock is taken by the native progress loop and by every issuing thread.
+            # UCX's default spinlock, held by a thread the kernel preempted, makes the others
+            # spin out their time slices: 4 KiB over tcp here had p90 3.5 ms, p99 10-16 ms with
+            # it, and 113 us / 180 us with a mutex (p50 83 -> 68 us).
+            env["USE_MT_MUTEX"] = "y"
         return env
 
     def start(self) -> dict[str, Any]:
@@ -1472,9 +1478,12 @@ class UcxTransport(Transport):
         if self._loop is not None and w.issued_all and w.outstanding:
             if not self._closed:
                 self._loop.handoff()  # `want` first, then the statuses: no completion goes unheard
-                # One the loop made between the issue and this hand-off told nobody: look now.
+                # One the loop made between the issue and this hand-off told nobody: step it here
+                # (every caller returns right after this), and wake the Python thread if it is not over.
                 if any(r.status() != 1 for r, _n, _i in w.reqs) or (w.flush is not None and w.flush.status() != 1):
-                    self._signal()
+                    self._step_safe(w, time.monotonic())
+                    if w in self._active:
+                        self._signal()
         else:
             self._signal()
 
@@ -1620,10 +1629,13 @@ class UcxTransport(Transport):
         try:
             while not self._closing:
                 loop.drain()
+                # Asked every time, before any status is checked: a request handed off while this
+                # thread sleeps raises `want`, and its completion must then wake it. Whether it
+                # does is `want`'s: a process with no request of its own is never woken.
+                loop.ask()
                 with self._lock:
                     wake_at = None
                     if self._busy():
-                        loop.ask()  # before any status is checked: no completion goes unheard
                         loop.want(True)
                         wake_at = self._tick(time.monotonic())
                     busy = self._busy()

@@ -5,6 +5,7 @@ result() waiter reports its own request (Transport.drive) without the transport'
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -115,39 +116,67 @@ def test_without_the_native_loop_the_spinning_target_stalls_its_peer(make_engine
         proc.wait()
 
 
+_TARGET = textwrap.dedent("""
+    import sys, time, mpcomm
+    e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
+    e.register(bytearray(1 << 20), name="kv")
+    print(e.address, flush=True)
+    time.sleep(600)
+""")
+
+
+def _wait_stopped(pid: int) -> None:
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.0005)
+
+
 def test_a_result_waiter_reports_its_own_request(make_engine: Any) -> None:
-    """Over tcp a write is left in flight; result() drives it: the completion is reported on the
-    waiting thread, and the transport's Python thread is not woken per request."""
-    tgt = make_engine(TCP, transports=["ucx"])
-    buf = bytearray(1 << 20)
-    tgt.register(buf, name="kv")
-    ini = make_engine(TCP, transports=["ucx"])
-    remote = ini.open(tgt.address, "kv", timeout=10)
-    src = ini.allocate(4096)
-    src.view[:] = b"d" * 4096
-    ini.write(src, remote, 0, 4096).result(5)
-    tr = ini.transports["ucx"]
-    reporters: list[int] = []
-    real = type(tr)._settled
-
-    def settled(self: Any, w: Any) -> bool:
-        reporters.append(threading.get_ident())
-        return real(self, w)
-
-    type(tr)._settled = settled  # type: ignore[method-assign]
+    """Over tcp a write's flush waits for the target (stopped here for 50 ms per request, so the
+    waiter is surely in result() before the answer comes): result() drives it, the completion is
+    reported on the waiting thread, and the transport's Python thread is not woken for it."""
+    proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
     try:
-        woke = tr.wakeups
-        for i in range(100):
-            src.view[:8] = i.to_bytes(8, "little")
-            ini.write(src, remote, i * 4096, 4096).result(5)
-        woke = tr.wakeups - woke
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine(TCP, transports=["ucx"])
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        for _ in range(5):
+            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+        tr = ini.transports["ucx"]
+        reporters: list[int] = []
+        real = type(tr)._settled
+
+        def settled(self: Any, w: Any) -> bool:
+            reporters.append(threading.get_ident())
+            return real(self, w)
+
+        type(tr)._settled = settled  # type: ignore[method-assign]
+        try:
+            woke = tr.wakeups
+            for i in range(20):
+                src.view[:8] = i.to_bytes(8, "little")
+                os.kill(proc.pid, signal.SIGSTOP)
+                _wait_stopped(proc.pid)
+                threading.Timer(0.05, os.kill, (proc.pid, signal.SIGCONT)).start()
+                ini.write(src, remote, i * 4096, 4096).result(5)
+            woke = tr.wakeups - woke
+        finally:
+            type(tr)._settled = real  # type: ignore[method-assign]
+            os.kill(proc.pid, signal.SIGCONT)
+        back = bytearray(20 * 4096)
+        ini.read(back, remote, 0).result(5)
+        assert all(back[i * 4096:i * 4096 + 8] == i.to_bytes(8, "little") for i in range(20))
+        me = threading.get_ident()
+        assert len(reporters) == 20, f"{len(reporters)} of 20 writes were left in flight to the stopped target"
+        assert all(t == me for t in reporters), "a request was reported by another thread than its waiter"
+        assert woke <= 5, f"the transport's Python thread woke {woke} times for 20 driven writes"
     finally:
-        type(tr)._settled = real  # type: ignore[method-assign]
-    me = threading.get_ident()
-    assert reporters, "no request was left in flight over tcp: nothing was driven"
-    assert all(t == me for t in reporters), "a request was reported by another thread than its waiter"
-    assert woke < 20, f"the transport's Python thread woke {woke} times for 100 driven writes"
-    assert all(buf[i * 4096:i * 4096 + 8] == i.to_bytes(8, "little") for i in range(100))
+        proc.kill()
+        proc.wait()
 
 
 def test_an_idle_target_never_wakes_its_python_thread(make_engine: Any) -> None:
