@@ -354,6 +354,7 @@ class UcxTransport(Transport):
         self._closing = False
         self._closed = False
         self.wakeups = 0  # Python-thread sleeps that ended (observability; tests check it stays event-driven)
+        self.waiter_reports = 0  # requests a result() waiter reported itself (drive; observability)
 
     # -- availability ---------------------------------------------------------
 
@@ -1710,6 +1711,7 @@ class UcxTransport(Transport):
                         return  # reported (here or elsewhere)
                     self._step_safe(w, now)
                     if self._by_op.get(key) is not w:
+                        self.waiter_reports += 1
                         if self._active:
                             self._signal()  # this step may have changed others' state (a forced close)
                         return
