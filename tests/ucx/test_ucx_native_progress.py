@@ -214,3 +214,45 @@ def test_a_request_nobody_waits_on_is_reported_after_each_new_attach(make_engine
         assert fut.done(), f"round {i}: a write nobody waited on was never reported"
         fut.result(0)
         assert bytes(buf[4096:]) == b"n" * 4096
+
+
+_BUSY_INITIATOR = textwrap.dedent("""
+    import sys, threading, mpcomm
+    e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
+    r = e.open(sys.argv[1], "kv", timeout=10)
+    src = e.allocate(65536)
+    e.write(src, r, 0, 65536).result(10)     # attached
+    def writer():
+        while True:                          # requests in flight when the revocation comes
+            try:
+                e.write(src, r, 0, 65536).result(10)
+            except mpcomm.MpcommError:
+                return                       # revoked: every later request is refused
+    threading.Thread(target=writer, daemon=True).start()
+    print("spinning", flush=True)
+    while True:                              # the application holds the GIL (default 5 ms switch interval)
+        pass
+""")
+
+
+def test_a_busy_initiator_confirms_a_revocation_in_time(make_engine: Any, caplog: Any) -> None:
+    """The revocation answer is Python (the authenticated control channel; docs/ucx.md): an initiator
+    whose main thread spins still confirms within revoke_timeout, fencing its writes in flight, so the
+    target unmaps instead of quarantining."""
+    tgt = make_engine(TCP, transports=["ucx"])
+    buf = bytearray(1 << 20)
+    region = tgt.register(buf, name="kv")
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_INITIATOR, tgt.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "spinning"  # type: ignore[union-attr]
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="mpcomm"):
+            tgt.unregister(region)
+        took = time.monotonic() - t0
+        assert not [r for r in caplog.records if "did not confirm" in r.getMessage()], "the region was quarantined"
+        assert took < 2.0, f"unregister took {took:.2f} s"
+        print(f"\nrevocation confirmed by a spinning initiator in {took * 1e3:.0f} ms")
+    finally:
+        proc.kill()
+        proc.wait()
