@@ -167,6 +167,14 @@ class ProgressLoop:
         """Wake the bookkeeping thread, every waiter and the loop (new work, an abort, a revocation)."""
         self._kick(self._at)
 
+    def nudge(self) -> None:
+        """Wake the bookkeeping thread and every waiter without calling UCX (safe inside a UCX callback)."""
+        try:
+            os.eventfd_write(self.nfd, 1)
+        except OSError:
+            pass
+        self._bump(self._at)
+
     def bump(self) -> None:
         """Wake every :meth:`wait` (requests were reported)."""
         self._bump(self._at)

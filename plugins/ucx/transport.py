@@ -713,9 +713,13 @@ class UcxTransport(Transport):
             gate = peer.gate = _native.gate()
 
             def on_error(_ep: Any, exc: Any, peer: _Peer = peer, gate: Any = gate) -> None:
-                # Runs inside ucp_worker_progress: bookkeeping only (no lock).
+                # Runs inside ucp_worker_progress (the native loop's, or a Python thread's):
+                # bookkeeping only (no lock, no UCX call).
                 peer.failed = exc.status
                 gate[0] = 0  # no bound lane issues on a failed endpoint
+                loop = self._loop
+                if loop is not None and not self._closed:
+                    loop.nudge()  # the requests on it fail at their next step: let their steppers look
 
             peer.ep = self._worker.connect(peer.address, error_handling=self.error_handling, on_error=on_error)
             peer.generation += 1
