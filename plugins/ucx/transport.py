@@ -969,8 +969,8 @@ class UcxTransport(Transport):
                     p.attached.move_to_end(att.key)
                     if self._active:
                         # Our progress calls may have completed requests of handed-off work (its
-                        # event is consumed now): let the progress thread look.
-                        self._signal()
+                        # event is consumed now): let the progress side look.
+                        self._progressed()
                 else:
                     done = None
             if done:
@@ -1062,7 +1062,7 @@ class UcxTransport(Transport):
                     return self._lane_pending(att, write, st)
                 if st == 0:
                     if self._active:
-                        self._signal()  # the progress calls may have completed handed-off work
+                        self._progressed()  # the progress calls may have completed handed-off work
                     return True
                 return False
 
@@ -1083,7 +1083,7 @@ class UcxTransport(Transport):
             att.lanes.clear()  # bounded: the pairs in use bind again
         move = ep.rma_lane(write, att.rkey, self._memh.get(local.id), (peer.gate, att.gate),
                            (local.address, local.size), (att.base, att.size),
-                           min(self._chunk, self._inline_threshold), self._active, self._signal,
+                           min(self._chunk, self._inline_threshold), self._active, self._progressed,
                            lambda r, att=att, write=write: self._lane_pending(att, write, r))
         if move is not None:
             att.lanes[key] = (peer.gate, att.gate, move)
@@ -1270,7 +1270,7 @@ class UcxTransport(Transport):
                 while progress():
                     pass
                 if self._active:
-                    self._signal()  # those calls may have completed handed-off work: let the thread look
+                    self._progressed()  # those calls may have completed handed-off work: let the thread look
             self._reap(w)
             if not w.outstanding and w.issued_all and ((w.kind == "read" and not w.group) or w.flushed
                                                         or w.error is not None or self._issue_flush(w)):
@@ -1303,7 +1303,7 @@ class UcxTransport(Transport):
         st = ep.rma_now(write, loc, op.length, att.base + op.remote_offset, att.rkey, w.memh)
         w.next = 1
         if self._active:
-            self._signal()  # rma_now's progress calls may have completed handed-off work
+            self._progressed()  # rma_now's progress calls may have completed handed-off work
         if isinstance(st, int):
             if st != 0:
                 w.error = st
@@ -1581,6 +1581,18 @@ class UcxTransport(Transport):
         except Exception:  # noqa: BLE001
             pass
 
+    def _progressed(self) -> None:
+        """A Python thread's own progress calls did work: whoever steps the others must look.
+
+        Without the native loop, or with requests no waiter drives (or wire-up waits, lane
+        orphans), that is the Python thread (a kick); when every one is driven, only their
+        waiters (the event count moves), and the Python thread sleeps on."""
+        loop = self._loop
+        if loop is None or len(self._active) > self._driven or self._waits or self._orphaned:
+            self._signal()
+        elif not self._closed:
+            loop.bump()
+
     def _busy(self) -> bool:
         """Whether this thread has requests (or wire-up waits, or lane orphans) to step (lock held).
 
@@ -1713,11 +1725,12 @@ class UcxTransport(Transport):
                 with self._lock:
                     if self._by_op.get(key) is not w:
                         return  # reported (here or elsewhere)
+                    ep = w.peer.ep
                     self._step_safe(w, now)
+                    if w.peer.ep is not ep:
+                        self._signal()  # this step force-closed the endpoint: the others start over
                     if self._by_op.get(key) is not w:
                         self.waiter_reports += 1
-                        if self._active:
-                            self._signal()  # this step may have changed others' state (a forced close)
                         return
                     end = until if w.abort_at is None else min(until, w.abort_at + self._abort_grace + 0.001)
                 if now >= until:
@@ -1726,7 +1739,7 @@ class UcxTransport(Transport):
                     while worker.progress():
                         pass
                     if len(self._active) > 1:
-                        self._signal()  # those calls may have completed others' requests
+                        self._progressed()  # those calls may have completed others' requests
                     continue
                 loop.wait(seen, min(max(0.0, end - now), 1.0), spin)
         finally:
