@@ -80,7 +80,8 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
                             ("mpcomm_ucx_loop_kick", C.c_int64, [C.c_void_p]),
                             ("mpcomm_ucx_loop_bump", None, [C.c_void_p]),
                             ("mpcomm_ucx_loop_stop", None, [C.c_void_p]),
-                            ("mpcomm_ucx_loop_wait", C.c_int64, [C.c_void_p, C.c_int64, C.c_int64, C.c_int64])):
+                            ("mpcomm_ucx_loop_wait", C.c_int64,
+                             [C.c_void_p, C.c_int64, C.c_int64, C.c_void_p, C.c_int64, C.c_int64])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     mod: ModuleType | None = h.module
@@ -118,7 +119,7 @@ class LoopState(C.Structure):
     _fields_ = [("progress", C.c_void_p), ("arm", C.c_void_p), ("signal", C.c_void_p), ("worker", C.c_void_p),
                 ("efd", C.c_int64), ("nfd", C.c_int64), ("spin_ns", C.c_int64), ("stop", C.c_int32),
                 ("want", C.c_int32), ("events", C.c_uint32), ("drivers", C.c_int32), ("asked", C.c_int32),
-                ("pad_", C.c_int32), ("sleeps", C.c_int64),
+                ("kicks", C.c_uint32), ("check", C.c_void_p), ("sleeps", C.c_int64),
                 ("notified", C.c_int64)]
 
 
@@ -133,11 +134,11 @@ class ProgressLoop:
     request and calls :meth:`wait`. Made by ``_ucp.Worker.progress_loop``, which owns the worker handle.
     """
 
-    def __init__(self, lib: C.CDLL, progress: int, arm: int, signal: int, worker: int, efd: int,
+    def __init__(self, lib: C.CDLL, progress: int, arm: int, signal: int, check: int, worker: int, efd: int,
                  spin_ns: int) -> None:
         self.nfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._state = LoopState(progress=progress, arm=arm, signal=signal, worker=worker, efd=efd, nfd=self.nfd,
-                                spin_ns=max(0, spin_ns))
+                                spin_ns=max(0, spin_ns), check=check)
         self._at = at = C.addressof(self._state)
         self._lib = lib
         self._want, self._ask = lib.mpcomm_ucx_loop_want, lib.mpcomm_ucx_loop_ask
@@ -179,13 +180,21 @@ class ProgressLoop:
         """Wake every :meth:`wait` (requests were reported)."""
         self._bump(self._at)
 
-    def events(self) -> int:
-        """The event count; read it before checking a request, then :meth:`wait` on it."""
-        return self._state.events
+    def events(self) -> tuple[int, int]:
+        """(events, kicks); read them before checking a request, then :meth:`wait` on them."""
+        st = self._state
+        return st.kicks, st.events
 
-    def wait(self, seen: int, timeout: float, spin: float) -> bool:
-        """Wait (GIL released) until the event count moves past ``seen``; False after ``timeout`` s."""
-        return bool(self._wait_fn(self._at, seen, int(max(0.0, timeout) * 1e9), int(spin * 1e9)))
+    def wait(self, seen: tuple[int, int], timeout: float, spin: float, request: int = 0) -> bool:
+        """Wait (GIL released) until Python kicks, or the loop did work and ``request`` (a UCX
+        request's address the caller alone frees; 0: any work) is no longer in progress.
+        False after ``timeout`` s."""
+        return bool(self._wait_fn(self._at, seen[1], seen[0], request or None, int(max(0.0, timeout) * 1e9),
+                                  int(spin * 1e9)))
+
+    def waiting(self) -> int:
+        """How many threads are inside :meth:`wait` (close() waits for 0 before it frees requests)."""
+        return self._state.drivers
 
     def drain(self) -> None:
         """Consume the wake-ups written to :attr:`nfd`."""

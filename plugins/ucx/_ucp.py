@@ -409,8 +409,8 @@ class Worker:
         if _native_helper() is None or self._h is None:
             return None
         fns = _fn_pointers(self._lib)
-        return _native_state[1].ProgressLoop(_native_state[0], fns[3], fns[6], fns[7], self._h.value, self.fileno(),
-                                             int(spin * 1e9))
+        return _native_state[1].ProgressLoop(_native_state[0], fns[3], fns[6], fns[7], fns[4], self._h.value,
+                                             self.fileno(), int(spin * 1e9))
 
     def signal(self):
         """Wake a thread blocked in wait()."""
@@ -764,6 +764,11 @@ class Request:
         if self._ptr is None:
             return self._final
         return self.worker._lib.ucp_request_check_status(self._ptr)
+
+    @property
+    def address(self) -> int:
+        """The UCX request's address (0 once freed): for a native wait on it by its only freer."""
+        return self._ptr or 0
 
     @property
     def done(self) -> bool:

@@ -157,7 +157,8 @@ struct mp_loop {
     uint32_t events;      /* futex word: bumped after every progress call that did work, and by bump() */
     int32_t drivers;      /* threads waiting on `events` */
     int32_t asked;        /* the bookkeeping thread looks (or sleeps) and wants to hear of new work */
-    int32_t pad_;
+    uint32_t kicks;       /* bumped (with `events`) by Python: reports made, aborts, revocations, close */
+    check_fn check;       /* ucp_request_check_status: a driver's request, checked without the GIL */
     int64_t sleeps;       /* polls that ended (observability) */
     int64_t notified;     /* writes to nfd */
 };
@@ -190,16 +191,22 @@ static void mp_notify(int64_t fd) {
 
 /* events++ (seq_cst), then wake the drivers that may be waiting on the old value. A driver counts
    itself in `drivers` before it compares `events`: one of the two sees the other's store. */
-void mpcomm_ucx_loop_bump(struct mp_loop *l) {
+static void mp_events(struct mp_loop *l) {
     __atomic_add_fetch(&l->events, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&l->drivers, __ATOMIC_SEQ_CST) > 0)
         syscall(SYS_futex, &l->events, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
+/* Python's wake-up of every driver (whatever it waits for): `kicks`, then `events`. */
+void mpcomm_ucx_loop_bump(struct mp_loop *l) {
+    __atomic_add_fetch(&l->kicks, 1, __ATOMIC_SEQ_CST);
+    mp_events(l);
+}
+
 /* Progress did work: tell whoever asked. `asked` (and `want`) are set before the asker checks its
    requests, and read here after the work that may have completed them: no lost wake-up. */
 static void mp_worked(struct mp_loop *l) {
-    mpcomm_ucx_loop_bump(l);
+    mp_events(l);
     if (__atomic_load_n(&l->want, __ATOMIC_SEQ_CST) && __atomic_load_n(&l->asked, __ATOMIC_SEQ_CST)
         && __atomic_exchange_n(&l->asked, 0, __ATOMIC_SEQ_CST)) {
         mp_notify(l->nfd);
@@ -263,24 +270,44 @@ int64_t mpcomm_ucx_loop_run(struct mp_loop *l) {
     return 0;
 }
 
-/* A driver (a result() waiter, GIL released): wait until `events` moves past `seen`, for at most
-   timeout_ns (spinning spin_ns first). Returns 1 when it moved, 0 on timeout. */
-int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t timeout_ns, int64_t spin_ns) {
-    uint32_t s = (uint32_t)seen;
-    int64_t start = mp_now_ns(), end = start + (timeout_ns < 0 ? 0 : timeout_ns);
-    while (mp_now_ns() - start < spin_ns) {
-        if (__atomic_load_n(&l->events, __ATOMIC_SEQ_CST) != s)
-            return 1;
-        mp_relax();
-    }
+/* A driver (a result() waiter, GIL released): wait until Python kicks (`kicks` moves past
+   `seen_kicks`), or the loop did work (`events` moves past `seen`) and `req` -- the request the
+   driver waits for, NULL for any work -- is no longer in progress; at most timeout_ns (spinning
+   spin_ns first). Returns 1 when woken so, 0 on timeout. Only the driver frees `req` (the
+   transport's Python thread does not step a driven request), and close() waits until no driver
+   is in here (`drivers`) before it releases requests. */
+int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t seen_kicks, void *req, int64_t timeout_ns,
+                             int64_t spin_ns) {
+    uint32_t s = (uint32_t)seen, k = (uint32_t)seen_kicks;
+    int64_t start = mp_now_ns(), end = start + (timeout_ns < 0 ? 0 : timeout_ns), now;
+    int64_t r = 0;
     __atomic_add_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST);
-    int64_t now;
-    while (__atomic_load_n(&l->events, __ATOMIC_SEQ_CST) == s && (now = mp_now_ns()) < end) {
+    for (;;) {
+        if (__atomic_load_n(&l->kicks, __ATOMIC_SEQ_CST) != k) {
+            r = 1;
+            break;
+        }
+        uint32_t e = __atomic_load_n(&l->events, __ATOMIC_SEQ_CST);
+        if (e != s) {
+            if (req == NULL || l->check(req) != 1) { /* 1: UCS_INPROGRESS */
+                r = 1;
+                break;
+            }
+            s = e; /* work, but not ours: sleep on, without the GIL */
+            continue;
+        }
+        now = mp_now_ns();
+        if (now >= end)
+            break;
+        if (now - start < spin_ns) {
+            mp_relax();
+            continue;
+        }
         struct timespec t = {(end - now) / 1000000000, (end - now) % 1000000000};
         syscall(SYS_futex, &l->events, FUTEX_WAIT_PRIVATE, s, &t, NULL, 0);
     }
     __atomic_sub_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST);
-    return __atomic_load_n(&l->events, __ATOMIC_SEQ_CST) != s;
+    return r;
 }
 
 #ifdef MP_PYMODULE

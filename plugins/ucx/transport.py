@@ -450,6 +450,11 @@ class UcxTransport(Transport):
         # (the worker may be gone), and the thread would sleep out its join timeout.
         self._signal()
         self._closed = True
+        if self._loop is not None:
+            # Drivers were kicked: none may still be checking a request natively when they are freed below.
+            end = time.monotonic() + 2.0
+            while self._loop.waiting() and time.monotonic() < end:
+                time.sleep(0.001)
         with self._lock:
             for p in self._peers.values():
                 self._shut_lanes(p)
@@ -1616,6 +1621,8 @@ class UcxTransport(Transport):
         if self._orphaned:
             self._reap_orphans()
         for st in list(self._active):
+            if st.driven:
+                continue  # its waiter steps it, and alone frees its requests (it may wait on one natively)
             self._step_safe(st, now)
             if st.abort_at is not None and st in self._active:
                 t = st.abort_at + self._abort_grace
@@ -1733,6 +1740,8 @@ class UcxTransport(Transport):
                         self.waiter_reports += 1
                         return
                     end = until if w.abort_at is None else min(until, w.abort_at + self._abort_grace + 0.001)
+                    req = w.flush if w.flush is not None else (w.reqs[0][0] if w.reqs else None)
+                    addr = req.address if req is not None else 0
                 if now >= until:
                     return
                 if worker.progress():  # what the step issued (a flush, a chunk): local work
@@ -1741,7 +1750,9 @@ class UcxTransport(Transport):
                     if len(self._active) > 1:
                         self._progressed()  # those calls may have completed others' requests
                     continue
-                loop.wait(seen, min(max(0.0, end - now), 1.0), spin)
+                # Woken for this request's completion (or a kick), not for every other's: eight
+                # waiters do not all take the GIL for each event.
+                loop.wait(seen, min(max(0.0, end - now), 1.0), spin, addr)
         finally:
             with self._lock:
                 if w.driven:  # not reported: the Python thread takes it over
