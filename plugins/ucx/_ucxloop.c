@@ -135,8 +135,10 @@ int64_t mpcomm_ucx_rma_one(rma_fn fn, check_fn check, free_fn rfree, progress_fn
  *     statuses. The loop writes `nfd` after a progress call that did work when both are set, and
  *     clears `asked` (one wake-up per look): a process with nothing of its own in flight -- a pure
  *     target -- is never woken;
- *   - a thread waiting in result() (Transport.drive) reads `events`, checks its request, then waits
- *     on `events` (a futex word the loop bumps after every progress call that did work).
+ *   - a thread waiting in result() (Transport.drive) reads `kicks` and `events`, steps its request,
+ *     then waits on `events` (a futex word the loop bumps after every progress call that did work)
+ *     until its own request is no longer in progress (checked here, without the GIL) or Python
+ *     kicks; so eight waiters do not all take the GIL for each event.
  * Stop: `stop` = 1, then ucp_worker_signal: either the signal comes after ucp_worker_arm (the poll
  * wakes) or before it (arm answers BUSY), and `stop` is read after arm. The loop calls UCX only
  * through the function pointers the ctypes binding resolved. An endpoint's error callback (a ctypes
@@ -155,7 +157,7 @@ struct mp_loop {
     int32_t stop;
     int32_t want;         /* the bookkeeping thread has requests to step that nobody drives */
     uint32_t events;      /* futex word: bumped after every progress call that did work, and by bump() */
-    int32_t drivers;      /* threads waiting on `events` */
+    int32_t drivers;      /* threads inside mpcomm_ucx_loop_wait */
     int32_t asked;        /* the bookkeeping thread looks (or sleeps) and wants to hear of new work */
     uint32_t kicks;       /* bumped (with `events`) by Python: reports made, aborts, revocations, close */
     check_fn check;       /* ucp_request_check_status: a driver's request, checked without the GIL */
