@@ -79,6 +79,7 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
                             ("mpcomm_ucx_loop_handoff", C.c_int64, [C.c_void_p]),
                             ("mpcomm_ucx_loop_kick", C.c_int64, [C.c_void_p]),
                             ("mpcomm_ucx_loop_bump", None, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_worked", None, [C.c_void_p]),
                             ("mpcomm_ucx_loop_stop", None, [C.c_void_p]),
                             ("mpcomm_ucx_loop_wait", C.c_int64,
                              [C.c_void_p, C.c_int64, C.c_int64, C.c_void_p, C.c_int64, C.c_int64])):
@@ -143,7 +144,8 @@ class ProgressLoop:
         self._lib = lib
         self._want, self._ask = lib.mpcomm_ucx_loop_want, lib.mpcomm_ucx_loop_ask
         self._handoff = lib.mpcomm_ucx_loop_handoff
-        self._kick, self._bump = lib.mpcomm_ucx_loop_kick, lib.mpcomm_ucx_loop_bump
+        self._kick, self._bump, self._worked = lib.mpcomm_ucx_loop_kick, lib.mpcomm_ucx_loop_bump, \
+            lib.mpcomm_ucx_loop_worked
         self._wait_fn = lib.mpcomm_ucx_loop_wait
         self._thread = threading.Thread(target=lib.mpcomm_ucx_loop_run, args=(at,), name="mpcomm-ucx-native",
                                         daemon=True)
@@ -167,6 +169,11 @@ class ProgressLoop:
     def kick(self) -> None:
         """Wake the bookkeeping thread, every waiter and the loop (new work, an abort, a revocation)."""
         self._kick(self._at)
+
+    def worked(self) -> None:
+        """A Python thread's progress call did work: as after the loop's own (waiters check their
+        requests natively; the bookkeeping thread is woken if it wants and asked)."""
+        self._worked(self._at)
 
     def nudge(self) -> None:
         """Wake the bookkeeping thread and every waiter without calling UCX (safe inside a UCX callback)."""

@@ -216,6 +216,9 @@ static void mp_worked(struct mp_loop *l) {
     }
 }
 
+/* A Python thread's own progress call did work: tell whoever asked, as after the loop's own. */
+void mpcomm_ucx_loop_worked(struct mp_loop *l) { mp_worked(l); }
+
 /* Whether the bookkeeping thread has requests nobody drives (the transport, under its lock). */
 void mpcomm_ucx_loop_want(struct mp_loop *l, int64_t want) {
     __atomic_store_n(&l->want, want ? 1 : 0, __ATOMIC_SEQ_CST);

@@ -1589,14 +1589,14 @@ class UcxTransport(Transport):
     def _progressed(self) -> None:
         """A Python thread's own progress calls did work: whoever steps the others must look.
 
-        Without the native loop, or with requests no waiter drives (or wire-up waits, lane
-        orphans), that is the Python thread (a kick); when every one is driven, only their
-        waiters (the event count moves), and the Python thread sleeps on."""
+        With the native loop, as after the loop's own work: waiters check their requests
+        natively (no GIL), and the Python thread is woken only if it has undriven requests and
+        asked. Without it, the Python thread is kicked."""
         loop = self._loop
-        if loop is None or len(self._active) > self._driven or self._waits or self._orphaned:
+        if loop is None:
             self._signal()
         elif not self._closed:
-            loop.bump()
+            loop.worked()
 
     def _busy(self) -> bool:
         """Whether this thread has requests (or wire-up waits, or lane orphans) to step (lock held).
@@ -1664,7 +1664,6 @@ class UcxTransport(Transport):
                         wake_at = self._tick(time.monotonic())
                     busy = self._busy()
                     loop.want(busy)
-                loop.bump()  # a result() waiter whose request was reported here looks again
                 if busy and worker.progress():
                     while worker.progress():
                         pass
