@@ -24,7 +24,7 @@ from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.ucx")
 
-ABI = 5
+ABI = 6
 MODULE = "mpcomm.plugins.ucx._mpcomm_ucxloop"
 
 _lock = threading.Lock()
@@ -73,8 +73,21 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
     g.restype = C.c_int64
     g.argtypes = [C.c_void_p] * 7 + [C.c_int64, C.c_int64, C.c_int64, C.c_void_p, C.c_void_p, C.c_void_p,
                                      C.c_int64, C.c_void_p]
+    for name, res, args in (("mpcomm_ucx_loop_run", C.c_int64, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_want", None, [C.c_void_p, C.c_int64]),
+                            ("mpcomm_ucx_loop_ask", None, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_handoff", C.c_int64, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_kick", C.c_int64, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_bump", None, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_worked", None, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_stop", None, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_wait", C.c_int64,
+                             [C.c_void_p, C.c_int64, C.c_int64, C.c_void_p, C.c_int64, C.c_int64])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
     mod: ModuleType | None = h.module
-    if mod is not None and (mod.CALL_SIZE != C.sizeof(RmaCall) or mod.LANE_SIZE != C.sizeof(Lane)):
+    if mod is not None and (mod.CALL_SIZE != C.sizeof(RmaCall) or mod.LANE_SIZE != C.sizeof(Lane)
+                            or mod.LOOP_SIZE != C.sizeof(LoopState)):
         mod = None
     return lib, mod, f"compiled helper ({h.path}{', extension module' if mod is not None else ''})"
 
@@ -99,3 +112,129 @@ def gate() -> C.Array:
     g = (C.c_int64 * 2)()
     g[0] = 1
     return g
+
+
+class LoopState(C.Structure):
+    """struct mp_loop of _ucxloop.c: the native progress loop's shared words (see there)."""
+
+    _fields_ = [("progress", C.c_void_p), ("arm", C.c_void_p), ("signal", C.c_void_p), ("worker", C.c_void_p),
+                ("efd", C.c_int64), ("nfd", C.c_int64), ("spin_ns", C.c_int64), ("stop", C.c_int32),
+                ("want", C.c_int32), ("events", C.c_uint32), ("drivers", C.c_int32), ("asked", C.c_int32),
+                ("kicks", C.c_uint32), ("check", C.c_void_p), ("sleeps", C.c_int64),
+                ("notified", C.c_int64)]
+
+
+class ProgressLoop:
+    """The worker's progress in a native loop that never takes the GIL (``mpcomm_ucx_loop_run``).
+
+    A daemon thread parks in one ctypes call (which releases the GIL) until :meth:`stop`. Python
+    threads talk to it through shared words: the transport keeps :meth:`want` (it has requests
+    no result() waiter drives); its bookkeeping thread calls :meth:`ask` before it checks them
+    and then sleeps on :attr:`nfd` (an eventfd the loop writes after a progress call that did
+    work, once per ask, while wanted); a result() waiter reads :meth:`events`, checks its
+    request and calls :meth:`wait`. Made by ``_ucp.Worker.progress_loop``, which owns the worker handle.
+    """
+
+    def __init__(self, lib: C.CDLL, progress: int, arm: int, signal: int, check: int, worker: int, efd: int,
+                 spin_ns: int) -> None:
+        self.nfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._state = LoopState(progress=progress, arm=arm, signal=signal, worker=worker, efd=efd, nfd=self.nfd,
+                                spin_ns=max(0, spin_ns), check=check)
+        self._at = at = C.addressof(self._state)
+        self._lib = lib
+        self._want, self._ask = lib.mpcomm_ucx_loop_want, lib.mpcomm_ucx_loop_ask
+        self._handoff = lib.mpcomm_ucx_loop_handoff
+        self._kick, self._bump, self._worked = lib.mpcomm_ucx_loop_kick, lib.mpcomm_ucx_loop_bump, \
+            lib.mpcomm_ucx_loop_worked
+        self._wait_fn = lib.mpcomm_ucx_loop_wait
+        self._thread = threading.Thread(target=lib.mpcomm_ucx_loop_run, args=(at,), name="mpcomm-ucx-native",
+                                        daemon=True)
+        self._stopped = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def want(self, want: bool) -> None:
+        """Whether the bookkeeping thread has requests that no result() waiter drives."""
+        self._want(self._at, int(want))
+
+    def ask(self) -> None:
+        """The bookkeeping thread is about to check: one wake-up on :attr:`nfd` after the next work."""
+        self._ask(self._at)
+
+    def handoff(self) -> None:
+        """A request was handed off in flight: wanted from now on, and the loop progresses."""
+        self._handoff(self._at)
+
+    def kick(self) -> None:
+        """Wake the bookkeeping thread, every waiter and the loop (new work, an abort, a revocation)."""
+        self._kick(self._at)
+
+    def worked(self) -> None:
+        """A Python thread's progress call did work: as after the loop's own (waiters check their
+        requests natively; the bookkeeping thread is woken if it wants and asked)."""
+        self._worked(self._at)
+
+    def nudge(self) -> None:
+        """Wake the bookkeeping thread and every waiter without calling UCX (safe inside a UCX callback)."""
+        try:
+            os.eventfd_write(self.nfd, 1)
+        except OSError:
+            pass
+        self._bump(self._at)
+
+    def bump(self) -> None:
+        """Wake every :meth:`wait` (requests were reported)."""
+        self._bump(self._at)
+
+    def events(self) -> tuple[int, int]:
+        """(events, kicks); read them before checking a request, then :meth:`wait` on them."""
+        st = self._state
+        return st.kicks, st.events
+
+    def wait(self, seen: tuple[int, int], timeout: float, spin: float, request: int = 0) -> bool:
+        """Wait (GIL released) until Python kicks, or the loop did work and ``request`` (a UCX
+        request's address the caller alone frees; 0: any work) is no longer in progress.
+        False after ``timeout`` s."""
+        return bool(self._wait_fn(self._at, seen[1], seen[0], request or None, int(max(0.0, timeout) * 1e9),
+                                  int(spin * 1e9)))
+
+    def waiting(self) -> int:
+        """How many threads are inside :meth:`wait` (close() waits for 0 before it frees requests)."""
+        return self._state.drivers
+
+    def drain(self) -> None:
+        """Consume the wake-ups written to :attr:`nfd`."""
+        try:
+            os.eventfd_read(self.nfd)
+        except BlockingIOError:
+            pass
+
+    @property
+    def sleeps(self) -> int:
+        """How many times the loop slept on the worker's event fd and woke."""
+        return self._state.sleeps
+
+    @property
+    def notified(self) -> int:
+        """How many times the loop woke the bookkeeping thread."""
+        return self._state.notified
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the loop and join its thread; True when it ended (the worker may then be destroyed)."""
+        if not self._stopped:
+            self._stopped = True
+            if self._thread.is_alive() or self._thread.ident is not None:
+                self._lib.mpcomm_ucx_loop_stop(self._at)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def close(self) -> None:
+        """Close the eventfd (after :meth:`stop` and after the bookkeeping thread ended)."""
+        if self.nfd >= 0 and not self._thread.is_alive():
+            os.close(self.nfd)
+            self.nfd = -1

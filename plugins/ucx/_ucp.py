@@ -400,6 +400,18 @@ class Worker:
         r, _, _ = select.select([fd], [], [], timeout)
         return bool(r)
 
+    def progress_loop(self, spin: float = 0.0):
+        """This worker's progress in a native loop that never takes the GIL, or None without the helper.
+
+        A ``_native.ProgressLoop`` (not started): it progresses the worker and sleeps on its
+        event fd (``ucp_worker_arm`` + ``poll``) until stopped; ``spin`` seconds of polling after
+        the last work. Stop it before :meth:`close`."""
+        if _native_helper() is None or self._h is None:
+            return None
+        fns = _fn_pointers(self._lib)
+        return _native_state[1].ProgressLoop(_native_state[0], fns[3], fns[6], fns[7], fns[4], self._h.value,
+                                             self.fileno(), int(spin * 1e9))
+
     def signal(self):
         """Wake a thread blocked in wait()."""
         _check(self._lib.ucp_worker_signal(self._h), "ucp_worker_signal")
@@ -754,6 +766,11 @@ class Request:
         return self.worker._lib.ucp_request_check_status(self._ptr)
 
     @property
+    def address(self) -> int:
+        """The UCX request's address (0 once freed): for a native wait on it by its only freer."""
+        return self._ptr or 0
+
+    @property
     def done(self) -> bool:
         return self.status() != UCS_INPROGRESS
 
@@ -825,7 +842,7 @@ def _fn_pointers(lib):
     if fns is None:
         fns = _fn_cache[id(lib)] = tuple(C.cast(getattr(lib, name), C.c_void_p).value for name in (
             "ucp_put_nbx", "ucp_get_nbx", "ucp_request_free", "ucp_worker_progress", "ucp_request_check_status",
-            "ucp_ep_flush_nbx"))
+            "ucp_ep_flush_nbx", "ucp_worker_arm", "ucp_worker_signal"))
     return fns
 
 

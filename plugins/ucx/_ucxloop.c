@@ -1,15 +1,22 @@
 /* The ucx transport's native helper: UCX calls in a loop outside the interpreter.
  *
- * Compiled at first use by plugins/ucx/_native.py (through mpcomm.native_helper)
- * with the system `cc` into a private cache. It calls UCX only through the
+ * Built at install (setup.py) into the extension module mpcomm.plugins.ucx._mpcomm_ucxloop
+ * and loaded by plugins/ucx/_native.py (through mpcomm.native_helper). It calls UCX only through the
  * function pointers the ctypes binding already resolved, so it needs neither
  * UCX headers nor linking against UCX. Without a compiler the binding runs the
  * same loops in Python.
  */
 #include <stdint.h>
 #include <stddef.h>
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 
-#define MP_ABI 5
+#define MP_ABI 6
 
 int mpcomm_ucx_abi(void) { return MP_ABI; }
 
@@ -113,6 +120,199 @@ int64_t mpcomm_ucx_rma_one(rma_fn fn, check_fn check, free_fn rfree, progress_fn
     if (st != 0 || !write)
         return st;
     return settle(flush(ep, fparam), 2, check, rfree, progress, worker, pending);
+}
+
+/* -- The worker's progress loop: a native thread that never takes the GIL ----------------------
+ *
+ * A Python thread parks in one ctypes call (mpcomm_ucx_loop_run; ctypes releases the GIL) and
+ * progresses the worker until told to stop: progress while it does work, spin `spin_ns` after the
+ * last work, then ucp_worker_arm + poll on the worker's event fd. So UCX's two-sided work for this
+ * process -- a peer's put or get emulated over active messages on tcp, wire-up, keepalive -- is done
+ * however busy the interpreter is. Python is told only what it asked for:
+ *   - the transport's bookkeeping thread (it steps this process's own requests) sleeps on the
+ *     eventfd `nfd`. `want` says whether it has requests no result() waiter drives (the transport
+ *     keeps it, under its lock); `asked` is set by that thread before it checks its requests'
+ *     statuses. The loop writes `nfd` after a progress call that did work when both are set, and
+ *     clears `asked` (one wake-up per look): a process with nothing of its own in flight -- a pure
+ *     target -- is never woken;
+ *   - a thread waiting in result() (Transport.drive) reads `kicks` and `events`, steps its request,
+ *     then waits on `events` (a futex word the loop bumps after every progress call that did work)
+ *     until its own request is no longer in progress (checked here, without the GIL) or Python
+ *     kicks; so eight waiters do not all take the GIL for each event.
+ * Stop: `stop` = 1, then ucp_worker_signal: either the signal comes after ucp_worker_arm (the poll
+ * wakes) or before it (arm answers BUSY), and `stop` is read after arm. The loop calls UCX only
+ * through the function pointers the ctypes binding resolved. An endpoint's error callback (a ctypes
+ * callback) would take the GIL inside progress: a pure target has none (see docs/ucx.md). */
+typedef int8_t (*arm_fn)(void *);
+typedef int8_t (*signal_fn)(void *);
+
+struct mp_loop {
+    progress_fn progress; /* ucp_worker_progress */
+    arm_fn arm;           /* ucp_worker_arm */
+    signal_fn signal;     /* ucp_worker_signal */
+    void *worker;
+    int64_t efd;          /* the worker's event fd */
+    int64_t nfd;          /* eventfd the bookkeeping thread sleeps on */
+    int64_t spin_ns;      /* keep progressing this long after the last work before sleeping */
+    int32_t stop;
+    int32_t want;         /* the bookkeeping thread has requests to step that nobody drives */
+    uint32_t events;      /* futex word: bumped after every progress call that did work, and by bump() */
+    int32_t drivers;      /* threads inside mpcomm_ucx_loop_wait */
+    int32_t asked;        /* the bookkeeping thread looks (or sleeps) and wants to hear of new work */
+    uint32_t kicks;       /* bumped (with `events`) by Python: reports made, aborts, revocations, close */
+    check_fn check;       /* ucp_request_check_status: a driver's request, checked without the GIL */
+    int64_t sleeps;       /* polls that ended (observability) */
+    int64_t notified;     /* writes to nfd */
+};
+
+/* One step of a short busy wait. Not sched_yield(): against a thread that never sleeps (a Python
+   loop on the same CPU) a yield hands it the CPU until the next scheduler tick (4 ms here), and a
+   request arriving meanwhile waits for it; a thread that spins briefly and then sleeps in poll is
+   woken, and preempts, as soon as its event comes. */
+static inline void mp_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t mp_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void mp_notify(int64_t fd) {
+    uint64_t one = 1;
+    ssize_t r;
+    do
+        r = write((int)fd, &one, sizeof one); /* an eventfd adds: no write is lost */
+    while (r < 0 && errno == EINTR);
+}
+
+/* events++ (seq_cst), then wake the drivers that may be waiting on the old value. A driver counts
+   itself in `drivers` before it compares `events`: one of the two sees the other's store. */
+static void mp_events(struct mp_loop *l) {
+    __atomic_add_fetch(&l->events, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&l->drivers, __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, &l->events, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Python's wake-up of every driver (whatever it waits for): `kicks`, then `events`. */
+void mpcomm_ucx_loop_bump(struct mp_loop *l) {
+    __atomic_add_fetch(&l->kicks, 1, __ATOMIC_SEQ_CST);
+    mp_events(l);
+}
+
+/* Progress did work: tell whoever asked. `asked` (and `want`) are set before the asker checks its
+   requests, and read here after the work that may have completed them: no lost wake-up. */
+static void mp_worked(struct mp_loop *l) {
+    mp_events(l);
+    if (__atomic_load_n(&l->want, __ATOMIC_SEQ_CST) && __atomic_load_n(&l->asked, __ATOMIC_SEQ_CST)
+        && __atomic_exchange_n(&l->asked, 0, __ATOMIC_SEQ_CST)) {
+        mp_notify(l->nfd);
+        __atomic_add_fetch(&l->notified, 1, __ATOMIC_RELAXED);
+    }
+}
+
+/* A Python thread's own progress call did work: tell whoever asked, as after the loop's own. */
+void mpcomm_ucx_loop_worked(struct mp_loop *l) { mp_worked(l); }
+
+/* Whether the bookkeeping thread has requests nobody drives (the transport, under its lock). */
+void mpcomm_ucx_loop_want(struct mp_loop *l, int64_t want) {
+    __atomic_store_n(&l->want, want ? 1 : 0, __ATOMIC_SEQ_CST);
+}
+
+/* The bookkeeping thread is about to check its requests: wake it after the next work. */
+void mpcomm_ucx_loop_ask(struct mp_loop *l) { __atomic_store_n(&l->asked, 1, __ATOMIC_SEQ_CST); }
+
+/* A posting thread handed a request in flight to the progress side: the bookkeeping thread must
+   hear of its completion (unless a result() waiter claims it first), and the loop progresses. */
+int64_t mpcomm_ucx_loop_handoff(struct mp_loop *l) {
+    __atomic_store_n(&l->want, 1, __ATOMIC_SEQ_CST);
+    return l->signal(l->worker);
+}
+
+/* Wake the bookkeeping thread (new work, an abort, a revocation), the drivers, and the loop itself
+   (it progresses what was just issued). */
+int64_t mpcomm_ucx_loop_kick(struct mp_loop *l) {
+    mp_notify(l->nfd);
+    mpcomm_ucx_loop_bump(l);
+    return l->signal(l->worker);
+}
+
+/* Tell the loop to end (it returns from mpcomm_ucx_loop_run soon after; join its thread). */
+void mpcomm_ucx_loop_stop(struct mp_loop *l) {
+    __atomic_store_n(&l->stop, 1, __ATOMIC_SEQ_CST);
+    l->signal(l->worker);
+}
+
+/* Runs until stop: the progress thread's whole life, outside the interpreter. Returns 0. */
+int64_t mpcomm_ucx_loop_run(struct mp_loop *l) {
+    int64_t last = mp_now_ns();
+    while (!__atomic_load_n(&l->stop, __ATOMIC_SEQ_CST)) {
+        if (l->progress(l->worker)) {
+            mp_worked(l);
+            last = mp_now_ns();
+            continue;
+        }
+        if (mp_now_ns() - last < l->spin_ns) {
+            mp_relax();
+            continue;
+        }
+        int8_t st = l->arm(l->worker);
+        if (st == -15) /* UCS_ERR_BUSY: events (or a signal) are pending: progress them */
+            continue;
+        if (__atomic_load_n(&l->stop, __ATOMIC_SEQ_CST))
+            break;
+        struct pollfd p = {(int)l->efd, POLLIN, 0};
+        /* armed: sleep until UCX has an event or someone signals; a failed arm polls in 1 ms steps */
+        poll(&p, 1, st == 0 ? -1 : 1);
+        __atomic_add_fetch(&l->sleeps, 1, __ATOMIC_RELAXED);
+        last = mp_now_ns();
+    }
+    return 0;
+}
+
+/* A driver (a result() waiter, GIL released): wait until Python kicks (`kicks` moves past
+   `seen_kicks`), or the loop did work (`events` moves past `seen`) and `req` -- the request the
+   driver waits for, NULL for any work -- is no longer in progress; at most timeout_ns (spinning
+   spin_ns first). Returns 1 when woken so, 0 on timeout. Only the driver frees `req` (the
+   transport's Python thread does not step a driven request), and close() waits until no driver
+   is in here (`drivers`) before it releases requests. */
+int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t seen_kicks, void *req, int64_t timeout_ns,
+                             int64_t spin_ns) {
+    uint32_t s = (uint32_t)seen, k = (uint32_t)seen_kicks;
+    int64_t start = mp_now_ns(), end = start + (timeout_ns < 0 ? 0 : timeout_ns), now;
+    int64_t r = 0;
+    __atomic_add_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST);
+    for (;;) {
+        if (__atomic_load_n(&l->kicks, __ATOMIC_SEQ_CST) != k) {
+            r = 1;
+            break;
+        }
+        uint32_t e = __atomic_load_n(&l->events, __ATOMIC_SEQ_CST);
+        if (e != s) {
+            if (req == NULL || l->check(req) != 1) { /* 1: UCS_INPROGRESS */
+                r = 1;
+                break;
+            }
+            s = e; /* work, but not ours: sleep on, without the GIL */
+            continue;
+        }
+        now = mp_now_ns();
+        if (now >= end)
+            break;
+        if (now - start < spin_ns) {
+            mp_relax();
+            continue;
+        }
+        struct timespec t = {(end - now) / 1000000000, (end - now) % 1000000000};
+        syscall(SYS_futex, &l->events, FUTEX_WAIT_PRIVATE, s, &t, NULL, 0);
+    }
+    __atomic_sub_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST);
+    return r;
 }
 
 #ifdef MP_PYMODULE
@@ -274,7 +474,8 @@ PyMODINIT_FUNC PyInit__mpcomm_ucxloop(void) {
     PyObject *m = PyModule_Create(&mp_module);
     if (m != NULL && (PyModule_AddIntConstant(m, "ABI", MP_ABI) < 0 ||
                       PyModule_AddIntConstant(m, "CALL_SIZE", (long)sizeof(struct mp_rma_call)) < 0 ||
-                      PyModule_AddIntConstant(m, "LANE_SIZE", (long)sizeof(struct mp_lane)) < 0)) {
+                      PyModule_AddIntConstant(m, "LANE_SIZE", (long)sizeof(struct mp_lane)) < 0 ||
+                      PyModule_AddIntConstant(m, "LOOP_SIZE", (long)sizeof(struct mp_loop)) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

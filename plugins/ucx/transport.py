@@ -40,15 +40,22 @@ alive (quarantined), so a late access lands in allocated memory, never in
 freed pages. Against a peer that does not cooperate nothing here (nor UCX on
 cma, sysv/posix or tcp) can stop it: see docs/ucx.md.
 
-Progress. One progress thread per engine sleeps on the worker's event fd
-(``ucp_worker_arm`` + ``select``), woken by UCX events and by
-``ucp_worker_signal`` (new work, aborts, revocations); its only timeout is
-the next abort-grace expiry. It polls for ``spin_us`` after the last event
-before arming. It reports completions (``op.complete``/``op.fail``) and does
-nothing else that could block. Requests up to ``inline_threshold`` bytes are
+Progress. The worker's progress runs in a native loop (``_ucxloop.c``,
+``mpcomm_ucx_loop_run``: a thread parked in one ctypes call, the GIL released):
+progress while it does work, then ``ucp_worker_arm`` + ``poll`` on the event
+fd. Over tcp UCX emulates RMA with active messages the *target* must
+progress; the loop does that however busy the interpreter is. A Python
+thread steps this process's own requests (chunks, flushes, fences, the abort
+grace, its only timer) and reports them; it sleeps on an eventfd the loop
+writes only while there are requests of ours that no ``result()`` waiter
+drives (``want``) and it asked (``ask``, set before it checks statuses), so a
+pure target never wakes it. ``drive`` lets a ``result()`` waiter step and
+report its own request, waiting on the loop's event futex with the GIL
+released. Without the helper the Python thread progresses the worker itself
+(``_progress_loop``: arm + ``select``, ``spin_us`` of polling). Requests up to ``inline_threshold`` bytes are
 issued on the posting thread (cma copies are synchronous and need nothing
 from the target); what is not done right after issuing is left to the
-progress thread.
+progress side. Why the revocation answer stays in Python: docs/ucx.md.
 
 Batches (``post_many``): the N puts/gets are issued as one unit (``Endpoint.rma_group``:
 a compiled loop when a C compiler is available, see ``_native.py``, else Python),
@@ -233,7 +240,7 @@ class _Work:
 
     __slots__ = ("op", "group", "kind", "att", "peer", "items", "count", "lengths", "next", "reqs", "inflight",
                  "flush", "flushed", "error", "failed", "fatal", "stop", "abort_at", "fenced", "restart", "memh",
-                 "generation")
+                 "generation", "driven")
 
     def __init__(self, op: Any, group: bool, att: _Attach, memh: Any) -> None:
         self.op = op
@@ -258,6 +265,7 @@ class _Work:
         self.fenced = False
         self.restart = False
         self.generation = -1
+        self.driven = False  # a result() waiter steps it (drive): the Python thread need not be woken for it
 
     @property
     def outstanding(self) -> bool:
@@ -299,7 +307,11 @@ class UcxTransport(Transport):
         "chunk": 4 << 20,  # bytes per put/get of a large request (an abort stops between chunks)
         "window": 64 << 20,  # outstanding bytes per request
         "inline_threshold": 4 << 20,  # requests up to this size are issued on the posting thread
-        "spin_us": 50,  # the progress thread polls this long after the last event before sleeping
+        "spin_us": 50,  # without the native loop: the Python progress thread polls this long before sleeping
+        # The native progress loop and a result() waiter busy-wait this long after the last event
+        # before they sleep (0: at once). On shared or oversubscribed CPUs a busy wait takes the CPU
+        # the peer's answer needs (4 KiB over tcp here: 80 us p50 at 0, 360-480 us at 50).
+        "native_spin_us": 0,
         "revoke_timeout": 2.0,  # seconds a target waits for an initiator to confirm a revocation
         "attach_timeout": 10.0,  # upper bound of an attach round trip (the request's deadline is shorter)
     }
@@ -312,6 +324,7 @@ class UcxTransport(Transport):
         self._window = max(self._chunk, int(o["window"]))
         self._inline_threshold = int(o["inline_threshold"])
         self._spin = int(o["spin_us"]) / 1e6
+        self._native_spin = max(0, int(o["native_spin_us"])) / 1e6
         self._revoke_timeout = float(o["revoke_timeout"])
         self._attach_timeout = float(o["attach_timeout"])
         self._abort_grace = ctx.config.runtime.abort_grace_ms / 1000
@@ -329,15 +342,19 @@ class UcxTransport(Transport):
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._by_info: dict[int, tuple[PeerInfo, _Peer]] = {}  # id(op.peer) -> (that PeerInfo, its peer)
         self._active: set[_Work] = set()
+        self._by_op: dict[int, _Work] = {}  # id(op) -> its _Work while active (drive() finds it; no op -> _Work cycle)
+        self._driven = 0  # how many of _active a result() waiter drives
         self._orphaned: set[_Attach] = set()  # attachments with inline-lane requests still in flight
         # Guards att.orphans and _orphaned: bound lanes register what they leave in flight
         # without the transport lock, which a closer may hold while it waits for them.
         self._orphan_lock = threading.Lock()
         self._waits: list[tuple[Any, threading.Event]] = []  # connector threads waiting for a wire-up flush
         self._thread: threading.Thread | None = None
+        self._loop: Any = None  # the native progress loop (_native.ProgressLoop), None without the helper
         self._closing = False
         self._closed = False
-        self.wakeups = 0  # progress-thread sleeps that ended (observability; tests check it stays event-driven)
+        self.wakeups = 0  # Python-thread sleeps that ended (observability; tests check it stays event-driven)
+        self.waiter_reports = 0  # requests a result() waiter reported itself (drive; observability)
 
     # -- availability ---------------------------------------------------------
 
@@ -395,6 +412,12 @@ class UcxTransport(Transport):
             env["TLS"] = tls
         if "UCX_RNDV_THRESH" not in os.environ:
             env["RNDV_THRESH"] = "inf"
+        if "UCX_USE_MT_MUTEX" not in os.environ:
+            # The worker's lock is taken by the native progress loop and by every issuing thread.
+            # UCX's default spinlock, held by a thread the kernel preempted, makes the others
+            # spin out their time slices: 4 KiB over tcp here had p90 3.5 ms, p99 10-16 ms with
+            # it, and 113 us / 180 us with a mutex (p50 83 -> 68 us).
+            env["USE_MT_MUTEX"] = "y"
         return env
 
     def start(self) -> dict[str, Any]:
@@ -407,7 +430,14 @@ class UcxTransport(Transport):
         except BaseException:
             self._context.close()
             raise
-        self._thread = threading.Thread(target=self._progress_loop, name="mpcomm-ucx-progress", daemon=True)
+        # The worker's progress runs natively where the helper is built: nobody's GIL is needed for
+        # a peer's emulated put/get (tcp) to be served. Python's thread then only steps this
+        # process's own requests. Without the helper, the Python thread progresses (as before).
+        self._loop = self._worker.progress_loop(self._native_spin)
+        if self._loop is not None:
+            self._loop.start()
+        self._thread = threading.Thread(target=self._progress_loop if self._loop is None else self._bookkeeping_loop,
+                                        name="mpcomm-ucx-progress", daemon=True)
         self._thread.start()
         maj, mnr, rel = ucp.version()
         return {"worker": address, "error_handling": self.error_handling, "version": f"{maj}.{mnr}.{rel}"}
@@ -420,14 +450,26 @@ class UcxTransport(Transport):
         # (the worker may be gone), and the thread would sleep out its join timeout.
         self._signal()
         self._closed = True
+        if self._loop is not None:
+            # Drivers were kicked: none may still be checking a request natively when they are freed below.
+            end = time.monotonic() + 2.0
+            while self._loop.waiting() and time.monotonic() < end:
+                time.sleep(0.001)
         with self._lock:
             for p in self._peers.values():
                 self._shut_lanes(p)
         if self._thread is not None:
             self._thread.join(5.0)
+        if self._loop is not None:
+            # Stopped and joined before any endpoint is closed or the worker destroyed; from here
+            # on this thread progresses the closes itself.
+            if not self._loop.stop(5.0):
+                self.log.error("ucx: the native progress loop did not stop")
+            self._loop.close()
         with self._lock:
             works = list(self._active)
             self._active.clear()
+            self._by_op.clear()
             peers = list(self._peers.values())
             self._peers.clear()
             for p in peers:
@@ -676,9 +718,13 @@ class UcxTransport(Transport):
             gate = peer.gate = _native.gate()
 
             def on_error(_ep: Any, exc: Any, peer: _Peer = peer, gate: Any = gate) -> None:
-                # Runs inside ucp_worker_progress: bookkeeping only (no lock).
+                # Runs inside ucp_worker_progress (the native loop's, or a Python thread's):
+                # bookkeeping only (no lock, no UCX call).
                 peer.failed = exc.status
                 gate[0] = 0  # no bound lane issues on a failed endpoint
+                loop = self._loop
+                if loop is not None and not self._closed:
+                    loop.nudge()  # the requests on it fail at their next step: let their steppers look
 
             peer.ep = self._worker.connect(peer.address, error_handling=self.error_handling, on_error=on_error)
             peer.generation += 1
@@ -923,14 +969,13 @@ class UcxTransport(Transport):
                             w.inflight = length
                         att.works.add(w)
                         p.works.add(w)
-                        self._active.add(w)
-                        self._signal()
+                        self._activate(w)
                         return
                     p.attached.move_to_end(att.key)
                     if self._active:
                         # Our progress calls may have completed requests of handed-off work (its
-                        # event is consumed now): let the progress thread look.
-                        self._signal()
+                        # event is consumed now): let the progress side look.
+                        self._progressed()
                 else:
                     done = None
             if done:
@@ -1022,7 +1067,7 @@ class UcxTransport(Transport):
                     return self._lane_pending(att, write, st)
                 if st == 0:
                     if self._active:
-                        self._signal()  # the progress calls may have completed handed-off work
+                        self._progressed()  # the progress calls may have completed handed-off work
                     return True
                 return False
 
@@ -1043,7 +1088,7 @@ class UcxTransport(Transport):
             att.lanes.clear()  # bounded: the pairs in use bind again
         move = ep.rma_lane(write, att.rkey, self._memh.get(local.id), (peer.gate, att.gate),
                            (local.address, local.size), (att.base, att.size),
-                           min(self._chunk, self._inline_threshold), self._active, self._signal,
+                           min(self._chunk, self._inline_threshold), self._active, self._progressed,
                            lambda r, att=att, write=write: self._lane_pending(att, write, r))
         if move is not None:
             att.lanes[key] = (peer.gate, att.gate, move)
@@ -1230,7 +1275,7 @@ class UcxTransport(Transport):
                 while progress():
                     pass
                 if self._active:
-                    self._signal()  # those calls may have completed handed-off work: let the thread look
+                    self._progressed()  # those calls may have completed handed-off work: let the thread look
             self._reap(w)
             if not w.outstanding and w.issued_all and ((w.kind == "read" and not w.group) or w.flushed
                                                         or w.error is not None or self._issue_flush(w)):
@@ -1243,8 +1288,7 @@ class UcxTransport(Transport):
                 if w.flushed or w.error is not None:
                     self._settled(w)
                     return None
-        self._active.add(w)
-        self._signal()
+        self._activate(w)
         return None
 
     def _fast(self, w: _Work) -> bool:
@@ -1264,7 +1308,7 @@ class UcxTransport(Transport):
         st = ep.rma_now(write, loc, op.length, att.base + op.remote_offset, att.rkey, w.memh)
         w.next = 1
         if self._active:
-            self._signal()  # rma_now's progress calls may have completed handed-off work
+            self._progressed()  # rma_now's progress calls may have completed handed-off work
         if isinstance(st, int):
             if st != 0:
                 w.error = st
@@ -1282,8 +1326,7 @@ class UcxTransport(Transport):
         w.items = [(loc, op.remote_offset, op.length, 0)]
         att.works.add(w)
         peer.works.add(w)
-        self._active.add(w)
-        self._signal()
+        self._activate(w)
         return True
 
     @staticmethod
@@ -1434,9 +1477,34 @@ class UcxTransport(Transport):
         w.op.complete(w.op.length)
         return True
 
+    def _activate(self, w: _Work) -> None:
+        """``w`` is handed to the progress side (lock held): stepped until it is reported.
+
+        With the native loop, a request that only waits for what it issued does not wake the
+        Python thread: it hears of the request's progress from the loop, unless a result()
+        waiter claims the request first (drive). One with more to issue wakes it now."""
+        self._active.add(w)
+        self._by_op[id(w.op)] = w
+        if self._loop is not None and w.issued_all and w.outstanding:
+            if not self._closed:
+                self._loop.handoff()  # `want` first, then the statuses: no completion goes unheard
+                # One the loop made between the issue and this hand-off told nobody: step it here
+                # (every caller returns right after this), and wake the Python thread if it is not over.
+                if any(r.status() != 1 for r, _n, _i in w.reqs) or (w.flush is not None and w.flush.status() != 1):
+                    self._step_safe(w, time.monotonic())
+                    if w in self._active:
+                        self._signal()
+        else:
+            self._signal()
+
     def _forget(self, w: _Work) -> None:
         """``w`` leaves every table (lock held); a waiting revocation may now answer."""
         self._active.discard(w)
+        if self._by_op.get(id(w.op)) is w:
+            del self._by_op[id(w.op)]
+        if w.driven:
+            w.driven = False
+            self._driven -= 1
         w.peer.works.discard(w)
         if w in w.att.works:
             w.att.works.discard(w)
@@ -1504,17 +1572,110 @@ class UcxTransport(Transport):
             return
         self._issue(w)
 
-    # -- progress thread ----------------------------------------------------------------
+    # -- progress ------------------------------------------------------------------------
 
     def _signal(self) -> None:
-        w = self._worker
-        if w is not None and not self._closed:
-            try:
-                w.signal()
-            except Exception:  # noqa: BLE001
-                pass
+        """Wake the Python thread (new work, aborts, revocations), any driver, and the progress."""
+        if self._closed:
+            return
+        try:
+            if self._loop is not None:
+                self._loop.kick()
+            elif self._worker is not None:
+                self._worker.signal()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _progressed(self) -> None:
+        """A Python thread's own progress calls did work: whoever steps the others must look.
+
+        With the native loop, as after the loop's own work: waiters check their requests
+        natively (no GIL), and the Python thread is woken only if it has undriven requests and
+        asked. Without it, the Python thread is kicked."""
+        loop = self._loop
+        if loop is None:
+            self._signal()
+        elif not self._closed:
+            loop.worked()
+
+    def _busy(self) -> bool:
+        """Whether this thread has requests (or wire-up waits, or lane orphans) to step (lock held).
+
+        Requests a result() waiter drives do not count: the waiter steps them itself."""
+        return len(self._active) > self._driven or bool(self._waits or self._orphaned)
+
+    def _tick(self, now: float) -> float | None:
+        """Step everything of ours once (lock held): wire-up waits, lane orphans, requests.
+
+        Returns the next abort-grace expiry (the only timer), or None."""
+        wake_at = None
+        if self._waits:
+            keep = []
+            for req, ev in self._waits:
+                if req.status() == 1:
+                    keep.append((req, ev))
+                else:
+                    req.free()
+                    ev.set()
+            self._waits = keep
+        if self._orphaned:
+            self._reap_orphans()
+        for st in list(self._active):
+            if st.driven:
+                continue  # its waiter steps it, and alone frees its requests (it may wait on one natively)
+            self._step_safe(st, now)
+            if st.abort_at is not None and st in self._active:
+                t = st.abort_at + self._abort_grace
+                wake_at = t if wake_at is None else min(wake_at, t)
+        return wake_at
+
+    def _step_safe(self, w: _Work, now: float) -> None:
+        try:
+            self._step(w, now)
+        except Exception as exc:  # noqa: BLE001 - a bug fails the request, not the thread
+            self.log.exception("ucx: progress of a %s failed", w.kind)
+            self._release_requests(w)
+            self._report_fail(w, MpcommError(f"ucx transport failed: {exc}"))
+
+    def _bookkeeping_loop(self) -> None:
+        """With the native progress loop: step this process's own requests, woken only when it asked.
+
+        The native loop progresses the worker; this thread sleeps on the loop's eventfd. It is
+        woken by a kick (new work, an abort, a revocation) and, after a progress call that did
+        work, only while it has requests of its own that no result() waiter drives (``want``)
+        and it asked (``ask``, before it checks any status: no lost wake-up). So a process that
+        only serves (a target) never needs this thread, nor its GIL. What this thread issues
+        (further chunks, flushes, fences) it progresses locally until progress reports nothing,
+        as a posting thread does; the rest (the peer's answers) arrives through the loop."""
+        loop, worker = self._loop, self._worker
+        assert loop is not None and worker is not None
+        nfd = loop.nfd
+        try:
+            while not self._closing:
+                loop.drain()
+                # Asked every time, before any status is checked: a request handed off while this
+                # thread sleeps raises `want`, and its completion must then wake it. Whether it
+                # does is `want`'s: a process with no request of its own is never woken.
+                loop.ask()
+                with self._lock:
+                    wake_at = None
+                    if self._busy():
+                        loop.want(True)
+                        wake_at = self._tick(time.monotonic())
+                    busy = self._busy()
+                    loop.want(busy)
+                if busy and worker.progress():
+                    while worker.progress():
+                        pass
+                    continue  # local work done: look at the requests again before sleeping
+                timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic()) + 0.001
+                select.select([nfd], [], [], timeout)
+                self.wakeups += 1
+        except Exception:  # noqa: BLE001
+            self.log.exception("ucx: the progress thread died")
 
     def _progress_loop(self) -> None:
+        """Without the helper: this Python thread progresses the worker and steps the requests."""
         w = self._worker
         assert w is not None
         efd = w.fileno()
@@ -1523,30 +1684,8 @@ class UcxTransport(Transport):
             while not self._closing:
                 n = w.progress()
                 now = time.monotonic()
-                wake_at = None
                 with self._lock:
-                    if self._waits:
-                        keep = []
-                        for req, ev in self._waits:
-                            if req.status() == 1:
-                                keep.append((req, ev))
-                            else:
-                                req.free()
-                                ev.set()
-                        self._waits = keep
-                    if self._orphaned:
-                        self._reap_orphans()
-                    works = list(self._active)
-                    for st in works:
-                        try:
-                            self._step(st, now)
-                        except Exception as exc:  # noqa: BLE001 - a bug fails the request, not the thread
-                            self.log.exception("ucx: progress of a %s failed", st.kind)
-                            self._release_requests(st)
-                            self._report_fail(st, MpcommError(f"ucx transport failed: {exc}"))
-                        if st.abort_at is not None and st in self._active:
-                            t = st.abort_at + self._abort_grace
-                            wake_at = t if wake_at is None else min(wake_at, t)
+                    wake_at = self._tick(now)
                 if n:
                     last = now
                     continue
@@ -1563,6 +1702,62 @@ class UcxTransport(Transport):
                 last = time.monotonic()
         except Exception:  # noqa: BLE001
             self.log.exception("ucx: the progress thread died")
+
+    def drive(self, op: Any, until: float) -> None:
+        """Report ``op`` on the ``result()`` caller's thread (see Transport.drive).
+
+        With the native progress loop: step the request here, then wait with the GIL released
+        until the loop reports progress (``events``, read before the step: no lost wake-up), and
+        step again; the completion is reported from this thread. While it drives, the request
+        does not count for the Python thread's wake-ups (:meth:`_busy`), so no other Python
+        thread is scheduled for it; an abort still kicks this waiter, and its grace is this
+        waiter's timer too. Leaving unreported, it hands the request back to the Python thread."""
+        loop, worker = self._loop, self._worker
+        if loop is None or worker is None:
+            return
+        key = id(op)
+        with self._lock:
+            w = self._by_op.get(key)
+            if w is None or w.op is not op or w.driven:
+                return
+            w.driven = True
+            self._driven += 1
+            loop.want(self._busy())  # its progress wakes this waiter, not the Python thread
+        spin = self._native_spin
+        try:
+            while not self._closing:
+                seen = loop.events()
+                now = time.monotonic()
+                with self._lock:
+                    if self._by_op.get(key) is not w:
+                        return  # reported (here or elsewhere)
+                    ep = w.peer.ep
+                    self._step_safe(w, now)
+                    if w.peer.ep is not ep:
+                        self._signal()  # this step force-closed the endpoint: the others start over
+                    if self._by_op.get(key) is not w:
+                        self.waiter_reports += 1
+                        return
+                    end = until if w.abort_at is None else min(until, w.abort_at + self._abort_grace + 0.001)
+                    req = w.flush if w.flush is not None else (w.reqs[0][0] if w.reqs else None)
+                    addr = req.address if req is not None else 0
+                if now >= until:
+                    return
+                if worker.progress():  # what the step issued (a flush, a chunk): local work
+                    while worker.progress():
+                        pass
+                    if len(self._active) > 1:
+                        self._progressed()  # those calls may have completed others' requests
+                    continue
+                # Woken for this request's completion (or a kick), not for every other's: eight
+                # waiters do not all take the GIL for each event.
+                loop.wait(seen, min(max(0.0, end - now), 1.0), spin, addr)
+        finally:
+            with self._lock:
+                if w.driven:  # not reported: the Python thread takes it over
+                    w.driven = False
+                    self._driven -= 1
+                    self._signal()
 
     def abort(self, op: Any) -> None:
         """Never blocks: the progress thread fences and reports."""

@@ -1,0 +1,258 @@
+"""The worker's progress in a native loop (plugins/ucx/_ucxloop.c, mpcomm_ucx_loop_run): a target
+whose interpreter is busy still serves UCX's two-sided work (tcp's emulated puts and gets), and a
+result() waiter reports its own request (Transport.drive) without the transport's Python thread."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import mpcomm
+from mpcomm.plugins.ucx import _native
+from mpcomm.testing.fixtures import make_engine  # noqa: F401 (fixture)
+from mpcomm.plugins.ucx.transport import UcxTransport
+
+AVAIL = UcxTransport.availability()
+pytestmark = [
+    pytest.mark.skipif(not AVAIL, reason=f"ucx transport unavailable: {AVAIL.reason}"),
+    pytest.mark.skipif(AVAIL and _native.load() is None, reason=f"ucx native helper: {_native.reason}"),
+]
+
+TCP = {"plugins": {"ucx": {"tls": "tcp,self"}}}  # RMA emulated over active messages: the target must progress
+
+_SPINNER = textwrap.dedent("""
+    import sys, threading, time, mpcomm
+    e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
+    e.register(bytearray(1 << 20), name="kv")
+    print(e.address, flush=True)
+    sys.stdin.readline()                   # the initiator attached (control channel, Python)
+    def spin():
+        print("spinning", flush=True)
+        while True:                        # never releases the GIL but every 10 s, when asked
+            pass
+    sys.setswitchinterval(10)              # a thread waiting for the GIL asks for it after 10 s
+    threading.Thread(target=spin, daemon=True).start()
+    time.sleep(600)
+""")
+
+
+def _spinner(env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _p50(ini: mpcomm.Engine, src: Any, remote: Any, n: int, fill: int) -> float:
+    lat = []
+    for i in range(n):
+        src.view[:4096] = bytes([(fill + i) % 251]) * 4096
+        t = time.perf_counter()
+        ini.write(src, remote, (i % 16) * 4096, 4096).result(5)
+        lat.append(time.perf_counter() - t)
+    return sorted(lat)[len(lat) // 2]
+
+
+def test_a_target_spinning_in_python_still_serves_tcp_puts_and_gets(make_engine: Any) -> None:
+    proc = _spinner()
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine(TCP, transports=["ucx"])
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(256 << 10)
+        idle = _p50(ini, src, remote, 50, 0)  # attaches and wires up while the target is idle
+        proc.stdin.write("go\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert proc.stdout.readline().strip() == "spinning"  # type: ignore[union-attr]
+        time.sleep(0.2)  # the spinner has the GIL; with a 10 s switch interval it keeps it
+        t0 = time.monotonic()
+        busy = _p50(ini, src, remote, 50, 100)  # each within 5 s (Python progress: ~10 s each)
+        back = bytearray(16 * 4096)
+        ini.read(back, remote, 0).result(5)
+        last = {i % 16: i for i in range(50)}  # the last of the 50 writes to each 4 KiB slot
+        expect = b"".join(bytes([(100 + last[k]) % 251]) * 4096 for k in range(16))
+        assert bytes(back) == expect
+        big = bytes(range(256)) * 1024  # 256 KiB: many tcp fragments, all served by the target's loop
+        src.view[:] = big
+        ini.write(src, remote, 512 << 10).result(5)
+        back = bytearray(256 << 10)
+        ini.read(back, remote, 512 << 10).result(5)
+        assert bytes(back) == big
+        took = time.monotonic() - t0
+        assert took < 5, f"50 writes and 3 more requests took {took:.1f} s against a target holding its GIL"
+        print(f"\nspinning target over UCX_TLS=tcp,self: 4 KiB write p50 {busy * 1e6:.0f} us vs idle "
+              f"{idle * 1e6:.0f} us (ratio {busy / idle:.2f}); the rest in {took:.2f} s")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_without_the_native_loop_the_spinning_target_stalls_its_peer(make_engine: Any) -> None:
+    """The control: the same target with the Python progress thread (MPCOMM_UCX_NATIVE=0) is what the
+    native loop fixes -- one write waits for the target's GIL (its 10 s switch interval)."""
+    proc = _spinner(dict(os.environ, MPCOMM_UCX_NATIVE="0"))
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine(TCP, transports=["ucx"])
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        _p50(ini, src, remote, 5, 0)
+        proc.stdin.write("go\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert proc.stdout.readline().strip() == "spinning"  # type: ignore[union-attr]
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        with pytest.raises((mpcomm.TransferTimeout, TimeoutError)):
+            ini.write(src, remote, 0, 4096).result(2)
+        assert time.monotonic() - t0 >= 1.9
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_TARGET = textwrap.dedent("""
+    import sys, time, mpcomm
+    e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
+    e.register(bytearray(1 << 20), name="kv")
+    print(e.address, flush=True)
+    time.sleep(600)
+""")
+
+
+def _wait_stopped(pid: int) -> None:
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.0005)
+
+
+def test_a_result_waiter_reports_its_own_request(make_engine: Any) -> None:
+    """Over tcp a write's flush waits for the target (stopped here for 50 ms per request, so the
+    waiter is surely in result() before the answer comes): result() drives it, the completion is
+    reported on the waiting thread, and the transport's Python thread is not woken for it."""
+    proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine(TCP, transports=["ucx"])
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        for _ in range(5):
+            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+        tr = ini.transports["ucx"]
+        woke, driven = tr.wakeups, tr.waiter_reports
+        try:
+            for i in range(20):
+                src.view[:8] = i.to_bytes(8, "little")
+                os.kill(proc.pid, signal.SIGSTOP)
+                _wait_stopped(proc.pid)
+                threading.Timer(0.05, os.kill, (proc.pid, signal.SIGCONT)).start()
+                ini.write(src, remote, i * 4096, 4096).result(5)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        woke, driven = tr.wakeups - woke, tr.waiter_reports - driven
+        back = bytearray(20 * 4096)
+        ini.read(back, remote, 0).result(5)
+        assert all(back[i * 4096:i * 4096 + 8] == i.to_bytes(8, "little") for i in range(20))
+        assert driven == 20, f"{driven} of 20 writes were reported by their waiter"
+        assert woke <= 5, f"the transport's Python thread woke {woke} times for 20 driven writes"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_idle_target_never_wakes_its_python_thread(make_engine: Any) -> None:
+    """A pure target: the native loop serves every emulated put; the Python thread sleeps throughout."""
+    tgt = make_engine(TCP, transports=["ucx"])
+    tgt.register(bytearray(1 << 20), name="kv")
+    ttr = tgt.transports["ucx"]
+    ini = make_engine(TCP, transports=["ucx"])
+    remote = ini.open(tgt.address, "kv", timeout=10)
+    src = ini.allocate(65536)
+    ini.write(src, remote, 0, 4096).result(5)
+    before = ttr.wakeups
+    for _ in range(200):
+        ini.write(src, remote, 0, 65536).result(5)
+    assert ttr.wakeups == before
+
+
+def _native_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "mpcomm-ucx-native" and t.is_alive())
+
+
+def test_close_stops_the_native_loop_before_the_worker_goes(make_engine: Any) -> None:
+    before = _native_threads()
+    e = make_engine(TCP, transports=["ucx"])
+    assert _native_threads() == before + 1
+    e.close()  # joins the loop's thread (it returns from its one ctypes call) before the worker goes
+    assert _native_threads() == before
+
+
+def test_a_request_nobody_waits_on_is_reported_after_each_new_attach(make_engine: Any) -> None:
+    """No result() waiter drives these: the Python thread must hear of every completion, including
+    one the native loop made between the request's issue and its hand-off (a lost wake-up there
+    left the first write after an attach pending for ever, now and then)."""
+    tgt = make_engine(TCP, transports=["ucx"])
+    ini = make_engine(TCP, transports=["ucx"])
+    src = ini.allocate(4096)
+    src.view[:] = b"n" * 4096
+    for i in range(40):
+        buf = bytearray(8192)
+        tgt.register(buf, name=f"r{i}")
+        remote = ini.open(tgt.address, f"r{i}", timeout=10)
+        fut = ini.write(src, remote, 4096, 4096)  # the first request attaches, then goes in flight over tcp
+        end = time.monotonic() + 5
+        while not fut.done() and time.monotonic() < end:  # done() does not drive: the Python thread reports
+            time.sleep(0.001)
+        assert fut.done(), f"round {i}: a write nobody waited on was never reported"
+        fut.result(0)
+        assert bytes(buf[4096:]) == b"n" * 4096
+
+
+_BUSY_INITIATOR = textwrap.dedent("""
+    import sys, threading, mpcomm
+    e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
+    r = e.open(sys.argv[1], "kv", timeout=10)
+    src = e.allocate(65536)
+    e.write(src, r, 0, 65536).result(10)     # attached
+    def writer():
+        while True:                          # requests in flight when the revocation comes
+            try:
+                e.write(src, r, 0, 65536).result(10)
+            except mpcomm.MpcommError:
+                return                       # revoked: every later request is refused
+    threading.Thread(target=writer, daemon=True).start()
+    print("spinning", flush=True)
+    while True:                              # the application holds the GIL (default 5 ms switch interval)
+        pass
+""")
+
+
+def test_a_busy_initiator_confirms_a_revocation_in_time(make_engine: Any, caplog: Any) -> None:
+    """The revocation answer is Python (the authenticated control channel; docs/ucx.md): an initiator
+    whose main thread spins still confirms within revoke_timeout, fencing its writes in flight, so the
+    target unmaps instead of quarantining."""
+    tgt = make_engine(TCP, transports=["ucx"])
+    buf = bytearray(1 << 20)
+    region = tgt.register(buf, name="kv")
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_INITIATOR, tgt.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "spinning"  # type: ignore[union-attr]
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="mpcomm"):
+            tgt.unregister(region)
+        took = time.monotonic() - t0
+        assert not [r for r in caplog.records if "did not confirm" in r.getMessage()], "the region was quarantined"
+        assert took < 2.0, f"unregister took {took:.2f} s"
+        print(f"\nrevocation confirmed by a spinning initiator in {took * 1e3:.0f} ms")
+    finally:
+        proc.kill()
+        proc.wait()
