@@ -160,8 +160,6 @@ class Engine:
         self._notifier = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-notify")
         self._notifications = Notifications(cfg.limits.max_queued_notifications, cfg.limits.max_queued_notify_bytes)
         self.telemetry = Telemetry(cfg)
-        self._pipeline = Pipeline(self)
-        self._fast = self._pipeline._fast  # the bound inline moves write()/read() try first
         self.telemetry.watch_health(self.node_id, self._health_snapshot)
         self._peers = PeerTable(
             config=cfg,
@@ -173,6 +171,10 @@ class Engine:
             backoff=ConnectBackoff.from_ms(cfg.health.connect_backoff_ms, cfg.health.connect_backoff_max_ms,
                                            metrics=self.health.metrics),
         )
+        self._pipeline = Pipeline(self, peers=self._peers, transports=self._transports, regions=self._regions,
+                                  timer=self._timer, completions=self._completions, executor=self._executor,
+                                  notifier=self._notifier)
+        self._fast = self._pipeline._fast  # the bound inline moves write()/read() try first
 
         bind_host, port = parse_endpoint(cfg.transport.endpoint)
         self._bind_host = bind_host
@@ -618,7 +620,7 @@ class Engine:
         transport that is not installed raises MpcommError.
         """
         if notify is None and completion_queue is None and route is None:
-            run = self._fast.get((id(src), id(remote), "write"))  # a bound pair: requests._FastPath
+            run = self._fast.get((id(src), id(remote), "write"))  # a bound pair: bound.FastPath
             if run is not None:
                 landed = run(local_offset, remote_offset, length, timeout)
                 if landed is not None:

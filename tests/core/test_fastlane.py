@@ -1,4 +1,4 @@
-"""The engine's bound inline lane in C (core/engine/_fastlane.c) against its Python twin (_FastPath._run).
+"""The engine's bound inline lane in C (core/engine/_fastlane.c) against its Python twin (bound.FastPath._run).
 
 Both are driven with the same pair and the same arguments: they must decline
 (None) or land alike, make the same handle, hold the local region's lease only
@@ -21,7 +21,7 @@ import pytest
 
 import mpcomm
 from mpcomm.engine import fastlane
-from mpcomm.engine.requests import _FastPath
+from mpcomm.engine.bound import FastPath as _FastPath
 from mpcomm.health import HealthTracker
 from mpcomm.memory import Region
 from mpcomm.remote import RemoteRegion
@@ -37,6 +37,18 @@ def _native() -> Any:
     return mod
 
 
+class _Engine:
+    """What a bound pair reads of its engine: ``_closed`` (the C lane) and ``closed`` (the Python lane)."""
+
+    def __init__(self) -> None:
+        self._closed = False
+        self.health = HealthTracker()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
 class Pair:
     """A bound pair with stand-ins only for what is not under test: the peer link, the move."""
 
@@ -44,7 +56,7 @@ class Pair:
         self.local = Region(memoryview(bytearray(LSIZE)), name="src", access="rw")
         self.remote = RemoteRegion("127.0.0.1:1", "n", "e", "kv", 7, RSIZE, 0, "rw", 1)
         self.link = SimpleNamespace(alive=True)
-        self.engine = SimpleNamespace(_closed=False, health=HealthTracker())
+        self.engine = _Engine()
         self.table: dict[Any, Any] = {}
         self.moves: list[tuple[Any, ...]] = []
         self.answer: Any = True

@@ -1,0 +1,158 @@
+"""Endings: a transport's report, the release of what a unit held, and the delivery of its outcome."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..errors import EngineClosedError
+from ..transfer import Batch, Transfer, _resolve_members
+from ..transport import Operation, OperationGroup
+from .regions import release_view
+from .units import FINISHED
+
+log = logging.getLogger("mpcomm.engine")
+
+
+def settle_members(batch: Batch) -> None:
+    for _, part in batch._parts:
+        if isinstance(part, OperationGroup):
+            _resolve_members(part)
+
+
+class Endings:
+    """The :class:`~mpcomm.engine.requests.Pipeline`'s endings (a mixin: its state lives on the Pipeline)."""
+
+    def _reported(self, op: Operation, error: BaseException | None, nbytes: int) -> None:
+        """An Operation's sink: the transport's word that it ended."""
+        if error is not None and self._retry(op, error):
+            return
+        if error is None:
+            self._succeeded(op)
+        if error is None and op.notify_after is not None:
+            try:
+                self._queue_notification(op, nbytes)
+                return
+            except RuntimeError:
+                error = EngineClosedError("the engine was closed before the notification was sent")
+        self._finish(op, error, nbytes)
+
+    def _group_reported(self, group: OperationGroup) -> None:
+        if group.errors:
+            first = group.errors[min(group.errors)]
+            if self._retry(group, first):
+                return
+        else:
+            self._succeeded(group)
+        self._finish(group, None, 0)
+
+    def _release(self, unit: Any) -> None:
+        dl = unit.deadline_entry
+        if dl is not None:
+            self.timer.cancel(dl)
+        self._end_probe(unit)
+        if unit.tracked:
+            with self._inflight_lock:
+                self._inflight.discard(unit)
+        if not unit.released:
+            unit.released = True
+            self._unhold(unit)
+            t = unit.transfer if unit.batch is None and isinstance(unit, Operation) else None
+            if t is not None and t._op is unit:
+                # Break handle <-> operation: a finished request's buffer is freed when the
+                # engine and the caller drop it, not at the next cyclic GC (8 MiB requests
+                # piled up to GiBs between collections). The handle keeps what `request` needs.
+                t._request_args = (unit.kind, unit.local, unit.remote, unit.remote_offset, unit.length,
+                                   unit.local_offset)
+                t._op = None
+            if unit.ephemeral:
+                local = unit.local
+                if unit.batch is None or all(p.local is not local or p.done for _, p in unit.batch._parts):
+                    self.regions.unregister_from(local, self.transports)
+                    release_view(local)
+        t = unit.transport
+        if t is None:
+            return
+        if self._backlog.get(t.name):
+            try:
+                self.executor.submit(self._drain_backlog, t.name)
+            except RuntimeError:
+                pass
+
+    def _finish(self, unit: Any, error: BaseException | None, nbytes: int, failed_group: bool = False) -> None:
+        """Release what the unit held, then publish its outcome."""
+        unit.stage = FINISHED
+        if failed_group and isinstance(unit, OperationGroup) and not unit.done:
+            unit._sink = None  # we publish here, not through the sink
+            unit.fail(error)  # type: ignore[arg-type]
+        if failed_group and isinstance(unit, Operation) and not unit.done:
+            unit._sink = None
+            unit.fail(error)  # type: ignore[arg-type]
+            if unit.abort_exc is not None and error is not unit.abort_exc:
+                error = unit.abort_exc
+        self._release(unit)
+        batch = unit.batch
+        if batch is None:
+            t = unit.transfer
+            if not t._record(error, nbytes):
+                return  # resolved already (an unconfirmed timeout): the resources are free now
+            self._push(unit)
+            return
+        if isinstance(unit, Operation):
+            unit.transfer._record(error, nbytes)
+            unit.transfer._dispatch.push(unit.transfer)
+        with batch._lock:
+            batch._left -= 1
+            last = batch._left == 0
+        if last:
+            self._batch_done(batch)
+
+    def _push(self, op: Operation) -> None:
+        with op._lock:
+            if op.posting or op.handed:
+                return  # the posting thread settles it when post() returns
+            op.handed = True
+        t = op.transfer
+        if t._dispatch is self.dispatch and t._leave_to_waiter():
+            return  # the thread blocked in result() settles it: no completion-thread hop
+        t._dispatch.push(t)
+
+    def _batch_done(self, batch: Batch) -> None:
+        total = 0
+        clean = True
+        for _, part in batch._parts:
+            if isinstance(part, OperationGroup):
+                if part.errors:
+                    clean = False
+                    break
+                total += part.total_bytes
+            else:
+                clean = False
+                break
+        if clean:
+            error = None
+        else:
+            _statuses, errors, lengths = batch._index_state()
+            error = errors[min(errors)] if errors else None
+            total = sum(lengths)
+        batch._on_settled = settle_members
+        if not batch._record(error, total):
+            return
+        with batch._lock:
+            if batch.posting or batch.__dict__.get("handed", False):
+                return
+            batch.handed = True
+        batch._dispatch.push(batch)
+
+    def _deliver_inline(self, handle: Transfer, settle: Any) -> None:
+        """A handle that finished on the posting thread: settle it here (no hop), or, when it was
+        posted with a completion queue, hand it to that queue: its poller settles and reaps it."""
+        if handle._dispatch is self.dispatch:
+            settle()
+        else:
+            handle._dispatch.push(handle)
+
+    def _settle_batch_inline(self, batch: Batch) -> None:
+        batch._settle()
+        settle_members(batch)
+        batch._run_callbacks()
