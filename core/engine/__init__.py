@@ -174,7 +174,7 @@ class Engine:
         self._pipeline = Pipeline(self, peers=self._peers, transports=self._transports, regions=self._regions,
                                   timer=self._timer, completions=self._completions, executor=self._executor,
                                   notifier=self._notifier)
-        self._fast = self._pipeline._fast  # the bound inline moves write()/read() try first
+        self._fast = self._pipeline.bound  # the bound inline moves write()/read() try first
 
         bind_host, port = parse_endpoint(cfg.transport.endpoint)
         self._bind_host = bind_host

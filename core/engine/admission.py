@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import BackPressureError, MpcommError, OutOfBoundsError, PermissionDeniedError, RegionClosedError
 from ..memory import Region, region_of
 from ..remote import RemoteRegion
-from ..transfer import Batch, Request, Transfer, _Dispatch
+from ..transfer import Batch, Request, Transfer, Dispatch
 from ..transport import Operation, OperationGroup
 from . import checks
 from .completions import CompletionQueue
@@ -19,16 +19,16 @@ from .units import WAITING, Op
 class Admission:
     """The :class:`~mpcomm.engine.requests.Pipeline`'s admission (a mixin: its state lives on the Pipeline)."""
 
-    def _dispatch_for(self, cq: Any) -> _Dispatch:
+    def _dispatch_for(self, cq: Any) -> Dispatch:
         if cq is None:
             return self.dispatch
         if not isinstance(cq, CompletionQueue):
             raise MpcommError(f"completion_queue must come from Engine.completion_queue(), not {cq!r}")
         # Kept on the queue itself (one per engine that posts to it): no table here to outlive it.
-        per_engine = cq.__dict__.setdefault("_dispatch", {})
+        per_engine = cq.__dict__.setdefault("dispatch", {})
         d = per_engine.get(id(self))
         if d is None:
-            d = per_engine[id(self)] = _Dispatch(cq.push, cq.on_thread, self.cancel)
+            d = per_engine[id(self)] = Dispatch(cq.push, cq.on_thread, self.cancel)
         return d
 
     def _local(self, buf: Any, name: str) -> tuple[Region, bool]:
@@ -39,7 +39,7 @@ class Admission:
         return region_of(buf, name=name), True  # host buffer, DLPack / CUDA array, DeviceBuffer
 
     def _timeout(self, timeout: float | None) -> float:
-        return checks.timeout_seconds(timeout, self._default_timeout)
+        return checks.timeout_seconds(timeout, self.default_timeout)
 
     def _hint(self, route: Any, request: Any = None) -> tuple[str, ...] | None:
         """A per-request ``route=`` hint as a tuple of installed transport names (None: the rules decide)."""
@@ -81,12 +81,12 @@ class Admission:
         return checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo, ro, length,
                                  request)
 
-    def _op(self, kind: str, local: Region, lo: int, remote: RemoteRegion, ro: int, length: int,
-            timeout: float, dispatch: _Dispatch, request: Request | None = None) -> Operation:
+    def new_op(self, kind: str, local: Region, lo: int, remote: RemoteRegion, ro: int, length: int,
+            timeout: float, dispatch: Dispatch, request: Request | None = None) -> Operation:
         now = time.monotonic()
         op = Op(kind, local, lo, remote, ro, length, now + timeout, time.time() + timeout, sink=self._reported)
         t = Transfer(request, _dispatch=dispatch)
-        t._op = op
+        t.operation = op
         op.transfer = t
         return op
 
@@ -120,8 +120,8 @@ class Admission:
         group.tracked = False
         group.released = False
         group.route_hint = None
-        batch._parts.append((start, group))
-        batch._op = group if not batch._op else batch._op
+        batch.parts.append((start, group))
+        batch.operation = group if not batch.operation else batch.operation
 
     def _hold(self, unit: Any) -> None:
         """Lease the local region and take a queue_depth slot; raise (holding nothing) if either fails."""

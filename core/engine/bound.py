@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import RegionClosedError
 from ..memory import Region
 from ..remote import RemoteRegion
-from ..transfer import LandedOrigin, Transfer, _Landed
+from ..transfer import LandedOrigin, Transfer, Landed
 from ..transport import Operation, Transport
 from . import checks, fastlane
 from .units import POSTED
@@ -80,7 +80,7 @@ class FastPath(LandedOrigin):
         super().__init__(transport, route, rule, pipe.dispatch)
         self.kind, self.local, self.remote, self.move, self.link = kind, local, remote, move, link
         self.lsize, self.rsize = local.size, remote.size
-        self.engine, self.failing, self.table = pipe.e, pipe.e.health.any_failures, pipe._fast
+        self.engine, self.failing, self.table = pipe.e, pipe.e.health.any_failures, pipe.bound
 
     def runner(self) -> Any:
         """``run(lo, ro, length, timeout) -> handle | None`` for the engine's table: the C lane
@@ -93,7 +93,7 @@ class FastPath(LandedOrigin):
         """
         key = (id(self.local), id(self.remote), self.kind)
         paths, peers = self.engine.health.failure_tables()
-        return fastlane.lane(self.local, self.local._held, self.move, self.link, self.engine, paths, peers, _Landed,
+        return fastlane.lane(self.local, self.local._held, self.move, self.link, self.engine, paths, peers, Landed,
                              LandedOrigin(self.transport, self.route, self.rule, self.dispatch), self.kind,
                              self.remote, self.lsize, self.rsize, functools.partial(self.table.pop, key, None),
                              functools.partial(move_failed, self.transport)) or self._run
@@ -117,7 +117,7 @@ class FastPath(LandedOrigin):
             return None
         finally:
             local.release()
-        return _Landed(length, self, (self.kind, local, self.remote, ro, length, lo), t0)
+        return Landed(length, self, (self.kind, local, self.remote, ro, length, lo), t0)
 
 
 class PostPath:
@@ -125,7 +125,7 @@ class PostPath:
 
     The full path's decisions that hold for every request of the pair -- the
     access check, the route and its transport, the peer link -- are made
-    once, by the request that bound it (:meth:`Pipeline._bind_posted`). Per
+    once, by the request that bound it (:meth:`BoundPairs._bind_posted`). Per
     request it redoes what can change: the bounds and the timeout, the
     engine's state and health, the link, the local region's lease and a
     ``queue_depth`` slot. The request is then an ordinary Operation, posted,
@@ -160,12 +160,12 @@ class PostPath:
         if not pipe.slots.acquire(blocking=False):
             local.release()  # full: the full path waits for a slot or raises, as configured
             return None
-        op = pipe._op(self.kind, local, lo, self.remote, ro, length,
-                      pipe._default_timeout if timeout is None else timeout, pipe.dispatch)
+        op = pipe.new_op(self.kind, local, lo, self.remote, ro, length,
+                      pipe.default_timeout if timeout is None else timeout, pipe.dispatch)
         op.holds_slot = True
         op.stage = POSTED  # nobody else can see it yet: no claim to race
         op.attempt = 0
-        pipe._posted(op, self.link, self.transport, self.cands, self.rule, self.names, True)
+        pipe.hand_routed(op, self.link, self.transport, self.cands, self.rule, self.names, True)
         return op.transfer
 
 
@@ -219,10 +219,10 @@ class BoundPairs:
         if not leased_call(local, transport.name, transport.post_inline, kind, local, lo, remote, ro, length):
             return None
         fast = None
-        if declined or (id(local), id(remote), kind) not in self._fast:
+        if declined or (id(local), id(remote), kind) not in self.bound:
             fast = self._bind_fast(kind, local, remote, transport, link, entry)
         origin = fast if fast is not None else LandedOrigin(transport.name, entry[2], entry[1], self.dispatch)
-        return _Landed(length, origin, (kind, local, remote, ro, length, lo), t0)
+        return Landed(length, origin, (kind, local, remote, ro, length, lo), t0)
 
     def _bind_fast(self, kind: str, local: Region, remote: RemoteRegion, transport: Transport, link: PeerLink,
                    entry: tuple[tuple[Transport, ...], str, tuple[str, ...]]) -> FastPath | None:
@@ -234,10 +234,10 @@ class BoundPairs:
             return None
         if move is None:
             return None
-        if len(self._fast) >= FAST_MAX:
-            self._fast.clear()  # bounded; the pairs in use bind again on their next request
+        if len(self.bound) >= FAST_MAX:
+            self.bound.clear()  # bounded; the pairs in use bind again on their next request
         fast = FastPath(kind, local, remote, move, link, transport.name, entry[2], entry[1], self)
-        self._fast[(id(local), id(remote), kind)] = fast.runner()
+        self.bound[(id(local), id(remote), kind)] = fast.runner()
         return fast
 
     def _bind_posted(self, op: Operation, link: PeerLink, transport: Transport, cands: tuple[Transport, ...],
@@ -251,17 +251,17 @@ class BoundPairs:
         never waits on the peer.
         """
         if (op.route_hint is not None or op.notify_after is not None or op.ephemeral
-                or op.transfer._dispatch is not self.dispatch or self.e.route_policy.size_rules
+                or op.transfer.dispatch is not self.dispatch or self.e.route_policy.size_rules
                 or type(transport).post_inline is not Transport.post_inline
                 or transport.post_may_block or self.e.health.any_failures()):
             return
         key = (id(op.local), id(op.remote), op.kind)
-        if key in self._fast:
+        if key in self.bound:
             return
-        if len(self._fast) >= FAST_MAX:
-            self._fast.clear()  # bounded; the pairs in use bind again on their next request
-        self._fast[key] = PostPath(op.kind, op.local, op.remote, link, transport, cands, rule, names, self).run
+        if len(self.bound) >= FAST_MAX:
+            self.bound.clear()  # bounded; the pairs in use bind again on their next request
+        self.bound[key] = PostPath(op.kind, op.local, op.remote, link, transport, cands, rule, names, self).run
 
     def forget_fast(self) -> None:
         """Drop every bound inline move (routes, health or regions changed): the next request rebinds."""
-        self._fast.clear()
+        self.bound.clear()

@@ -16,19 +16,19 @@ class Cancelling:
     """The :class:`~mpcomm.engine.requests.Pipeline`'s cancelling (a mixin: its state lives on the Pipeline)."""
 
     def cancel(self, transfer: Transfer) -> None:
-        """Non-blocking cancel of ``transfer`` (the handle's ``_Dispatch.cancel``)."""
-        group = getattr(transfer, "_group", None)
+        """Non-blocking cancel of ``transfer`` (the handle's ``Dispatch.cancel``)."""
+        group = getattr(transfer, "group", None)
         if group is not None:
-            self._cancel_member(transfer, group, transfer._index)  # type: ignore[attr-defined]
+            self._cancel_member(transfer, group, transfer.index)  # type: ignore[attr-defined]
             return
         if isinstance(transfer, Batch):
-            units = [p for _, p in transfer._parts]
+            units = [p for _, p in transfer.parts]
         else:
-            units = [transfer._op]
+            units = [transfer.operation]
         for unit in units:
             if unit is None or unit.done:
                 continue
-            if self._claim(unit, WAITING, FINISHED):
+            if self.claim(unit, WAITING, FINISHED):
                 self._finish(unit, CancelledError(), 0, failed_group=True)
                 continue
             t = unit.transport
@@ -37,20 +37,20 @@ class Cancelling:
 
     def _cancel_member(self, member: Transfer, group: OperationGroup, i: int) -> None:
         """Cancel request ``i`` of a group not posted yet: it will move nothing (length 0)."""
-        with group._lock:
+        with group.lock:
             if group.stage != WAITING or group.status[i] != 0:
                 return
             group.lengths[i] = 0
             group.status[i] = 2
             err = CancelledError()
             group.errors[i] = err
-            group._left -= 1
-            last = group._left == 0
+            group.left -= 1
+            last = group.left == 0
         if last:
-            if self._claim(group, WAITING, FINISHED):
+            if self.claim(group, WAITING, FINISHED):
                 self._finish(group, err, 0)
-        if member._record(err, 0):
-            member._dispatch.push(member)
+        if member.record_outcome(err, 0):
+            member.dispatch.push(member)
 
     def units(self) -> list[Any]:
         with self._inflight_lock:
@@ -59,7 +59,7 @@ class Cancelling:
     def abort_peer(self, address: str, error: BaseException) -> None:
         for unit in self.units():
             if unit.remote.address == address:
-                if self._claim(unit, WAITING, FINISHED):
+                if self.claim(unit, WAITING, FINISHED):
                     self._finish(unit, error, 0, failed_group=True)
                 else:
                     unit.abort(error)
@@ -69,7 +69,7 @@ class Cancelling:
         closed = EngineClosedError("the engine was closed while the request was in flight")
         units = self.units()
         for unit in units:
-            if self._claim(unit, WAITING, FINISHED):
+            if self.claim(unit, WAITING, FINISHED):
                 self._finish(unit, EngineClosedError("the engine was closed before the request was posted"), 0,
                              failed_group=True)
             else:

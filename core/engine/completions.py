@@ -70,11 +70,11 @@ class CompletionThread:
                 if type(item) is tuple:
                     _call(item[1], item[0])
                 else:
-                    item._settle()
-                    hook = item.__dict__.get("_on_settled")
+                    item.settle()
+                    hook = item.__dict__.get("on_settled")
                     if hook is not None:
                         hook(item)
-                    item._run_callbacks()
+                    item.run_callbacks()
             except Exception:  # never let one handle stop the others
                 log.exception("completion of %r failed", item)
 
@@ -151,11 +151,11 @@ class CompletionQueue:
             if isinstance(t, _Deferred):
                 _call(t.fn, t.transfer)
                 continue
-            t._settle()
-            hook = t.__dict__.get("_on_settled")
+            t.settle()
+            hook = t.__dict__.get("on_settled")
             if hook is not None:
                 hook(t)
-            t._run_callbacks()
+            t.run_callbacks()
             out.append(t)
         return out
 

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from ..errors import EngineClosedError
-from ..transfer import Batch, Transfer, _resolve_members
+from ..transfer import Batch, Transfer, resolve_members
 from ..transport import Operation, OperationGroup
 from .regions import release_view
 from .units import FINISHED
@@ -15,9 +15,9 @@ log = logging.getLogger("mpcomm.engine")
 
 
 def settle_members(batch: Batch) -> None:
-    for _, part in batch._parts:
+    for _, part in batch.parts:
         if isinstance(part, OperationGroup):
-            _resolve_members(part)
+            resolve_members(part)
 
 
 class Endings:
@@ -58,16 +58,16 @@ class Endings:
             unit.released = True
             self._unhold(unit)
             t = unit.transfer if unit.batch is None and isinstance(unit, Operation) else None
-            if t is not None and t._op is unit:
+            if t is not None and t.operation is unit:
                 # Break handle <-> operation: a finished request's buffer is freed when the
                 # engine and the caller drop it, not at the next cyclic GC (8 MiB requests
                 # piled up to GiBs between collections). The handle keeps what `request` needs.
                 t._request_args = (unit.kind, unit.local, unit.remote, unit.remote_offset, unit.length,
                                    unit.local_offset)
-                t._op = None
+                t.operation = None
             if unit.ephemeral:
                 local = unit.local
-                if unit.batch is None or all(p.local is not local or p.done for _, p in unit.batch._parts):
+                if unit.batch is None or all(p.local is not local or p.done for _, p in unit.batch.parts):
                     self.regions.unregister_from(local, self.transports)
                     release_view(local)
         t = unit.transport
@@ -83,10 +83,10 @@ class Endings:
         """Release what the unit held, then publish its outcome."""
         unit.stage = FINISHED
         if failed_group and isinstance(unit, OperationGroup) and not unit.done:
-            unit._sink = None  # we publish here, not through the sink
+            unit.sink = None  # we publish here, not through the sink
             unit.fail(error)  # type: ignore[arg-type]
         if failed_group and isinstance(unit, Operation) and not unit.done:
-            unit._sink = None
+            unit.sink = None
             unit.fail(error)  # type: ignore[arg-type]
             if unit.abort_exc is not None and error is not unit.abort_exc:
                 error = unit.abort_exc
@@ -94,33 +94,30 @@ class Endings:
         batch = unit.batch
         if batch is None:
             t = unit.transfer
-            if not t._record(error, nbytes):
+            if not t.record_outcome(error, nbytes):
                 return  # resolved already (an unconfirmed timeout): the resources are free now
             self._push(unit)
             return
         if isinstance(unit, Operation):
-            unit.transfer._record(error, nbytes)
-            unit.transfer._dispatch.push(unit.transfer)
-        with batch._lock:
-            batch._left -= 1
-            last = batch._left == 0
-        if last:
+            unit.transfer.record_outcome(error, nbytes)
+            unit.transfer.dispatch.push(unit.transfer)
+        if batch.part_ended():
             self._batch_done(batch)
 
     def _push(self, op: Operation) -> None:
-        with op._lock:
+        with op.lock:
             if op.posting or op.handed:
                 return  # the posting thread settles it when post() returns
             op.handed = True
         t = op.transfer
-        if t._dispatch is self.dispatch and t._leave_to_waiter():
+        if t.dispatch is self.dispatch and t.leave_to_waiter():
             return  # the thread blocked in result() settles it: no completion-thread hop
-        t._dispatch.push(t)
+        t.dispatch.push(t)
 
     def _batch_done(self, batch: Batch) -> None:
         total = 0
         clean = True
-        for _, part in batch._parts:
+        for _, part in batch.parts:
             if isinstance(part, OperationGroup):
                 if part.errors:
                     clean = False
@@ -132,27 +129,24 @@ class Endings:
         if clean:
             error = None
         else:
-            _statuses, errors, lengths = batch._index_state()
+            _statuses, errors, lengths = batch.index_state()
             error = errors[min(errors)] if errors else None
             total = sum(lengths)
-        batch._on_settled = settle_members
-        if not batch._record(error, total):
+        batch.on_settled = settle_members
+        if not batch.record_outcome(error, total):
             return
-        with batch._lock:
-            if batch.posting or batch.__dict__.get("handed", False):
-                return
-            batch.handed = True
-        batch._dispatch.push(batch)
+        if batch.take_handover():
+            batch.dispatch.push(batch)
 
     def _deliver_inline(self, handle: Transfer, settle: Any) -> None:
         """A handle that finished on the posting thread: settle it here (no hop), or, when it was
         posted with a completion queue, hand it to that queue: its poller settles and reaps it."""
-        if handle._dispatch is self.dispatch:
+        if handle.dispatch is self.dispatch:
             settle()
         else:
-            handle._dispatch.push(handle)
+            handle.dispatch.push(handle)
 
     def _settle_batch_inline(self, batch: Batch) -> None:
-        batch._settle()
+        batch.settle()
         settle_members(batch)
-        batch._run_callbacks()
+        batch.run_callbacks()

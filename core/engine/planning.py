@@ -107,12 +107,12 @@ class Planning:
         self._check_group(group)
         batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
         if group.count == 0:
-            batch._record(None, 0)
-            self._deliver_inline(batch, batch._finish_inline)
+            batch.record_outcome(None, 0)
+            self._deliver_inline(batch, batch.finish_inline)
             return batch
         self._adopt(group, batch, 0, ephemeral)
         group.route_hint = hint
-        batch._left = 1
+        batch.left = 1
         batch.posting = False
         batch.staged = not post
         self._hold(group)
@@ -231,7 +231,7 @@ class Planning:
 
     def _start_plan(self, plan: Plan, cq: Any, post: bool) -> Batch:
         batch = Batch(plan.count, _dispatch=self._dispatch_for(cq))
-        batch._requests = plan.requests
+        batch.requests = plan.requests
         batch.posting = False
         batch.staged = not post
         units: list[Any] = []
@@ -248,21 +248,21 @@ class Planning:
             self._adopt(g, batch, spec.start, spec.ephemeral)
             g.route_hint = spec.hint
             units.append(g)
-        dispatch = batch._dispatch
+        dispatch = batch.dispatch
         for i, req, local, lo, ro, length, t, ephemeral, hint in plan.singles:
-            op = self._op(req.op, local, lo, req.remote, ro, length, t, dispatch, req)
+            op = self.new_op(req.op, local, lo, req.remote, ro, length, t, dispatch, req)
             op.notify_after = req.notify
             op.ephemeral = ephemeral
             op.route_hint = hint
             op.batch = batch
-            batch._parts.append((i, op))
+            batch.parts.append((i, op))
             units.append(op)
         if plan.singles:
-            batch._parts.sort(key=lambda p: p[0])
-        batch._left = len(units)
+            batch.parts.sort(key=lambda p: p[0])
+        batch.left = len(units)
         if not units:
-            batch._record(None, 0)
-            self._deliver_inline(batch, batch._finish_inline)
+            batch.record_outcome(None, 0)
+            self._deliver_inline(batch, batch.finish_inline)
             return batch
         held: list[Any] = []
         try:
@@ -285,6 +285,6 @@ class Planning:
         if not getattr(batch, "staged", False):
             return batch
         batch.staged = False
-        units = [part for _, part in batch._parts]
+        units = [part for _, part in batch.parts]
         self._post_batch(batch, units, staged=True)
         return batch

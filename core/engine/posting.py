@@ -25,19 +25,14 @@ class Posting:
         batch.posting = True
         try:
             for u in units:
-                if staged and not self._claim(u, WAITING):
+                if staged and not self.claim(u, WAITING):
                     continue
                 if staged:
                     u.stage = WAITING  # _launch claims it again
                 self._launch(u, inline=False)
         finally:
-            with batch._lock:
-                batch.posting = False
-                # Exactly one of this thread and _batch_done hands the batch on.
-                mine = batch._outcome is not None and not batch.__dict__.get("handed", False)
-                if mine:
-                    batch.handed = True
-            if mine:
+            # Exactly one of this thread and _batch_done hands the batch on.
+            if batch.end_posting():
                 self._deliver_inline(batch, lambda: self._settle_batch_inline(batch))
 
     def _launch(self, unit: Any, inline: bool) -> None:
@@ -62,15 +57,15 @@ class Posting:
         assert link is not None
         self._post(unit, link, False)
 
-    def _claim(self, unit: Any, expect: int, to: int = POSTED) -> bool:
-        with unit._lock:
+    def claim(self, unit: Any, expect: int, to: int = POSTED) -> bool:
+        with unit.lock:
             if unit.stage != expect:
                 return False
             unit.stage = to
             return True
 
     def _post(self, unit: Any, link: PeerLink, inline: bool) -> None:
-        if not self._claim(unit, WAITING):
+        if not self.claim(unit, WAITING):
             return  # cancelled, timed out or closed while it waited
         remote = unit.remote
         try:
@@ -92,9 +87,9 @@ class Posting:
                 return
         if inline and self._inline_ok and unit.batch is None and isinstance(unit, Operation):
             self._bind_posted(unit, link, transport, cands, rule, names)
-        self._posted(unit, link, transport, cands, rule, names, inline)
+        self.hand_routed(unit, link, transport, cands, rule, names, inline)
 
-    def _posted(self, unit: Any, link: PeerLink, transport: Transport, cands: tuple[Transport, ...], rule: str,
+    def hand_routed(self, unit: Any, link: PeerLink, transport: Transport, cands: tuple[Transport, ...], rule: str,
                 names: tuple[str, ...], inline: bool) -> None:
         """Hand a routed, claimed unit to ``transport``; settle it here if it finished inside post()."""
         unit.peer = link.info
@@ -118,15 +113,15 @@ class Posting:
         for waiting in busy:
             self._to_backlog(transport, waiting)
         if inline:
-            with unit._lock:
+            with unit.lock:
                 unit.posting = False
                 # Exactly one of this thread and _push hands the handle on.
-                mine = (transfer._outcome is not None and isinstance(unit, Operation) and unit.batch is None
+                mine = (transfer.outcome is not None and isinstance(unit, Operation) and unit.batch is None
                         and not unit.handed)
                 if mine:
                     unit.handed = True
             if mine:
-                self._deliver_inline(transfer, transfer._finish_inline)
+                self._deliver_inline(transfer, transfer.finish_inline)
                 return
         if not unit.done:
             # Tracked (for close() and peer loss) only when it outlives post():
@@ -155,7 +150,7 @@ class Posting:
 
     def _abandon(self, unit: Any, exc: BaseException) -> None:
         """Finish a unit that never got posted (connection failed, cancelled, closed, deadline)."""
-        if not self._claim(unit, WAITING, FINISHED):
+        if not self.claim(unit, WAITING, FINISHED):
             return
         self._finish(unit, exc, 0, failed_group=True)
 
@@ -259,6 +254,6 @@ class Posting:
         return ()
 
     def forget_routes(self, address: str) -> None:
-        self._fast.clear()
+        self.bound.clear()
         for key in [k for k in list(self._routes) if k[0] == address]:
             self._routes.pop(key, None)

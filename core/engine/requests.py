@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import EngineClosedError, MpcommError
 from ..memory import Region
 from ..remote import RemoteRegion
-from ..transfer import Transfer, _Dispatch
+from ..transfer import Transfer, Dispatch
 from ..transport import Transport
 from .admission import Admission
 from .bound import BoundPairs
@@ -88,7 +88,7 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
         cfg = engine.config
         self.slots = Slots(cfg.runtime.queue_depth)
         self._raise_on_full = cfg.runtime.backpressure == "raise"
-        self._default_timeout = cfg.request_timeout
+        self.default_timeout = cfg.request_timeout
         self._grace = cfg.runtime.abort_grace_ms / 1000
         self._lazy = cfg.memory.registration == "lazy"
         self._inflight: set[Any] = set()
@@ -102,9 +102,9 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
         self._notify_lanes: dict[str, list[Any]] = {}
         self._notify_lock = threading.Lock()
         self._notify_per_peer = max(1, cfg.runtime.worker_threads // 4)
-        self.dispatch = _Dispatch(completions.push, completions.on_thread, self.cancel)
+        self.dispatch = Dispatch(completions.push, completions.on_thread, self.cancel)
         #: The inline lane's bound pairs, per (id(local), id(remote), kind): FastPath.runner()'s.
-        self._fast: dict[tuple[int, int, str], Any] = {}
+        self.bound: dict[tuple[int, int, str], Any] = {}
         #: Nothing but the copy may be left to do for the inline lane to apply (set by policy_ready).
         self._inline_ok = False
 
@@ -116,7 +116,7 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
             if isinstance(buf, Region):
                 # Engine.write/read already tried the pair's bound run: if there is one, it declined.
                 landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout,
-                                           (id(buf), id(remote), kind) in self._fast)
+                                           (id(buf), id(remote), kind) in self.bound)
                 if landed is not None:
                     return landed
         hint = self._hint(route)
@@ -125,7 +125,7 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
         length = self._check_bounds(local, remote, lo, ro, length)
         if notify is not None and len(notify) > MAX_NOTIFY:
             raise MpcommError(f"notification of {len(notify)} bytes exceeds {MAX_NOTIFY}")
-        op = self._op(kind, local, lo, remote, ro, length, self._timeout(timeout), self._dispatch_for(cq))
+        op = self.new_op(kind, local, lo, remote, ro, length, self._timeout(timeout), self._dispatch_for(cq))
         op.ephemeral = ephemeral
         op.notify_after = notify
         op.route_hint = hint

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import MpcommError, PeerConnectionError
 from ..health import counts_against_path, is_retryable
-from ..transport import FAILED, PENDING, Operation, Transport
+from ..transport import Operation, Transport
 from .stripes import Striped
 from .units import WAITING
 
@@ -51,15 +51,9 @@ class Retries:
             self.e.telemetry.on_retry(unit, error)
         # The whole range is moved again: a partial first attempt is rewritten.
         if isinstance(unit, Operation):
-            with unit._lock:
-                unit._done = False
+            unit.rearm()
         else:
-            with unit._lock:
-                for i in range(unit.count):
-                    if unit.status[i] == FAILED:
-                        unit.status[i] = PENDING
-                        unit.errors.pop(i, None)
-                        unit._left += 1
+            unit.rearm_failed()
         unit.state = None
         unit.transport = nxt
         unit.transfer.transport = nxt.name
@@ -83,7 +77,7 @@ class Retries:
         """Requests waiting now for a queue slot or for a busy transport."""
         with self._backlog_lock:
             busy = sum(len(q) for q in self._backlog.values())
-        return self.slots._waiting + busy
+        return self.slots.waiting + busy
 
     def _to_backlog(self, transport: Transport, unit: Any, delay: float = 0.001) -> None:
         unit.stage = WAITING  # claimable again: by the drain, a cancel or the deadline
@@ -110,7 +104,7 @@ class Retries:
                 if not q:
                     return
                 unit = q.popleft()
-            if not self._claim(unit, WAITING):
+            if not self.claim(unit, WAITING):
                 continue
             if unit.abort_exc is not None:  # timed out, cancelled or closed while it waited
                 unit.fail(unit.abort_exc)

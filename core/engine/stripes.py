@@ -36,7 +36,7 @@ class Striped:
     def abort(self, op: Operation) -> None:
         exc = op.abort_exc
         for sub in self._subs:
-            if self._p._claim(sub, WAITING, FINISHED):  # waiting in a busy transport's backlog
+            if self._p.claim(sub, WAITING, FINISHED):  # waiting in a busy transport's backlog
                 sub.abort_exc = exc  # not retried
                 sub.fail(exc)  # type: ignore[arg-type]
             else:
@@ -108,10 +108,10 @@ class Stripes:
                 continue
             self._repost(sub, sub.transport)
         if inline:
-            with op._lock:
+            with op.lock:
                 op.posting = False
-            if transfer._outcome is not None and op.batch is None:
-                transfer._finish_inline()
+            if transfer.outcome is not None and op.batch is None:
+                transfer.finish_inline()
 
     def _stripe_reported(self, sub: Operation, error: BaseException | None, nbytes: int) -> None:
         if error is not None and self._retry(sub, error):

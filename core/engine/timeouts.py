@@ -26,7 +26,7 @@ class Timeouts:
         if unit.done:
             return
         err = timeout_error(unit)
-        if self._claim(unit, WAITING, FINISHED):  # never posted: nothing moved
+        if self.claim(unit, WAITING, FINISHED):  # never posted: nothing moved
             self._finish(unit, err, 0, failed_group=True)
             return
         unit.abort(err)
@@ -51,7 +51,7 @@ class Timeouts:
         unit.unconfirmed = True
         self._end_probe(unit)  # resolved by its deadline: the transport's late report says nothing
         if isinstance(unit, Operation):
-            unit.transfer._record(err, 0)
+            unit.transfer.record_outcome(err, 0)
             self._push(unit)
         else:
             # As for an Operation: the handle fails now with the unconfirmed error, while
@@ -59,9 +59,5 @@ class Timeouts:
             # group here released them with bytes still able to land, and replaced the
             # error with the abort's confirmed-looking timeout).
             batch = unit.batch
-            if batch._record(err, 0):
-                with batch._lock:
-                    if batch.posting or batch.__dict__.get("handed", False):
-                        return
-                    batch.handed = True
-                batch._dispatch.push(batch)
+            if batch.record_outcome(err, 0) and batch.take_handover():
+                batch.dispatch.push(batch)

@@ -25,7 +25,7 @@ from mpcomm.engine.bound import FastPath as _FastPath
 from mpcomm.health import HealthTracker
 from mpcomm.memory import Region
 from mpcomm.remote import RemoteRegion
-from mpcomm.transfer import COMPLETED, _Dispatch, _Landed
+from mpcomm.transfer import COMPLETED, Dispatch, Landed
 
 LSIZE, RSIZE = 1 << 16, 1 << 15
 
@@ -62,8 +62,8 @@ class Pair:
         self.answer: Any = True
         self.leases_seen: list[int] = []
         self.pushed: list[Any] = []
-        pipe = SimpleNamespace(e=self.engine, dispatch=_Dispatch(self.pushed.append, lambda: False, lambda t: None),
-                               _fast=self.table)
+        pipe = SimpleNamespace(e=self.engine, dispatch=Dispatch(self.pushed.append, lambda: False, lambda t: None),
+                               bound=self.table)
         self.fast = _FastPath("write", self.local, self.remote, self.move, self.link, "shm", ("shm", "tcp"),
                               "default", pipe)
         self.key = (id(self.local), id(self.remote), "write")
@@ -124,7 +124,7 @@ def test_a_landed_handle_is_whole_and_born_done() -> None:
     p = Pair(native=True)
     before = time.monotonic()
     h = p.run(16, 32, 4096, None)
-    assert isinstance(h, _Landed) and h.status is COMPLETED and h.done() and h.result(0) == 4096
+    assert isinstance(h, Landed) and h.status is COMPLETED and h.done() and h.result(0) == 4096
     assert before <= h.submitted_at <= h.finished_at <= time.monotonic() and h.elapsed >= 0
     assert (h.transport, h.route, h.route_rule) == ("shm", ("shm", "tcp"), "default")
     r = h.request
@@ -310,7 +310,7 @@ def test_a_failed_refusing_lookup_raises_it_and_holds_nothing(native: bool) -> N
     local = _FailingLookup(memoryview(bytearray(LSIZE)), name="src", access="rw")
     p.local = local
     p.fast = _FastPath("write", local, p.remote, p.move, p.link, "shm", ("shm",), "default",
-                       SimpleNamespace(e=p.engine, dispatch=p.fast.dispatch, _fast=p.table))
+                       SimpleNamespace(e=p.engine, dispatch=p.fast.dispatch, bound=p.table))
     p.run = p.fast.runner() if native else p.fast._run
     local.fail = True
     with pytest.raises(LookupError, match="no _refusing today"):
