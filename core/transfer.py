@@ -365,7 +365,7 @@ class Transfer(Future):  # type: ignore[type-arg]
             return
         _depth.n = depth + 1
         try:
-            _call(fn, self)
+            call_guarded(fn, self)
         finally:
             _depth.n = depth
 
@@ -426,6 +426,12 @@ class Transfer(Future):  # type: ignore[type-arg]
         self._wake.release()
         return True
 
+    def drop_operation(self) -> None:
+        """Forget the engine's Operation (it was released), keeping what :attr:`request` needs."""
+        op = self.operation
+        self._request_args = (op.kind, op.local, op.remote, op.remote_offset, op.length, op.local_offset)
+        self.operation = None
+
     def settle(self) -> bool:
         """Apply the recorded outcome (caller's or completion thread); True if this call did.
 
@@ -463,7 +469,7 @@ class Transfer(Future):  # type: ignore[type-arg]
                     self._cbs_ran = True
                     return
             for fn in cbs:
-                _call(fn, self)
+                call_guarded(fn, self)
 
     def finish_inline(self) -> None:
         """Settle on the posting thread; callbacks (only the engine's own can exist yet) run here."""
@@ -580,7 +586,7 @@ class Landed(Transfer):
         yield  # a generator that finishes at once: nothing to wait for
 
 
-def _call(fn: Callable[[Any], Any], arg: Any) -> None:
+def call_guarded(fn: Callable[[Any], Any], arg: Any) -> None:
     try:
         fn(arg)
     except Exception:  # a callback must never stop completion

@@ -388,7 +388,7 @@ def _final_error(abort: BaseException | None, exc: BaseException, confirmed: boo
     return out
 
 
-def _int64(values: Any, count: int | None, what: str, copy: bool = True) -> array:  # type: ignore[type-arg]
+def int64_array(values: Any, count: int | None, what: str, copy: bool = True) -> array:  # type: ignore[type-arg]
     """Sequences, ``array('q')`` and numpy integer arrays → a new ``array('q')`` (no per-item Python
     work for an array or numpy).
 
@@ -456,10 +456,10 @@ class OperationGroup:
         self.kind = kind
         self.local = local
         self.remote = remote
-        self.lengths = _int64(lengths, None, "lengths", copy)
+        self.lengths = int64_array(lengths, None, "lengths", copy)
         self.count = len(self.lengths)
-        self.local_offsets = _int64(local_offsets, self.count, "local_offsets", copy)
-        self.remote_offsets = _int64(remote_offsets, self.count, "remote_offsets", copy)
+        self.local_offsets = int64_array(local_offsets, self.count, "local_offsets", copy)
+        self.remote_offsets = int64_array(remote_offsets, self.count, "remote_offsets", copy)
         self.deadline = deadline
         self.deadline_wall = deadline_wall
         self.peer = peer

@@ -150,6 +150,7 @@ class Engine:
         self._metadata: MetadataStore = PeerToPeerMetadata()
         self._closed = False
         self._transports: dict[str, Transport] = {}
+        self._transport_info: dict[str, dict[str, Any]] = {}
         self._unavailable: dict[str, str] = {}
         self._regions = RegionTable(self.epoch)
         self._timer = DeadlineTimer()
@@ -232,7 +233,7 @@ class Engine:
             epoch=self.epoch,
             address=self.address,
             host=self.host,
-            transports={name: t._mpcomm_info for name, t in self._transports.items()},  # type: ignore[attr-defined]
+            transports={name: self._transport_info[name] for name in self._transports},
             topology=self.topology,
         )
 
@@ -291,7 +292,7 @@ class Engine:
             )
             try:
                 inst = entry.cls(ctx)
-                inst._mpcomm_info = inst.start() or {}  # type: ignore[attr-defined]
+                started = inst.start() or {}
             except ConfigError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a transport that cannot start is skipped, with its reason
@@ -299,6 +300,7 @@ class Engine:
                 self._unavailable[name] = f"failed to start: {type(exc).__name__}: {exc}"
                 continue
             self._transports[name] = inst
+            self._transport_info[name] = started  # what start() returned: sent to peers
         if not self._transports:
             reasons = "; ".join(f"{k}: {v}" for k, v in self._unavailable.items()) or "no transport plugins found"
             raise TransportUnavailable(f"no transport could start ({reasons})")
@@ -675,9 +677,9 @@ class Engine:
         if remote_addresses is not None:
             if not isinstance(remote, RemoteRegion):
                 raise MpcommError(f"remote must be a RemoteRegion, not {type(remote).__name__}")
-            from ..transport import _int64
+            from ..transport import int64_array
 
-            addrs = _int64(remote_addresses, None, "remote_addresses")
+            addrs = int64_array(remote_addresses, None, "remote_addresses")
             base = remote.base_address
             remote_offsets = [a - base for a in addrs]
         return self._pipeline.vector(kind, buf, remote, local_offsets, remote_offsets, lengths, timeout, cq, post,

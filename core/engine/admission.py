@@ -134,7 +134,7 @@ class Admission:
             unit.local.release()
             raise BackPressureError(
                 f"{self.slots.capacity} requests already in flight (runtime.queue_depth)",
-                request=getattr(unit.transfer, "_request", None),
+                request=unit.transfer.request,
             )
         unit.holds_slot = True
 

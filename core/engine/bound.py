@@ -93,7 +93,7 @@ class FastPath(LandedOrigin):
         """
         key = (id(self.local), id(self.remote), self.kind)
         paths, peers = self.engine.health.failure_tables()
-        return fastlane.lane(self.local, self.local._held, self.move, self.link, self.engine, paths, peers, Landed,
+        return fastlane.lane(self.local, self.local.lease_list, self.move, self.link, self.engine, paths, peers, Landed,
                              LandedOrigin(self.transport, self.route, self.rule, self.dispatch), self.kind,
                              self.remote, self.lsize, self.rsize, functools.partial(self.table.pop, key, None),
                              functools.partial(move_failed, self.transport)) or self._run

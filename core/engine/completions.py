@@ -23,7 +23,7 @@ from collections import deque
 from queue import SimpleQueue
 from typing import Any
 
-from ..transfer import Transfer, _call
+from ..transfer import Transfer, call_guarded
 
 __all__ = ["CompletionQueue", "CompletionThread"]
 
@@ -68,7 +68,7 @@ class CompletionThread:
                 return
             try:
                 if type(item) is tuple:
-                    _call(item[1], item[0])
+                    call_guarded(item[1], item[0])
                 else:
                     item.settle()
                     hook = item.__dict__.get("on_settled")
@@ -149,7 +149,7 @@ class CompletionQueue:
             except IndexError:
                 break
             if isinstance(t, _Deferred):
-                _call(t.fn, t.transfer)
+                call_guarded(t.fn, t.transfer)
                 continue
             t.settle()
             hook = t.__dict__.get("on_settled")

@@ -62,9 +62,7 @@ class Endings:
                 # Break handle <-> operation: a finished request's buffer is freed when the
                 # engine and the caller drop it, not at the next cyclic GC (8 MiB requests
                 # piled up to GiBs between collections). The handle keeps what `request` needs.
-                t._request_args = (unit.kind, unit.local, unit.remote, unit.remote_offset, unit.length,
-                                   unit.local_offset)
-                t.operation = None
+                t.drop_operation()
             if unit.ephemeral:
                 local = unit.local
                 if unit.batch is None or all(p.local is not local or p.done for _, p in unit.batch.parts):

@@ -10,7 +10,7 @@ from ..errors import EngineClosedError, MpcommError, RegionClosedError
 from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request
-from ..transport import OperationGroup, _int64
+from ..transport import OperationGroup, int64_array
 from .notify import MAX_NOTIFY
 
 if TYPE_CHECKING:
@@ -179,8 +179,8 @@ class Planning:
             t = self._timeout(req.timeout if req.timeout is not None else timeout)
             # A group covers consecutive indices only; runs keep the index mapping exact.
             for s0, s1 in runs(idx):
-                spec = GroupSpec(key[0], local, req.remote, _int64(lo[s0:s1], None, "local_offsets"),
-                                  _int64(ro[s0:s1], None, "remote_offsets"), _int64(ln[s0:s1], None, "lengths"),
+                spec = GroupSpec(key[0], local, req.remote, int64_array(lo[s0:s1], None, "local_offsets"),
+                                  int64_array(ro[s0:s1], None, "remote_offsets"), int64_array(ln[s0:s1], None, "lengths"),
                                   t, ephemeral, idx[s0])
                 spec.hint = key[-1]
                 self._check_spec(spec, idx[s0:s1], requests)
@@ -211,10 +211,10 @@ class Planning:
             raise MpcommError("prepare_many() needs a registered Region as the local buffer")
         region, _ = self._local(local, "")
         self._check_access(kind, region, remote)
-        spec = GroupSpec(kind, region, remote, _int64(local_offsets, None, "local_offsets"), None, None,
+        spec = GroupSpec(kind, region, remote, int64_array(local_offsets, None, "local_offsets"), None, None,
                           self._timeout(timeout), False, 0)
-        spec.lengths = _int64(lengths, None, "lengths")
-        spec.remote_offsets = _int64(remote_offsets, len(spec.lengths), "remote_offsets")
+        spec.lengths = int64_array(lengths, None, "lengths")
+        spec.remote_offsets = int64_array(remote_offsets, len(spec.lengths), "remote_offsets")
         if len(spec.local_offsets) != len(spec.lengths):
             raise MpcommError(f"local_offsets has {len(spec.local_offsets)} entries, expected {len(spec.lengths)}")
         self._check_spec(spec)
