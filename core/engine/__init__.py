@@ -5,7 +5,9 @@ This module is the public facade and its wiring; each job has its own room:
 * :mod:`.regions` — the region table, leases, registration and revocation;
 * :mod:`.peers` — control links, per-peer connection set-up (single-flight), epochs;
 * :mod:`.requests` — the request pipeline (prepare → lease → slot → route → post →
-  report → settle), cancellation and close;
+  report → settle), cancellation and close; its own rooms are :mod:`.units`,
+  :mod:`.admission`, :mod:`.planning`, :mod:`.bound`, :mod:`.posting`, :mod:`.retries`,
+  :mod:`.stripes`, :mod:`.timeouts`, :mod:`.notifying`, :mod:`.endings` and :mod:`.cancelling`;
 * :mod:`.completions` — the completion thread and user-polled completion queues;
 * :mod:`.deadlines` — the one timer thread for every deadline;
 * :mod:`.notify` — the bounded notification queue.

@@ -52,6 +52,11 @@ class Slots:
     def in_use(self) -> int:
         return self.capacity - self._free
 
+    @property
+    def waiting(self) -> int:
+        """Threads waiting for a slot now (``Engine.stats()``'s queue backlog counts them)."""
+        return self._waiting
+
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         with self._lock:
             if self._free:
