@@ -170,7 +170,7 @@ class PostPath:
 
 
 class BoundPairs:
-    """The :class:`~mpcomm.engine.requests.Pipeline`'s bound (a mixin: its state lives on the Pipeline)."""
+    """The :class:`~mpcomm.engine.requests.Pipeline`'s bound pairs (a mixin: its state lives on the Pipeline)."""
 
     def policy_ready(self) -> None:
         """The engine's route policy is set: decide once whether the inline lane can ever apply."""

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import EngineClosedError, MpcommError
 from ..memory import Region
 from ..remote import RemoteRegion
-from ..transfer import Transfer, Dispatch
+from ..transfer import Dispatch, Transfer
 from ..transport import Transport
 from .admission import Admission
 from .bound import BoundPairs
