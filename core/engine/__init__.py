@@ -818,8 +818,10 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self.telemetry.unwatch_health(self.node_id)
         pipeline = getattr(self, "_pipeline", None)
+        if pipeline is not None:
+            pipeline.closed = True
+        self.telemetry.unwatch_health(self.node_id)
         if pipeline is not None:
             pipeline.close(timeout)
         try:

@@ -51,7 +51,7 @@ def plain(path: Any, lo: int, ro: int, length: int | None, timeout: float | None
         return None
     length = checks.span(lo, ro, length, path.lsize, path.rsize)
     if (length is None or not checks.timeout_ok(timeout)
-            or not path.link.alive or path.engine.closed or path.failing()):
+            or not path.link.alive or path.pipe.closed or path.failing()):
         return None
     return length
 
@@ -73,14 +73,14 @@ class FastPath(LandedOrigin):
     lane makes.
     """
 
-    __slots__ = ("kind", "local", "remote", "move", "link", "lsize", "rsize", "engine", "failing", "table")
+    __slots__ = ("kind", "local", "remote", "move", "link", "lsize", "rsize", "engine", "pipe", "failing", "table")
 
     def __init__(self, kind: str, local: Region, remote: RemoteRegion, move: Any, link: PeerLink,
                  transport: str, route: tuple[str, ...], rule: str, pipe: Pipeline) -> None:
         super().__init__(transport, route, rule, pipe.dispatch)
         self.kind, self.local, self.remote, self.move, self.link = kind, local, remote, move, link
         self.lsize, self.rsize = local.size, remote.size
-        self.engine, self.failing, self.table = pipe.e, pipe.e.health.any_failures, pipe.bound
+        self.engine, self.pipe, self.failing, self.table = pipe.e, pipe, pipe.e.health.any_failures, pipe.bound
 
     def runner(self) -> Any:
         """``run(lo, ro, length, timeout) -> handle | None`` for the engine's table: the C lane

@@ -52,7 +52,7 @@ class Notifying:
             self.e.notify(op.remote, op.notify_after, max(op.time_left(), 0.001))
         except BaseException as exc:  # noqa: BLE001
             error = exc if isinstance(exc, MpcommError) else MpcommError(f"after the data landed: {exc}")
-            if self.e.closed and not isinstance(error, EngineClosedError):
+            if self.closed and not isinstance(error, EngineClosedError):
                 cause, error = error, EngineClosedError("the engine was closed before the target took the "
                                                         "notification (the data had landed)")
                 error.__cause__ = cause

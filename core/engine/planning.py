@@ -73,7 +73,7 @@ class PreparedBatch:
     def post(self, *, completion_queue: Any = None) -> Batch:
         """Post every request once more; returns the new handle at once."""
         p = self._pipeline
-        if p.e.closed:
+        if p.closed:
             raise EngineClosedError("the engine is closed")
         return p._start_plan(self._plan, completion_queue, True)
 
@@ -95,7 +95,7 @@ class Planning:
 
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
-        if self.e.closed:
+        if self.closed:
             raise EngineClosedError("the engine is closed")
         hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral-batch")
@@ -190,12 +190,12 @@ class Planning:
     def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
                route: Any = None) -> Batch:
         """Group the requests into vectorised parts and post (or stage) them."""
-        if self.e.closed:
+        if self.closed:
             raise EngineClosedError("the engine is closed")
         return self._start_plan(self._plan(requests, timeout, route), cq, post)
 
     def prepare(self, requests: Sequence[Request], timeout: float | None) -> PreparedBatch:
-        if self.e.closed:
+        if self.closed:
             raise EngineClosedError("the engine is closed")
         plan = self._plan(requests, timeout)
         if plan.singles or any(g.ephemeral for g in plan.groups):
@@ -205,7 +205,7 @@ class Planning:
 
     def prepare_many(self, kind: str, local: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                      lengths: Any, timeout: float | None) -> PreparedBatch:
-        if self.e.closed:
+        if self.closed:
             raise EngineClosedError("the engine is closed")
         if not isinstance(local, Region):
             raise MpcommError("prepare_many() needs a registered Region as the local buffer")

@@ -82,6 +82,8 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
     def __init__(self, engine: Engine, *, peers: PeerTable, transports: dict[str, Transport], regions: RegionTable,
                  timer: DeadlineTimer, completions: CompletionThread, executor: Executor, notifier: Executor) -> None:
         self.e = engine
+        #: Set by ``Engine.close`` together with its own flag: what the bound lanes read per request.
+        self.closed = False
         #: The engine's parts the rooms use, handed over here (the engine keeps them private).
         self.peers, self.transports, self.regions = peers, transports, regions
         self.timer, self.executor, self.notifier = timer, executor, notifier
@@ -110,7 +112,7 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
 
     def single(self, kind: str, buf: Any, remote: RemoteRegion, ro: int, length: int | None, lo: int,
                notify: bytes | None, timeout: float | None, cq: Any, route: Any = None) -> Transfer:
-        if self.e.closed:
+        if self.closed:
             raise EngineClosedError("the engine is closed")
         if self._inline_ok and notify is None and route is None and cq is None:
             if isinstance(buf, Region):

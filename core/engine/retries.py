@@ -37,7 +37,7 @@ class Retries:
             health.failure(peer, t.name, error)
         else:
             self._end_probe(unit)
-        if (t is None or unit.abort_exc is not None or not is_retryable(error) or self.e.closed
+        if (t is None or unit.abort_exc is not None or not is_retryable(error) or self.closed
                 or unit.time_left() <= 0 or getattr(unit, "tries", 1) >= health.policy.max_attempts):
             return False
         try:

@@ -37,16 +37,16 @@ def _native() -> Any:
     return mod
 
 
-class _Engine:
-    """What a bound pair reads of its engine: ``_closed`` (the C lane) and ``closed`` (the Python lane)."""
+class _Pipe:
+    """What a bound pair reads of its pipeline; ``closed`` follows the engine's ``_closed`` (which
+    the C lane reads), as Engine.close sets both together."""
 
-    def __init__(self) -> None:
-        self._closed = False
-        self.health = HealthTracker()
+    def __init__(self, engine: Any, dispatch: Any, table: dict[Any, Any]) -> None:
+        self.e, self.dispatch, self.bound = engine, dispatch, table
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return bool(self.e._closed)
 
 
 class Pair:
@@ -56,14 +56,13 @@ class Pair:
         self.local = Region(memoryview(bytearray(LSIZE)), name="src", access="rw")
         self.remote = RemoteRegion("127.0.0.1:1", "n", "e", "kv", 7, RSIZE, 0, "rw", 1)
         self.link = SimpleNamespace(alive=True)
-        self.engine = _Engine()
+        self.engine = SimpleNamespace(_closed=False, health=HealthTracker())
         self.table: dict[Any, Any] = {}
         self.moves: list[tuple[Any, ...]] = []
         self.answer: Any = True
         self.leases_seen: list[int] = []
         self.pushed: list[Any] = []
-        pipe = SimpleNamespace(e=self.engine, dispatch=Dispatch(self.pushed.append, lambda: False, lambda t: None),
-                               bound=self.table)
+        pipe = _Pipe(self.engine, Dispatch(self.pushed.append, lambda: False, lambda t: None), self.table)
         self.fast = _FastPath("write", self.local, self.remote, self.move, self.link, "shm", ("shm", "tcp"),
                               "default", pipe)
         self.key = (id(self.local), id(self.remote), "write")
@@ -310,7 +309,7 @@ def test_a_failed_refusing_lookup_raises_it_and_holds_nothing(native: bool) -> N
     local = _FailingLookup(memoryview(bytearray(LSIZE)), name="src", access="rw")
     p.local = local
     p.fast = _FastPath("write", local, p.remote, p.move, p.link, "shm", ("shm",), "default",
-                       SimpleNamespace(e=p.engine, dispatch=p.fast.dispatch, bound=p.table))
+                       _Pipe(p.engine, p.fast.dispatch, p.table))
     p.run = p.fast.runner() if native else p.fast._run
     local.fail = True
     with pytest.raises(LookupError, match="no _refusing today"):
