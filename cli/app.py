@@ -103,9 +103,9 @@ def _configure_logging(level: str) -> None:
 
     logger = logging.getLogger("mpcomm")
     logger.setLevel(level.upper())
-    if not any(getattr(h, "_mpcomm_cli", False) for h in logger.handlers):
+    if not any(getattr(h, "mpcomm_cli", False) for h in logger.handlers):
         handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False)
-        handler._mpcomm_cli = True  # type: ignore[attr-defined]
+        handler.mpcomm_cli = True  # type: ignore[attr-defined]  # marks the handler this CLI added
         logger.addHandler(handler)
         logger.propagate = False
 

@@ -865,7 +865,7 @@ def plot(records: list[Record], path: Path) -> None:
 # -- the command ------------------------------------------------------------------------
 
 
-def _transports(ctx: typer.Context, config: Path | None, wanted: list[str] | None) -> dict[str, dict[str, Any]]:
+def installed_transports(ctx: typer.Context, config: Path | None, wanted: list[str] | None) -> dict[str, dict[str, Any]]:
     from . import plugins_cmd
 
     found = {t["name"]: t for t in plugins_cmd.collect()["transports"]}
@@ -999,7 +999,7 @@ def bench(
         transports: dict[str, dict[str, Any]] = {}
         wanted_transports = transport or None
     else:
-        transports = _transports(ctx, config, transport)
+        transports = installed_transports(ctx, config, transport)
     records: list[Record] = []
 
     def emit(rec: Record) -> None:

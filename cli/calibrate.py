@@ -32,7 +32,7 @@ from mpcomm import calibration
 from mpcomm.errors import MpcommError
 
 from ._common import CliError, build_config, client_engine, err_console, format_rate, get_state
-from .bench import Plan, _transports, measure, target
+from .bench import Plan, installed_transports, measure, target
 
 #: What one round writes, and what the latency probe writes.
 MESSAGE_SIZE = 4 << 20
@@ -97,7 +97,7 @@ def run(ctx: typer.Context, config: Path | None, wanted: list[str] | None, *, se
 
     cfg = build_config(ctx, config)
     path = calibration.calibration_path(cfg)
-    found = _transports(ctx, config, wanted)
+    found = installed_transports(ctx, config, wanted)
     entries = load_plugins().transports
     done: list[calibration.Measurement] = []
     skipped: dict[str, str] = {}

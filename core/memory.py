@@ -324,6 +324,12 @@ class Region:
         """Number of requests currently holding this region."""
         return len(self._held)
 
+    @property
+    def lease_list(self) -> list[None]:
+        """The lease list itself (one entry per lease, the protocol above): for the engine's C
+        inline lane, which takes and releases leases without a Python call."""
+        return self._held
+
     def check_alignment(self, alignment: int) -> None:
         if alignment > 1 and self.address % alignment:
             raise AlignmentError(

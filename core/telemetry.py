@@ -300,13 +300,13 @@ class Telemetry:
 
     def on_submit(self, batch: Any, ops: list[Operation] | None = None) -> Any:
         """Open the batch's ``mpcomm.submit`` span (once) and end it when the batch resolves."""
-        span = getattr(batch, "_mpcomm_span", None)
+        span = getattr(batch, "otel_span", None)
         if span is not None or self._ops_tracer is None:
             return span
         span = self._ops_tracer.start_span("mpcomm.submit", kind=self._span_kind)
-        batch._mpcomm_span = span
+        batch.otel_span = span  # telemetry's own field on the handle: the batch's span
         if span.is_recording():
-            ops = ops if ops is not None else getattr(batch, "_ops", [])
+            ops = ops if ops is not None else []
             kinds = {o.kind for o in ops}
             attrs: dict[str, Any] = {
                 "mpcomm.requests": len(batch.transfers),
@@ -365,7 +365,7 @@ class Telemetry:
                     "mpcomm.route.transports": ",".join(getattr(op.transfer, "route", ()) or ()),
                     "mpcomm.route.rule": getattr(op.transfer, "route_rule", None) or "",
                 })
-            op._span = span  # type: ignore[attr-defined]
+            op.otel_span = span  # type: ignore[attr-defined]  # telemetry's own field on the request
         if self.metrics:
             _tallies.bump(_tallies.inflight, (transport, op.kind))
         t0 = time.perf_counter()
@@ -384,7 +384,7 @@ class Telemetry:
         else:
             error = transfer.exception()
         outcome = outcome_of(error)
-        retries = getattr(op, "_retries", 0)
+        retries = getattr(op, "otel_retries", 0)
         if span is not None:
             if span.is_recording():
                 span.set_attribute("mpcomm.outcome", outcome)
@@ -418,10 +418,10 @@ class Telemetry:
 
     def on_retry(self, op: Operation, error: BaseException | None = None) -> None:
         """The engine retries ``op`` on the next transport of its route after ``error``: an event and a count."""
-        retries = getattr(op, "_retries", 0) + 1
-        op._retries = retries  # type: ignore[attr-defined]
+        retries = getattr(op, "otel_retries", 0) + 1
+        op.otel_retries = retries  # type: ignore[attr-defined]  # telemetry's own count on the request
         kind = outcome_of(error) if error is not None else "unknown"
-        span = getattr(op, "_span", None)
+        span = getattr(op, "otel_span", None)
         if span is not None and span.is_recording():
             span.add_event("mpcomm.retry", {"error.type": kind, "mpcomm.attempt": retries + 1})
         if self.metrics:

@@ -105,7 +105,7 @@ class Request:
     route: tuple[str, ...] | None = None
 
 
-class _Dispatch:
+class Dispatch:
     """What the engine plugs into a handle (its completion thread and canceller)."""
 
     __slots__ = ("push", "on_dispatch_thread", "cancel")
@@ -152,9 +152,12 @@ class Transfer(Future):  # type: ignore[type-arg]
     stripes: tuple[tuple[int, int, str], ...] = ()
     bytes_moved = 0
     finished_at: float | None = None
-    #: The engine's request behind this handle (Operation or group); engine-private.
-    _op: Any = None
-    _outcome: tuple[BaseException | None, int] | None = None
+    # The engine's side of a handle (public names so the engine's modules may use them;
+    # applications read the attributes documented above instead):
+    #: The engine's request behind this handle (Operation or group) while it is in flight.
+    operation: Any = None
+    #: ``(error, nbytes)`` once the engine recorded how the request ended (:meth:`record_outcome`).
+    outcome: tuple[BaseException | None, int] | None = None
     _settled = False
     _cbs_ran = False
     _waiters_n = 0  # threads blocked in result()/exception() (under _lock)
@@ -164,11 +167,11 @@ class Transfer(Future):  # type: ignore[type-arg]
     _built = False  # the Future base exists
     _applied = False  # the outcome is applied (status, bytes_moved): the handle is done
 
-    def __init__(self, request: Request | None = None, *, _dispatch: _Dispatch | None = None) -> None:  # noqa: D107
+    def __init__(self, request: Request | None = None, *, _dispatch: Dispatch | None = None) -> None:  # noqa: D107
         # No Future.__init__ here: see _future.
         self._request = request
         self.submitted_at = time.monotonic()
-        self._dispatch = _dispatch
+        self.dispatch = _dispatch
         self._callbacks: list[Callable[[Transfer], Any]] = []
         self._lock = threading.Lock()
         # Released by whoever records the outcome: result() waiters wake on it
@@ -185,8 +188,8 @@ class Transfer(Future):  # type: ignore[type-arg]
     @property
     def request(self) -> Request | None:
         """The request this handle stands for."""
-        if self._request is None and isinstance(self._op, Operation):
-            op = self._op
+        if self._request is None and isinstance(self.operation, Operation):
+            op = self.operation
             self._request = Request(op.kind, op.local, op.remote, op.remote_offset, op.length, op.local_offset)
         elif self._request is None and getattr(self, "_request_args", None) is not None:
             self._request = Request(*self._request_args)
@@ -229,7 +232,7 @@ class Transfer(Future):  # type: ignore[type-arg]
 
     def _to_future(self) -> None:
         """Resolve the built Future base with the applied outcome."""
-        error, nbytes = self._outcome  # type: ignore[misc]
+        error, nbytes = self.outcome  # type: ignore[misc]
         if isinstance(error, CancelledError):
             Future.cancel(self)  # never RUNNING: the Future is PENDING until settled
             Future.set_running_or_notify_cancel(self)  # tell concurrent.futures.wait()
@@ -241,8 +244,8 @@ class Transfer(Future):  # type: ignore[type-arg]
     # -- observing -----------------------------------------------------------------
 
     def _sync(self) -> None:
-        if not self._settled and self._outcome is not None:
-            self._settle()
+        if not self._settled and self.outcome is not None:
+            self.settle()
 
     def done(self) -> bool:
         self._sync()
@@ -261,7 +264,7 @@ class Transfer(Future):  # type: ignore[type-arg]
 
     def _await_outcome(self, timeout: float | None) -> float | None:
         """Wait for the report (not for the completion thread); returns what is left of ``timeout``."""
-        if self._settled or self._outcome is not None:
+        if self._settled or self.outcome is not None:
             self._sync()
             return 0
         with self._lock:
@@ -277,35 +280,35 @@ class Transfer(Future):  # type: ignore[type-arg]
                     t.drive(op, math.inf if end is None else end)
                 except Exception:  # noqa: BLE001 - the caller still waits the usual way
                     log.exception("transport %s failed in drive()", t.name)
-                if self._outcome is not None or (end is not None and time.monotonic() >= end):
+                if self.outcome is not None or (end is not None and time.monotonic() >= end):
                     break
             if end is not None:
                 timeout = max(end - time.monotonic(), 0)
             # The outcome is in (the usual end of a drive): the wake lock is released already.
-            if self._outcome is None and self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            if self.outcome is None and self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
                 self._wake.release()  # pass it on to the next waiter
         finally:
             with self._lock:
                 self._waiters_n -= 1
-        if self._outcome is not None:
-            # Settled here: the engine may have left that to this waiter (_leave_to_waiter).
-            if self._settle() and self._left_to_waiter and self._dispatch is not None:
+        if self.outcome is not None:
+            # Settled here: the engine may have left that to this waiter (leave_to_waiter).
+            if self.settle() and self._left_to_waiter and self.dispatch is not None:
                 with self._lock:
                     left = bool(self._callbacks)
                 if left:
                     # Nobody handed it to the completion thread: callbacks added meanwhile run there.
-                    self._dispatch.push(self)
+                    self.dispatch.push(self)
             return 0
         # No report in time. A handle no engine owns (or one settled another
         # way, e.g. cancel()) may still be resolved through the Future itself.
-        return 0 if self._dispatch is not None else timeout
+        return 0 if self.dispatch is not None else timeout
 
     def _driven(self) -> tuple[Any, ...]:
         """The posted units a waiter may drive (Transport.drive): this request's own."""
-        return () if self._op is None else (self._op,)
+        return () if self.operation is None else (self.operation,)
 
-    def _leave_to_waiter(self) -> bool:
-        """Engine, after :meth:`_record`: True when a ``result()`` waiter will settle this handle.
+    def leave_to_waiter(self) -> bool:
+        """Engine, after :meth:`record_outcome`: True when a ``result()`` waiter will settle this handle.
 
         Then the completion thread need not wake for it (one thread hop less
         per request waited on). Only without callbacks or a settle hook; a
@@ -316,18 +319,18 @@ class Transfer(Future):  # type: ignore[type-arg]
         """
         with self._lock:
             self._left_to_waiter = (self._waiters_n > 0 and not self._callbacks
-                                    and "_on_settled" not in self.__dict__)
+                                    and "on_settled" not in self.__dict__)
             return self._left_to_waiter
 
     def result(self, timeout: float | None = None) -> Any:
         left = self._await_outcome(timeout)
         if not self._applied:
-            if self._outcome is not None:
-                self._settle()  # applied by now, here or by the thread that holds the lock
+            if self.outcome is not None:
+                self.settle()  # applied by now, here or by the thread that holds the lock
             if not self._applied:
                 # Not done in time, or a handle resolved through the Future itself.
                 return Future.result(self, left)
-        error = self._outcome[0]  # type: ignore[index]
+        error = self.outcome[0]  # type: ignore[index]
         if error is None:
             return self.bytes_moved
         try:
@@ -339,11 +342,11 @@ class Transfer(Future):  # type: ignore[type-arg]
     def exception(self, timeout: float | None = None) -> BaseException | None:
         left = self._await_outcome(timeout)
         if not self._applied:
-            if self._outcome is not None:
-                self._settle()
+            if self.outcome is not None:
+                self.settle()
             if not self._applied:
                 return Future.exception(self, left)
-        error = self._outcome[0]  # type: ignore[index]
+        error = self.outcome[0]  # type: ignore[index]
         if isinstance(error, CancelledError):
             raise error
         return error
@@ -363,14 +366,14 @@ class Transfer(Future):  # type: ignore[type-arg]
 
     def _call_now(self, fn: Callable[[Transfer], Any]) -> None:
         """Done, no earlier callback waiting: run ``fn`` here (queued when that would recurse)."""
-        d = self._dispatch
+        d = self.dispatch
         depth = getattr(_depth, "n", 0)
         if d is not None and (d.on_dispatch_thread() or depth >= _MAX_INLINE_DEPTH):
             d.push((self, fn))
             return
         _depth.n = depth + 1
         try:
-            _call(fn, self)
+            call_guarded(fn, self)
         finally:
             _depth.n = depth
 
@@ -386,14 +389,14 @@ class Transfer(Future):  # type: ignore[type-arg]
         """
         if self.done():
             return self.cancelled()
-        d = self._dispatch
+        d = self.dispatch
         if d is None:  # a handle no engine owns (tests, wrappers)
             ok = Future.cancel(self)
             if ok:
                 self.status = CANCELLED
                 self.finished_at = time.monotonic()
                 Future.set_running_or_notify_cancel(self)
-                self._run_callbacks()
+                self.run_callbacks()
             return ok
         d.cancel(self)
         if timeout != 0 and not self.done():
@@ -414,20 +417,30 @@ class Transfer(Future):  # type: ignore[type-arg]
         return self.cancelled()
 
     # -- the engine's side ---------------------------------------------------------
+    #
+    # Called by the engine's pipeline (core/engine/), never by applications: they record,
+    # settle and deliver an outcome. ``dispatch`` (set at construction) is the engine's
+    # completion thread or queue and canceller for this handle.
 
-    def _record(self, error: BaseException | None, nbytes: int) -> bool:
+    def record_outcome(self, error: BaseException | None, nbytes: int) -> bool:
         """The request ended (any thread): remember how, wake result() waiters.
 
         The first outcome wins; False if one was recorded already.
         """
         with self._lock:
-            if self._outcome is not None:
+            if self.outcome is not None:
                 return False
-            self._outcome = (error, nbytes)
+            self.outcome = (error, nbytes)
         self._wake.release()
         return True
 
-    def _settle(self) -> bool:
+    def drop_operation(self) -> None:
+        """Forget the engine's Operation (it was released), keeping what :attr:`request` needs."""
+        op = self.operation
+        self._request_args = (op.kind, op.local, op.remote, op.remote_offset, op.length, op.local_offset)
+        self.operation = None
+
+    def settle(self) -> bool:
         """Apply the recorded outcome (caller's or completion thread); True if this call did.
 
         Whoever returns from it, True or False, finds the handle done: the
@@ -445,7 +458,7 @@ class Transfer(Future):  # type: ignore[type-arg]
 
     def _apply(self) -> None:
         """Set status and byte count from the recorded outcome (``_lock`` held)."""
-        error, nbytes = self._outcome  # type: ignore[misc]
+        error, nbytes = self.outcome  # type: ignore[misc]
         self.finished_at = time.monotonic()
         if error is None:
             self.bytes_moved = nbytes
@@ -456,7 +469,7 @@ class Transfer(Future):  # type: ignore[type-arg]
             self.status = TransferStatus.TIMED_OUT if isinstance(error, TimeoutError) else TransferStatus.FAILED
         self._applied = True
 
-    def _run_callbacks(self) -> None:
+    def run_callbacks(self) -> None:
         while True:
             with self._lock:
                 cbs, self._callbacks = self._callbacks, []
@@ -464,9 +477,9 @@ class Transfer(Future):  # type: ignore[type-arg]
                     self._cbs_ran = True
                     return
             for fn in cbs:
-                _call(fn, self)
+                call_guarded(fn, self)
 
-    def _finish_inline(self) -> None:
+    def finish_inline(self) -> None:
         """Settle on the posting thread; callbacks (only the engine's own can exist yet) run here."""
         if not self._callbacks:
             # Nobody else holds the handle yet: settle and close the callback
@@ -484,23 +497,23 @@ class Transfer(Future):  # type: ignore[type-arg]
                 if built:
                     self._to_future()
                 return
-        self._settle()
-        self._run_callbacks()
+        self.settle()
+        self.run_callbacks()
 
 
 _materialising = threading.Lock()
 
 
 class LandedOrigin:
-    """What carried the requests of one inline lane: shared by every :class:`_Landed` handle it made."""
+    """What carried the requests of one inline lane: shared by every :class:`Landed` handle it made."""
 
     __slots__ = ("transport", "route", "rule", "dispatch")
 
-    def __init__(self, transport: str, route: tuple[str, ...], rule: str, dispatch: _Dispatch) -> None:
+    def __init__(self, transport: str, route: tuple[str, ...], rule: str, dispatch: Dispatch) -> None:
         self.transport, self.route, self.rule, self.dispatch = transport, route, rule, dispatch
 
 
-class _Landed(Transfer):
+class Landed(Transfer):
     """A handle born COMPLETED: the engine's inline lane, a request that landed inside ``write()``.
 
     It costs a few attribute stores: no lock, no wake-up, no outcome to
@@ -519,7 +532,7 @@ class _Landed(Transfer):
     status = COMPLETED
     stripes: tuple[tuple[int, int, str], ...] = ()
     _applied = True
-    _op = None
+    operation = None
     _request = None
     _settled = True
     _cbs_ran = True
@@ -545,8 +558,8 @@ class _Landed(Transfer):
     transport = property(lambda self: self._origin.transport)
     route = property(lambda self: self._origin.route)
     route_rule = property(lambda self: self._origin.rule)
-    _dispatch = property(lambda self: self._origin.dispatch)
-    _outcome = property(lambda self: (None, self.bytes_moved))
+    dispatch = property(lambda self: self._origin.dispatch)
+    outcome = property(lambda self: (None, self.bytes_moved))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_future_built" in self.__dict__:
@@ -586,7 +599,7 @@ class _Landed(Transfer):
         yield  # a generator that finishes at once: nothing to wait for
 
 
-def _call(fn: Callable[[Any], Any], arg: Any) -> None:
+def call_guarded(fn: Callable[[Any], Any], arg: Any) -> None:
     try:
         fn(arg)
     except Exception:  # a callback must never stop completion
@@ -599,9 +612,9 @@ def _call(fn: Callable[[Any], Any], arg: Any) -> None:
         log.exception("transfer callback %r raised; ignored", fn)
 
 
-#: The descriptors of the attributes _Landed.__init__ sets, in its order (engine/_fastlane.c's FIELD_*).
-_Landed.FIELDS = (_Landed.bytes_moved, _Landed._origin, _Landed._request_args,  # type: ignore[attr-defined]
-                  _Landed.submitted_at, _Landed.finished_at)
+#: The descriptors of the attributes Landed.__init__ sets, in its order (engine/_fastlane.c's FIELD_*).
+Landed.FIELDS = (Landed.bytes_moved, Landed._origin, Landed._request_args,  # type: ignore[attr-defined]
+                  Landed.submitted_at, Landed.finished_at)
 
 
 class Batch(Transfer):
@@ -621,22 +634,57 @@ class Batch(Transfer):
         transfers: one :class:`Transfer` per request (made on first access).
     """
 
-    def __init__(self, count: int, *, _dispatch: _Dispatch | None = None) -> None:
+    def __init__(self, count: int, *, _dispatch: Dispatch | None = None) -> None:
         super().__init__(None, _dispatch=_dispatch)
         self.count = count
         #: (first index, group or op) for each part of the batch; engine-private.
-        self._parts: list[tuple[int, Any]] = []
+        self.parts: list[tuple[int, Any]] = []
         self._members: list[Transfer] | None = None
-        self._requests: Sequence[Request] | None = None
+        self.requests: Sequence[Request] | None = None
 
     def __repr__(self) -> str:
         return f"<Batch x{self.count} {self.status.value} bytes={self.bytes_moved}>"
 
-    def _index_state(self) -> tuple[list[TransferStatus], dict[int, BaseException], list[int]]:
+    # -- the engine's side: its parts, and who hands the finished batch on ----------
+    #: Parts (groups or single requests) that have not ended yet.
+    left = 0
+    #: The engine's thread is posting the parts now (it hands the batch on when done).
+    posting = False
+    #: The finished batch was handed on: settled on the posting thread or pushed to ``dispatch``.
+    handed = False
+    #: ``submit(..., post=False)``: the parts wait for ``Engine.post()``.
+    staged = False
+
+    def part_ended(self) -> bool:
+        """One part ended: True for the last one."""
+        with self._lock:
+            self.left -= 1
+            return self.left == 0
+
+    def take_handover(self) -> bool:
+        """True for the one caller that hands the finished batch on: never while it is being
+        posted (the posting thread does, :meth:`end_posting`), and only once."""
+        with self._lock:
+            if self.posting or self.handed:
+                return False
+            self.handed = True
+            return True
+
+    def end_posting(self) -> bool:
+        """The posting thread is done: True when the batch finished meanwhile and this thread
+        hands it on (exactly one of it and :meth:`take_handover` does)."""
+        with self._lock:
+            self.posting = False
+            if self.outcome is None or self.handed:
+                return False
+            self.handed = True
+            return True
+
+    def index_state(self) -> tuple[list[TransferStatus], dict[int, BaseException], list[int]]:
         statuses = [PENDING] * self.count
         errors: dict[int, BaseException] = {}
         lengths = [0] * self.count
-        for start, part in self._parts:
+        for start, part in self.parts:
             if isinstance(part, OperationGroup):
                 st = part.status
                 for i in range(part.count):
@@ -662,19 +710,19 @@ class Batch(Transfer):
 
     @property
     def statuses(self) -> list[TransferStatus]:
-        return self._index_state()[0]
+        return self.index_state()[0]
 
     @property
     def errors(self) -> dict[int, BaseException]:
-        return self._index_state()[1]
+        return self.index_state()[1]
 
     @property
     def failed(self) -> list[int]:
-        return sorted(self._index_state()[1])
+        return sorted(self.index_state()[1])
 
     @property
     def bytes_per_request(self) -> list[int]:
-        return self._index_state()[2]
+        return self.index_state()[2]
 
     @property
     def transfers(self) -> list[Transfer]:
@@ -687,7 +735,7 @@ class Batch(Transfer):
 
     def _driven(self) -> tuple[Any, ...]:
         # Every part (a group or a lone request), each on its own transport and connections.
-        return tuple(part for _, part in self._parts)
+        return tuple(part for _, part in self.parts)
 
 
 def _status_of(err: BaseException | None) -> TransferStatus:
@@ -705,30 +753,31 @@ class _Member(Transfer):
     the part is one posting and only the whole batch can be cancelled.
     """
 
-    _group: OperationGroup | None = None
-    _index = -1
+    #: The vectorised part it belongs to, and its index there (the engine's cancel reads them).
+    group: OperationGroup | None = None
+    index = -1
 
 
 def _members_of(batch: Batch) -> list[Transfer]:
     out: list[Transfer | None] = [None] * batch.count
-    reqs = batch._requests
-    for start, part in batch._parts:
+    reqs = batch.requests
+    for start, part in batch.parts:
         if isinstance(part, OperationGroup):
             for i in range(part.count):
-                m = _Member(reqs[start + i] if reqs is not None else None, _dispatch=batch._dispatch)
-                m._group, m._index = part, i
+                m = _Member(reqs[start + i] if reqs is not None else None, _dispatch=batch.dispatch)
+                m.group, m.index = part, i
                 m.transport = batch.transport
                 m.status = POSTED if batch.status is not PENDING else PENDING
                 out[start + i] = m
             part.member_handles.append((start, out))
             if part.done:
-                _resolve_members(part)
+                resolve_members(part)
         else:
             out[start] = part.transfer
     return out  # type: ignore[return-value]
 
 
-def _resolve_members(group: OperationGroup) -> None:
+def resolve_members(group: OperationGroup) -> None:
     """The group finished: settle the member handles made for it (if any)."""
     for start, out in group.member_handles:
         for i in range(group.count):
@@ -736,7 +785,7 @@ def _resolve_members(group: OperationGroup) -> None:
             if m is None:
                 continue
             if group.status[i] == DONE:
-                m._record(None, group.lengths[i])
+                m.record_outcome(None, group.lengths[i])
             else:
-                m._record(group.errors.get(i) or CancelledError(), 0)
-            m._finish_inline()
+                m.record_outcome(group.errors.get(i) or CancelledError(), 0)
+            m.finish_inline()

@@ -272,7 +272,7 @@ class Operation:
 
     __slots__ = ("kind", "local", "local_offset", "remote", "remote_offset", "length", "deadline",
                  "deadline_wall", "peer", "transport", "abort_exc", "state", "index", "before_complete",
-                 "_done", "_lock", "_sink", "__weakref__", "__dict__")
+                 "_done", "lock", "sink", "__weakref__", "__dict__")
 
     def __init__(self, kind: str, local: Region, local_offset: int, remote: RemoteRegion, remote_offset: int,
                  length: int, deadline: float, deadline_wall: float, peer: PeerInfo | None = None,
@@ -295,8 +295,10 @@ class Operation:
         #: no longer sets it (notifications are the engine's business).
         self.before_complete: Callable[[], None] | None = None
         self._done = False
-        self._lock = threading.Lock()
-        self._sink = sink
+        #: Guards ``done`` and ``abort_exc``; the engine moves its own bookkeeping of the
+        #: request under it too. ``sink`` is who hears the report (the engine).
+        self.lock = threading.Lock()
+        self.sink = sink
 
     def __repr__(self) -> str:
         return (f"<Operation {self.kind} {self.length}B local+{self.local_offset} -> "
@@ -319,7 +321,7 @@ class Operation:
 
     def abort(self, exc: BaseException) -> None:
         """Ask the transport to stop (first reason wins); thread-safe, never blocks."""
-        with self._lock:
+        with self.lock:
             if self._done or self.abort_exc is not None:
                 return
             self.abort_exc = exc
@@ -331,14 +333,19 @@ class Operation:
                 log.exception("transport %s failed to abort", t.name)
 
     def _finish(self, error: BaseException | None, nbytes: int) -> bool:
-        with self._lock:
+        with self.lock:
             if self._done:
                 return False
             self._done = True
-        sink = self._sink
+        sink = self.sink
         if sink is not None:
             sink(self, error, nbytes)
         return True
+
+    def rearm(self) -> None:
+        """The engine, before posting it again on another transport (failover): not done any more."""
+        with self.lock:
+            self._done = False
 
     def complete(self, nbytes: int | None = None) -> None:
         """Every byte landed (the transport's word). Later reports are ignored."""
@@ -381,7 +388,7 @@ def _final_error(abort: BaseException | None, exc: BaseException, confirmed: boo
     return out
 
 
-def _int64(values: Any, count: int | None, what: str, copy: bool = True) -> array:  # type: ignore[type-arg]
+def int64_array(values: Any, count: int | None, what: str, copy: bool = True) -> array:  # type: ignore[type-arg]
     """Sequences, ``array('q')`` and numpy integer arrays → a new ``array('q')`` (no per-item Python
     work for an array or numpy).
 
@@ -449,10 +456,10 @@ class OperationGroup:
         self.kind = kind
         self.local = local
         self.remote = remote
-        self.lengths = _int64(lengths, None, "lengths", copy)
+        self.lengths = int64_array(lengths, None, "lengths", copy)
         self.count = len(self.lengths)
-        self.local_offsets = _int64(local_offsets, self.count, "local_offsets", copy)
-        self.remote_offsets = _int64(remote_offsets, self.count, "remote_offsets", copy)
+        self.local_offsets = int64_array(local_offsets, self.count, "local_offsets", copy)
+        self.remote_offsets = int64_array(remote_offsets, self.count, "remote_offsets", copy)
         self.deadline = deadline
         self.deadline_wall = deadline_wall
         self.peer = peer
@@ -463,20 +470,22 @@ class OperationGroup:
         self.status = bytearray(self.count)
         #: The error of each failed index.
         self.errors: dict[int, BaseException] = {}
-        self._left = self.count
-        self._lock = threading.Lock()
-        self._sink = sink
+        #: Indices not reported yet; ``lock`` guards them, ``status`` and ``errors`` (the engine
+        #: uses it too); ``sink`` is who hears the report (the engine).
+        self.left = self.count
+        self.lock = threading.Lock()
+        self.sink = sink
         self._members: list[Operation] | None = None
         #: (first index, handles) of the per-request handles a Batch made for this group
         #: (``Batch.members``); the engine settles them when the group finishes.
         self.member_handles: list[tuple[int, list[Any]]] = []
 
     def __repr__(self) -> str:
-        return f"<OperationGroup {self.kind} x{self.count} -> {self.remote.name} left={self._left}>"
+        return f"<OperationGroup {self.kind} x{self.count} -> {self.remote.name} left={self.left}>"
 
     @property
     def done(self) -> bool:
-        return self._left == 0
+        return self.left == 0
 
     @property
     def aborted(self) -> bool:
@@ -491,8 +500,8 @@ class OperationGroup:
 
     def abort(self, exc: BaseException) -> None:
         """Ask the transport to stop the group (first reason wins); never blocks."""
-        with self._lock:
-            if self._left == 0 or self.abort_exc is not None:
+        with self.lock:
+            if self.left == 0 or self.abort_exc is not None:
                 return
             self.abort_exc = exc
             members = self._members
@@ -509,32 +518,41 @@ class OperationGroup:
 
     def _report(self, indices: Iterable[int] | None, code: int, exc: BaseException | None) -> None:
         status = self.status
-        with self._lock:
-            if self._left == 0:
+        with self.lock:
+            if self.left == 0:
                 return
             if indices is None:
-                if self._left == self.count:
+                if self.left == self.count:
                     status[:] = bytes((code,)) * self.count
                     hit = range(self.count) if exc is not None else ()
-                    self._left = 0
+                    self.left = 0
                 else:
                     hit = [i for i in range(self.count) if status[i] == PENDING]
                     for i in hit:
                         status[i] = code
-                    self._left = 0
+                    self.left = 0
             else:
                 hit = []
                 for i in indices:
                     if status[i] == PENDING:
                         status[i] = code
                         hit.append(i)
-                self._left -= len(hit)
+                self.left -= len(hit)
             if exc is not None:
                 for i in hit:
                     self.errors[i] = exc
-            last = self._left == 0
-        if last and self._sink is not None:
-            self._sink(self)
+            last = self.left == 0
+        if last and self.sink is not None:
+            self.sink(self)
+
+    def rearm_failed(self) -> None:
+        """The engine, before posting it again on another transport (failover): failed indices pending again."""
+        with self.lock:
+            for i in range(self.count):
+                if self.status[i] == FAILED:
+                    self.status[i] = PENDING
+                    self.errors.pop(i, None)
+                    self.left += 1
 
     def complete(self, indices: Iterable[int] | None = None) -> None:
         """These indices (default: every one still pending) landed in full."""
@@ -556,7 +574,7 @@ class OperationGroup:
         them, the group's abort reaches each member (:meth:`Operation.abort`)
         instead of :meth:`Transport.abort` with the group.
         """
-        with self._lock:
+        with self.lock:
             if self._members is None:
                 self._members = [self.member(i) for i in range(self.count)]
             return self._members

@@ -430,6 +430,10 @@ class Provider:
             self._hosts[host_id] = host
             self._changed()
 
+    def has_host(self, host_id: str) -> bool:
+        """Whether the session ``host_id`` is connected already (its buffers fetched)."""
+        return host_id in self._hosts
+
     def connect_named(self, host_id: str) -> None:
         """Bind ``host_id`` to whichever node publishes its directory in the cluster metadata."""
         self._engine()

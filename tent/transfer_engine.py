@@ -397,7 +397,7 @@ class TransferEngine:
 
     def _open(self, target: str) -> None:
         """The session named ``target`` ("host:port"): connect and fetch its buffers once."""
-        if target in self._p._hosts:  # noqa: SLF001 - same package
+        if self._p.has_host(target):
             return
         if self._etcd:
             self._p.connect_named(target)

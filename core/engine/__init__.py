@@ -5,7 +5,9 @@ This module is the public facade and its wiring; each job has its own room:
 * :mod:`.regions` — the region table, leases, registration and revocation;
 * :mod:`.peers` — control links, per-peer connection set-up (single-flight), epochs;
 * :mod:`.requests` — the request pipeline (prepare → lease → slot → route → post →
-  report → settle), cancellation and close;
+  report → settle), cancellation and close; its own rooms are :mod:`.units`,
+  :mod:`.admission`, :mod:`.planning`, :mod:`.bound`, :mod:`.posting`, :mod:`.retries`,
+  :mod:`.stripes`, :mod:`.timeouts`, :mod:`.notifying`, :mod:`.endings` and :mod:`.cancelling`;
 * :mod:`.completions` — the completion thread and user-polled completion queues;
 * :mod:`.deadlines` — the one timer thread for every deadline;
 * :mod:`.notify` — the bounded notification queue.
@@ -150,6 +152,7 @@ class Engine:
         self._metadata: MetadataStore = PeerToPeerMetadata()
         self._closed = False
         self._transports: dict[str, Transport] = {}
+        self._transport_info: dict[str, dict[str, Any]] = {}
         self._unavailable: dict[str, str] = {}
         self._regions = RegionTable(self.epoch)
         self._timer = DeadlineTimer()
@@ -160,8 +163,6 @@ class Engine:
         self._notifier = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-notify")
         self._notifications = Notifications(cfg.limits.max_queued_notifications, cfg.limits.max_queued_notify_bytes)
         self.telemetry = Telemetry(cfg)
-        self._pipeline = Pipeline(self)
-        self._fast = self._pipeline._fast  # the bound inline moves write()/read() try first
         self.telemetry.watch_health(self.node_id, self._health_snapshot)
         self._peers = PeerTable(
             config=cfg,
@@ -173,6 +174,10 @@ class Engine:
             backoff=ConnectBackoff.from_ms(cfg.health.connect_backoff_ms, cfg.health.connect_backoff_max_ms,
                                            metrics=self.health.metrics),
         )
+        self._pipeline = Pipeline(self, peers=self._peers, transports=self._transports, regions=self._regions,
+                                  timer=self._timer, completions=self._completions, executor=self._executor,
+                                  notifier=self._notifier)
+        self._fast = self._pipeline.bound  # the bound inline moves write()/read() try first
 
         bind_host, port = parse_endpoint(cfg.transport.endpoint)
         self._bind_host = bind_host
@@ -231,7 +236,7 @@ class Engine:
             epoch=self.epoch,
             address=self.address,
             host=self.host,
-            transports={name: t._mpcomm_info for name, t in self._transports.items()},  # type: ignore[attr-defined]
+            transports={name: self._transport_info[name] for name in self._transports},
             topology=self.topology,
         )
 
@@ -290,7 +295,7 @@ class Engine:
             )
             try:
                 inst = entry.cls(ctx)
-                inst._mpcomm_info = inst.start() or {}  # type: ignore[attr-defined]
+                started = inst.start() or {}
             except ConfigError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a transport that cannot start is skipped, with its reason
@@ -298,6 +303,7 @@ class Engine:
                 self._unavailable[name] = f"failed to start: {type(exc).__name__}: {exc}"
                 continue
             self._transports[name] = inst
+            self._transport_info[name] = started  # what start() returned: sent to peers
         if not self._transports:
             reasons = "; ".join(f"{k}: {v}" for k, v in self._unavailable.items()) or "no transport plugins found"
             raise TransportUnavailable(f"no transport could start ({reasons})")
@@ -643,7 +649,7 @@ class Engine:
         transport that is not installed raises MpcommError.
         """
         if notify is None and completion_queue is None and route is None:
-            run = self._fast.get((id(src), id(remote), "write"))  # a bound pair: requests._FastPath
+            run = self._fast.get((id(src), id(remote), "write"))  # a bound pair: bound.FastPath
             if run is not None:
                 landed = run(local_offset, remote_offset, length, timeout)
                 if landed is not None:
@@ -698,9 +704,9 @@ class Engine:
         if remote_addresses is not None:
             if not isinstance(remote, RemoteRegion):
                 raise MpcommError(f"remote must be a RemoteRegion, not {type(remote).__name__}")
-            from ..transport import _int64
+            from ..transport import int64_array
 
-            addrs = _int64(remote_addresses, None, "remote_addresses")
+            addrs = int64_array(remote_addresses, None, "remote_addresses")
             base = remote.base_address
             remote_offsets = [a - base for a in addrs]
         return self._pipeline.vector(kind, buf, remote, local_offsets, remote_offsets, lengths, timeout, cq, post,
@@ -840,8 +846,10 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self.telemetry.unwatch_health(self.node_id)
         pipeline = getattr(self, "_pipeline", None)
+        if pipeline is not None:
+            pipeline.closed = True
+        self.telemetry.unwatch_health(self.node_id)
         if pipeline is not None:
             pipeline.close(timeout)
         try:

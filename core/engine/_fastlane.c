@@ -13,7 +13,7 @@
  * same sequence without a Python frame. Two things are written here a second
  * time, for speed, and must stay in step with their Python definitions: the
  * lease protocol of Region.acquire/release (core/memory.py, see lease()) and
- * the five attributes _Landed.__init__ sets (core/transfer.py, see landed());
+ * the five attributes Landed.__init__ sets (core/transfer.py, see landed());
  * each of those places names this file, and the tests compare the two lanes.
  */
 #define MP_ABI 2
@@ -39,12 +39,12 @@ enum {
     S_MOVE,       /* the transport's move(lo, ro, n) -> truthy once landed */
     S_LINK,       /* the PeerLink */
     S_ALIVE,      /* probe(link) -> truthy while the peer is reachable */
-    S_ENGINE,     /* the Engine */
+    S_ENGINE,     /* what `closed` probes (the pipeline) */
     S_CLOSED,     /* probe(engine) -> truthy once it is closed */
     S_FAILED_PATHS, /* the health tracker's failure tables (HealthTracker.failure_tables()): */
     S_FAILED_PEERS, /* while both are empty nothing has failed and admission is skipped */
-    S_LANDED,     /* the handle class, _Landed: made here with the attributes its __init__ sets */
-    S_FIELDS,     /* _Landed.FIELDS: the descriptors of those five attributes, in FIELD_* order */
+    S_LANDED,     /* the handle class, Landed: made here with the attributes its __init__ sets */
+    S_FIELDS,     /* Landed.FIELDS: the descriptors of those five attributes, in FIELD_* order */
     S_ORIGIN,     /* what the handles name as their transport and route */
     S_KIND,       /* "write" / "read" */
     S_REMOTE,     /* the RemoteRegion */
@@ -55,7 +55,7 @@ enum {
     S_COUNT
 };
 
-/* The order of _Landed.FIELDS (core/transfer.py). */
+/* The order of Landed.FIELDS (core/transfer.py). */
 enum { FIELD_BYTES_MOVED, FIELD_ORIGIN, FIELD_REQUEST_ARGS, FIELD_SUBMITTED_AT, FIELD_FINISHED_AT, FIELD_COUNT };
 
 static PyObject *s_empty;
@@ -149,13 +149,13 @@ static int unlease(PyObject *const *s) {
     return 0;
 }
 
-/* field = value through the descriptor _Landed.FIELDS hands (a slot: no name, no lookup). */
+/* field = value through the descriptor Landed.FIELDS hands (a slot: no name, no lookup). */
 static int set_field(PyObject *const *s, int field, PyObject *h, PyObject *value) {
     PyObject *d = PyTuple_GET_ITEM(s[S_FIELDS], field);
     return Py_TYPE(d)->tp_descr_set(d, h, value);
 }
 
-/* A handle born COMPLETED: _Landed.__init__'s five attributes, set here without its frame
+/* A handle born COMPLETED: Landed.__init__'s five attributes, set here without its frame
  * (tests/core/test_fastlane.py checks both make the same handle). */
 static PyObject *landed(PyObject *const *s, PyObject *nobj, PyObject *req, double t0) {
     PyTypeObject *tp = (PyTypeObject *)s[S_LANDED];

@@ -2,7 +2,7 @@
 
 Every Python lane of the engine decides through these functions: the full
 path and the inline lane (``Pipeline._check_bounds``), the bound lanes
-(``_plain`` for ``_FastPath._run`` and ``_PostPath.run``), the vectorised
+(``bound.plain`` for ``FastPath._run`` and ``PostPath.run``), the vectorised
 batches (``write_many``/``read_many``/``submit``/``prepare_many``, through
 :func:`first_bad`) and the timeout of each (:func:`timeout_seconds`).
 

@@ -23,7 +23,7 @@ from collections import deque
 from queue import SimpleQueue
 from typing import Any
 
-from ..transfer import Transfer, _call
+from ..transfer import Transfer, call_guarded
 
 __all__ = ["CompletionQueue", "CompletionThread"]
 
@@ -68,13 +68,13 @@ class CompletionThread:
                 return
             try:
                 if type(item) is tuple:
-                    _call(item[1], item[0])
+                    call_guarded(item[1], item[0])
                 else:
-                    item._settle()
-                    hook = item.__dict__.get("_on_settled")
+                    item.settle()
+                    hook = item.__dict__.get("on_settled")
                     if hook is not None:
                         hook(item)
-                    item._run_callbacks()
+                    item.run_callbacks()
             except Exception:  # never let one handle stop the others
                 log.exception("completion of %r failed", item)
 
@@ -149,13 +149,13 @@ class CompletionQueue:
             except IndexError:
                 break
             if isinstance(t, _Deferred):
-                _call(t.fn, t.transfer)
+                call_guarded(t.fn, t.transfer)
                 continue
-            t._settle()
-            hook = t.__dict__.get("_on_settled")
+            t.settle()
+            hook = t.__dict__.get("on_settled")
             if hook is not None:
                 hook(t)
-            t._run_callbacks()
+            t.run_callbacks()
             out.append(t)
         return out
 

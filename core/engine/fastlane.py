@@ -67,7 +67,7 @@ def status() -> str:
 _ALIVE = attrgetter("alive")
 
 
-def lane(local: Any, held: Any, move: Any, link: Any, engine: Any, failed_paths: Any, failed_peers: Any,
+def lane(local: Any, held: Any, move: Any, link: Any, state: Any, failed_paths: Any, failed_peers: Any,
          landed: Any, origin: Any, kind: str, remote: Any, lsize: int, rsize: int, unbind: Any, move_failed: Any,
          *, closed: Any) -> Any:
     """The pair's ``run(lo, ro, length, timeout)`` in C, or None.
@@ -76,13 +76,13 @@ def lane(local: Any, held: Any, move: Any, link: Any, engine: Any, failed_paths:
     request is handed to it here, once per bound pair, as objects. The local
     region's lease state comes as :data:`mpcomm.memory.LEASE_PROBES`, the
     link's liveness as a probe of ``link.alive``, the engine's state as
-    ``closed`` (a probe of ``engine``, from the module that reads it the same
-    way in Python), and the handle's five attributes as ``landed.FIELDS``
+    ``closed(state)`` (the probe the Python lane's check makes, from the module
+    that reads it the same way in Python), and the handle's five attributes as ``landed.FIELDS``
     (its slots' descriptors).
     """
     mod = module()
     if mod is None:
         return None
     refusing, closers, wake = LEASE_PROBES
-    return mod.lane(local, held, refusing, closers, wake, move, link, _ALIVE, engine, closed, failed_paths,
+    return mod.lane(local, held, refusing, closers, wake, move, link, _ALIVE, state, closed, failed_paths,
                     failed_peers, landed, landed.FIELDS, origin, kind, remote, lsize, rsize, unbind, move_failed)

@@ -96,7 +96,7 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
-def _has_ipc_lock() -> bool:
+def holds_ipc_lock() -> bool:
     """CAP_IPC_LOCK in the initial user namespace (where the kernel checks it for pinning)."""
     try:
         with open("/proc/self/status") as f:
@@ -113,7 +113,7 @@ def memlock_reason(soft: int | None = None, has_ipc_lock: bool | None = None) ->
     if soft is None:
         soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     if has_ipc_lock is None:
-        has_ipc_lock = _has_ipc_lock()
+        has_ipc_lock = holds_ipc_lock()
     if has_ipc_lock or soft == resource.RLIM_INFINITY or soft >= MIN_MEMLOCK:
         return ""
     return (f"RLIMIT_MEMLOCK is {_fmt_bytes(soft)}; RDMA registration pins memory: raise it "

@@ -184,10 +184,10 @@ def _ports(v: Validation) -> list[tuple[str, int, str]]:
 
     seen: dict[str, tuple[str, int, str]] = {}
     for dev in verbs.list_devices():
-        name = verbs._name(dev)
+        name = verbs.device_name(dev)
         if verbs.judge_device(getattr(dev, "transport_type", 0)):
             continue
-        with verbs._ctx_lock:
+        with verbs.ctx_lock:
             try:
                 ctx = Context(name=name)
             except Exception:  # noqa: BLE001
@@ -198,7 +198,7 @@ def _ports(v: Validation) -> list[tuple[str, int, str]]:
                 if not verbs.judge_port(pa.state, pa.link_layer):
                     seen.setdefault(verbs.LINK_LAYERS[int(pa.link_layer)], (name, p, verbs.LINK_LAYERS[int(pa.link_layer)]))
         finally:
-            with verbs._ctx_lock, contextlib.suppress(Exception):
+            with verbs.ctx_lock, contextlib.suppress(Exception):
                 ctx.close()
     return list(seen.values())
 
@@ -389,10 +389,10 @@ def _pin_limit(size: int) -> str:
     """Why ``size`` bytes cannot be pinned here ("" when they can)."""
     import resource
 
-    from .transport import _has_ipc_lock
+    from .transport import holds_ipc_lock
 
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    if soft == resource.RLIM_INFINITY or soft >= size or _has_ipc_lock():
+    if soft == resource.RLIM_INFINITY or soft >= size or holds_ipc_lock():
         return ""
     return f"RLIMIT_MEMLOCK is {soft} bytes, below the {size} to register (ulimit -l unlimited)"
 

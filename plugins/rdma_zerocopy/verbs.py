@@ -94,7 +94,7 @@ EVENT_FD_NAME = "anon_inode:[infinibandevent]"
 _load_lock = threading.Lock()
 #: Held around every Context open/close and CompChannel creation in this module,
 #: so the descriptors that appear meanwhile are the ones we created.
-_ctx_lock = threading.RLock()
+ctx_lock = threading.RLock()
 
 #: The modules :func:`load_pyverbs` imports up front (under the logging guard).
 _MODULES = ("pyverbs.device", "pyverbs.enums", "pyverbs.cq", "pyverbs.pd", "pyverbs.qp", "pyverbs.mr",
@@ -330,7 +330,8 @@ class DeviceProbe:
     skipped: tuple[str, ...] = field(default=())
 
 
-def _name(dev: Any) -> str:
+def device_name(dev: Any) -> str:
+    """A pyverbs device's name as str (pyverbs gives bytes)."""
     n = dev.name
     return n.decode() if isinstance(n, bytes) else str(n)
 
@@ -412,7 +413,7 @@ def probe(device: str = "", port: int = 0) -> DeviceProbe:
     devs = list_devices()
     if not devs:
         return DeviceProbe(False, "no RDMA device (ibv_get_device_list returned none)" + no_device_detail())
-    names = [_name(d) for d in devs]
+    names = [device_name(d) for d in devs]
     if device and device not in names:
         return DeviceProbe(False, f"no RDMA device named {device!r} (found: {', '.join(names)})")
     skipped: list[str] = []
@@ -425,7 +426,7 @@ def probe(device: str = "", port: int = 0) -> DeviceProbe:
             skipped.append(f"{name} skipped: {why}")
             continue
         try:
-            with _ctx_lock, _verbs(f"open {name}"):
+            with ctx_lock, _verbs(f"open {name}"):
                 ctx = Context(name=name)
         except VerbsError as exc:
             skipped.append(f"{name} skipped: cannot be opened: {exc}")
@@ -445,7 +446,7 @@ def probe(device: str = "", port: int = 0) -> DeviceProbe:
             skipped.append(f"{name} skipped: {exc}")
             continue
         finally:
-            with _ctx_lock, contextlib.suppress(Exception):
+            with ctx_lock, contextlib.suppress(Exception):
                 ctx.close()
         skipped.append(f"{name} skipped: " + ("; ".join(whys) or "no ports"))
     reason = "no usable RDMA port: " + "; ".join(skipped) if skipped else "no usable RDMA port"
@@ -779,7 +780,7 @@ class Device:
         self.async_fd: int | None = None
         self._idle_sleep = 0.0
         try:
-            with _ctx_lock:
+            with ctx_lock:
                 before = _event_fds()
                 with _verbs(f"open {self.name}"):
                     self.ctx = Context(name=self.name)
@@ -802,7 +803,7 @@ class Device:
                                  "RoCE needs an IP address on the netdev (set plugins.rdma_zerocopy.gid_index)")
             with _verbs("ibv_alloc_pd"):
                 self.pd = PD(self.ctx)
-            with _ctx_lock:
+            with ctx_lock:
                 before = _event_fds()
                 with _verbs("ibv_create_comp_channel"):
                     self.channel = CompChannel(self.ctx)
@@ -984,7 +985,7 @@ class Device:
         if self._closed:
             return
         self._closed = True
-        with _ctx_lock:
+        with ctx_lock:
             for name in ("cq", "channel", "pd", "ctx"):
                 obj = getattr(self, name, None)
                 if obj is not None:

@@ -273,7 +273,8 @@ class Context:
             lib.ucp_config_release(cfg)
         self._h, self._lib = h, lib
         self._workers: list[Worker] = []
-        self._memhs: list[MemHandle] = []
+        #: Memory handles mapped through this context (the transport removes one it unmaps).
+        self.memhs: list[MemHandle] = []
 
     def create_worker(self, thread_mode: int = THREAD_MULTI) -> "Worker":
         w = Worker(self, thread_mode)
@@ -300,7 +301,7 @@ class Context:
         a = _MemAttr(field_mask=_MEM_ATTR_ADDRESS | _MEM_ATTR_LENGTH)
         _check(self._lib.ucp_mem_query(h, C.byref(a)), "ucp_mem_query")
         m = MemHandle(self, h, a.address, a.length)
-        self._memhs.append(m)
+        self.memhs.append(m)
         return m
 
     def close(self):
@@ -309,7 +310,7 @@ class Context:
             return
         for w in self._workers:
             w.close()
-        for m in self._memhs:
+        for m in self.memhs:
             m.unmap()
         self._lib.ucp_cleanup(self._h)
         self._h = None
@@ -441,7 +442,8 @@ class Endpoint:
         self.worker, self._lib = worker, worker._lib
         self.error_status = None  # set (from inside progress) when the peer fails
         self._on_error = on_error
-        self._rkeys: list[RemoteKey] = []
+        #: Remote keys unpacked on this endpoint (the transport removes one it destroys).
+        self.rkeys: list[RemoteKey] = []
         self._params: dict = {}
         self._flush_param = _req_param()
         addr_buf = C.create_string_buffer(address, len(address))
@@ -466,7 +468,7 @@ class Endpoint:
         h = C.c_void_p()
         _check(self._lib.ucp_ep_rkey_unpack(self._h, packed, C.byref(h)), "ucp_ep_rkey_unpack")
         rk = RemoteKey(self._lib, h)
-        self._rkeys.append(rk)
+        self.rkeys.append(rk)
         return rk
 
     def _issue(self, fn, name, local_addr, length, remote_addr, rkey, memh):
@@ -714,7 +716,7 @@ class Endpoint:
         just releases local resources and is the only option after a peer failure."""
         if self._h is None:
             return
-        for rk in self._rkeys:
+        for rk in self.rkeys:
             rk.destroy()
         p = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_FLAGS,
                           flags=_EP_CLOSE_FLAG_FORCE if force else 0)
@@ -745,7 +747,8 @@ class Request:
 
     def __init__(self, worker, ptr, name):
         self.worker, self._ptr, self.name = worker, ptr, name
-        self._final = None
+        #: The request's last status, kept when it is freed (None until then).
+        self.final_status = None
 
     @staticmethod
     def _wrap(worker, r, name, raise_now=True):
@@ -762,7 +765,7 @@ class Request:
     def status(self) -> int:
         """UCS_INPROGRESS (1), UCS_OK (0) or a negative ucs_status_t."""
         if self._ptr is None:
-            return self._final
+            return self.final_status
         return self.worker._lib.ucp_request_check_status(self._ptr)
 
     @property
@@ -781,7 +784,7 @@ class Request:
 
     def free(self):
         if self._ptr is not None:
-            self._final = self.status()
+            self.final_status = self.status()
             self.worker._lib.ucp_request_free(self._ptr)
             self._ptr = None
 

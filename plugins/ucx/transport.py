@@ -609,7 +609,7 @@ class UcxTransport(Transport):
         ctx = self._context
         if ctx is not None:
             try:
-                ctx._memhs.remove(memh)
+                ctx.memhs.remove(memh)
             except ValueError:
                 pass
 
@@ -748,7 +748,7 @@ class UcxTransport(Transport):
         if att.generation == att.peer.generation and ep is not None:
             rk.destroy()
             try:
-                ep._rkeys.remove(rk)
+                ep.rkeys.remove(rk)
             except ValueError:
                 pass
         # else: the endpoint it was unpacked on is closed, which destroyed it
@@ -881,7 +881,7 @@ class UcxTransport(Transport):
                 req.free()
             raise TransferTimeout(f"ucx wire-up with {peer.name} did not finish within the request's deadline",
                                   peer=peer.name)
-        st = req._final
+        st = req.final_status
         if st is not None and st < 0:
             raise map_status(st, _Remote(peer.name), "attach", "wire-up")
 

@@ -1,4 +1,4 @@
-"""The engine's bound inline lane in C (core/engine/_fastlane.c) against its Python twin (_FastPath._run).
+"""The engine's bound inline lane in C (core/engine/_fastlane.c) against its Python twin (bound.FastPath._run).
 
 Both are driven with the same pair and the same arguments: they must decline
 (None) or land alike, make the same handle, hold the local region's lease only
@@ -21,11 +21,11 @@ import pytest
 
 import mpcomm
 from mpcomm.engine import fastlane
-from mpcomm.engine.requests import _FastPath
+from mpcomm.engine.bound import FastPath as _FastPath
 from mpcomm.health import HealthTracker
 from mpcomm.memory import Region
 from mpcomm.remote import RemoteRegion
-from mpcomm.transfer import COMPLETED, _Dispatch, _Landed
+from mpcomm.transfer import COMPLETED, Dispatch, Landed
 
 LSIZE, RSIZE = 1 << 16, 1 << 15
 
@@ -35,6 +35,18 @@ def _native() -> Any:
     if mod is None:
         pytest.skip(f"the C inline lane is not built here: {fastlane.reason}")
     return mod
+
+
+class _Pipe:
+    """What a bound pair reads of its pipeline; ``closed`` follows the engine's ``_closed`` (which
+    the C lane reads), as Engine.close sets both together."""
+
+    def __init__(self, engine: Any, dispatch: Any, table: dict[Any, Any]) -> None:
+        self.e, self.dispatch, self.bound = engine, dispatch, table
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.e._closed)
 
 
 class Pair:
@@ -50,8 +62,7 @@ class Pair:
         self.answer: Any = True
         self.leases_seen: list[int] = []
         self.pushed: list[Any] = []
-        pipe = SimpleNamespace(e=self.engine, dispatch=_Dispatch(self.pushed.append, lambda: False, lambda t: None),
-                               _fast=self.table)
+        pipe = _Pipe(self.engine, Dispatch(self.pushed.append, lambda: False, lambda t: None), self.table)
         self.fast = _FastPath("write", self.local, self.remote, self.move, self.link, "shm", ("shm", "tcp"),
                               "default", pipe)
         self.key = (id(self.local), id(self.remote), "write")
@@ -112,7 +123,7 @@ def test_a_landed_handle_is_whole_and_born_done() -> None:
     p = Pair(native=True)
     before = time.monotonic()
     h = p.run(16, 32, 4096, None)
-    assert isinstance(h, _Landed) and h.status is COMPLETED and h.done() and h.result(0) == 4096
+    assert isinstance(h, Landed) and h.status is COMPLETED and h.done() and h.result(0) == 4096
     assert before <= h.submitted_at <= h.finished_at <= time.monotonic() and h.elapsed >= 0
     assert (h.transport, h.route, h.route_rule) == ("shm", ("shm", "tcp"), "default")
     r = h.request
@@ -298,7 +309,7 @@ def test_a_failed_refusing_lookup_raises_it_and_holds_nothing(native: bool) -> N
     local = _FailingLookup(memoryview(bytearray(LSIZE)), name="src", access="rw")
     p.local = local
     p.fast = _FastPath("write", local, p.remote, p.move, p.link, "shm", ("shm",), "default",
-                       SimpleNamespace(e=p.engine, dispatch=p.fast.dispatch, _fast=p.table))
+                       _Pipe(p.engine, p.fast.dispatch, p.table))
     p.run = p.fast.runner() if native else p.fast._run
     local.fail = True
     with pytest.raises(LookupError, match="no _refusing today"):

@@ -7,7 +7,7 @@ same request through every lane:
 
 * ``c``: the bound inline lane in C (``_fastlane.c``; for tcp, whose pairs bind
   the posted lane, that lane);
-* ``python``: the same pair bound with ``MPCOMM_FASTLANE=0`` (``_FastPath._run``);
+* ``python``: the same pair bound with ``MPCOMM_FASTLANE=0`` (``bound.FastPath._run``);
 * ``write_many`` / ``read_many``, ``submit``, and ``prepare_many`` + ``post()``;
 
 across every transport available here: shm through a memfd mapping (the target's

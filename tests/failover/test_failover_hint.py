@@ -61,7 +61,7 @@ def test_a_hint_overrides_the_rules_on_every_entry_point() -> None:
         sb = initiator.submit(reqs)
         sb.result(10)
         # Different hints never share a vectorised group: one part per hint.
-        parts = sorted(u.transport.name for _, u in sb._parts)
+        parts = sorted(u.transport.name for _, u in sb.parts)
         assert parts == ["shm", "tcp"], parts
         sb2 = initiator.submit(reqs[1:], route=("tcp",))
         sb2.result(10)

@@ -31,7 +31,7 @@ def _anon() -> int:
 
 class Context:
     def __init__(self, name: str) -> None:
-        assert verbs._ctx_lock._is_owned(), "a context was opened outside verbs._ctx_lock"
+        assert verbs.ctx_lock._is_owned(), "a context was opened outside verbs.ctx_lock"
         self.name = name
         self.async_fd = _anon()
 
@@ -46,7 +46,7 @@ class Context:
         return types.SimpleNamespace(gid="fe80:0000:0000:0000:0000:0000:0000:0007")
 
     def close(self) -> None:
-        assert verbs._ctx_lock._is_owned(), "a context was closed outside verbs._ctx_lock"
+        assert verbs.ctx_lock._is_owned(), "a context was closed outside verbs.ctx_lock"
         LIVE.discard(self.async_fd)
 
 
@@ -64,7 +64,7 @@ class CompChannel:
     foreign = False  # another library opens a verbs context at the same moment
 
     def __init__(self, ctx: Context) -> None:
-        assert verbs._ctx_lock._is_owned()
+        assert verbs.ctx_lock._is_owned()
         self._fd = _anon()
         if type(self).foreign:
             _anon()

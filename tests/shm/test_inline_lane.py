@@ -122,7 +122,7 @@ def test_the_base_transport_declines() -> None:
 def _bind(ini: mpcomm.Engine, src: Any, remote: Any) -> None:
     for _ in range(2):  # the first lands through post_inline and binds the pair
         assert ini.write(src, remote, 0, 64).result(5) == 64
-    assert ini._pipeline._fast, "the pair should be bound after an inline write"
+    assert ini._pipeline.bound, "the pair should be bound after an inline write"
 
 
 def test_bound_lane_moves_without_post_inline(lane_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +166,7 @@ def test_bound_lane_lets_go_of_an_unregistered_region(lane_pair: Any) -> None:
     target, ini, kv, remote, src = lane_pair
     _bind(ini, src, remote)
     ini.unregister(src)
-    assert not ini._pipeline._fast  # nothing keeps the region (and its buffer) alive
+    assert not ini._pipeline.bound  # nothing keeps the region (and its buffer) alive
     with pytest.raises(mpcomm.RegionClosedError):
         ini.write(src, remote, 0, 64)
 
@@ -178,7 +178,7 @@ def test_landed_handle_is_a_full_future(lane_pair: Any) -> None:
     target, ini, kv, remote, src = lane_pair
     _bind(ini, src, remote)
     handles = [ini.write(src, remote, 0, 64) for _ in range(3)]
-    assert all(type(h).__name__ == "_Landed" for h in handles)
+    assert all(type(h).__name__ == "Landed" for h in handles)
     done, pending = cf.wait(handles, timeout=1)
     assert len(done) == 3 and not pending
     assert sorted(f.result() for f in cf.as_completed(handles, timeout=1)) == [64, 64, 64]

@@ -1,4 +1,4 @@
-"""The bound posted lane (engine/requests.py ``_PostPath``) over a real tcp target.
+"""The bound posted lane (engine/bound.py ``PostPath``) over a real tcp target.
 
 Once a plain request of a (local region, remote region, kind) pair was routed
 to tcp, the pair's later requests skip the routing and go from

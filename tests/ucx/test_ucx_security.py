@@ -351,7 +351,7 @@ def _tables(t: UcxTransport) -> dict[str, int]:
     """The initiator-side tables a revocation cycle touches, and the rkeys alive on the endpoints."""
     peers = list(t._peers.values())
     return {"peers": len(peers), "attached": sum(len(p.attached) for p in peers),
-            "rkeys": sum(len(p.ep._rkeys) for p in peers if p.ep is not None),
+            "rkeys": sum(len(p.ep.rkeys) for p in peers if p.ep is not None),
             "connecting": sum(len(p.connecting) for p in peers), "active": len(t._active), "waits": len(t._waits)}
 
 
@@ -427,7 +427,7 @@ def test_repeated_revocations_leave_nothing_behind_on_the_initiator(target, engi
     assert now["peers"] == 1 and now["attached"] <= 1 and now["active"] == now["waits"] == now["connecting"] == 0, now
     with t._lock:
         held = {id(a.rkey) for p in t._peers.values() for a in p.attached.values() if a.rkey is not None}
-        alive = [rk for p in t._peers.values() if p.ep is not None for rk in p.ep._rkeys]
+        alive = [rk for p in t._peers.values() if p.ep is not None for rk in p.ep.rkeys]
     assert all(id(rk) in held for rk in alive), f"{len(alive) - len(held)} rkeys belong to no attachment"
     assert "mpcomm-ucx-attach" not in names and threading.active_count() <= base + 1, names
 

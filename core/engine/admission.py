@@ -1,0 +1,149 @@
+"""Admission: a request's arguments checked, made into a unit, its lease and queue slot taken."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import BackPressureError, MpcommError, OutOfBoundsError, PermissionDeniedError, RegionClosedError
+from ..memory import Region, region_of
+from ..remote import RemoteRegion
+from ..transfer import Batch, Request, Transfer, Dispatch
+from ..transport import Operation, OperationGroup
+from . import checks
+from .completions import CompletionQueue
+from .units import WAITING, Op
+
+
+class Admission:
+    """The :class:`~mpcomm.engine.requests.Pipeline`'s admission (a mixin: its state lives on the Pipeline)."""
+
+    def _dispatch_for(self, cq: Any) -> Dispatch:
+        if cq is None:
+            return self.dispatch
+        if not isinstance(cq, CompletionQueue):
+            raise MpcommError(f"completion_queue must come from Engine.completion_queue(), not {cq!r}")
+        # Kept on the queue itself (one per engine that posts to it): no table here to outlive it.
+        per_engine = cq.__dict__.setdefault("dispatch", {})
+        d = per_engine.get(id(self))
+        if d is None:
+            d = per_engine[id(self)] = Dispatch(cq.push, cq.on_thread, self.cancel)
+        return d
+
+    def _local(self, buf: Any, name: str) -> tuple[Region, bool]:
+        if isinstance(buf, Region):
+            if buf.closed:
+                raise RegionClosedError(f"region {buf.name!r} is unregistered", region=buf.name)
+            return buf, False
+        return region_of(buf, name=name), True  # host buffer, DLPack / CUDA array, DeviceBuffer
+
+    def _timeout(self, timeout: float | None) -> float:
+        return checks.timeout_seconds(timeout, self.default_timeout)
+
+    def _hint(self, route: Any, request: Any = None) -> tuple[str, ...] | None:
+        """A per-request ``route=`` hint as a tuple of installed transport names (None: the rules decide)."""
+        if route is None:
+            return None
+        names = (route,) if isinstance(route, str) else route
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+            raise MpcommError(f"route must be a transport name or a non-empty list of them, not {route!r}",
+                              request=request)
+        installed = self.e.route_policy.installed
+        for n in names:
+            if n not in installed:
+                raise MpcommError(f"route names transport {n!r}, which is not installed "
+                                  f"(installed: {', '.join(installed) or 'none'})", request=request)
+        return tuple(names)
+
+    @staticmethod
+    def _check_access(kind: str, local: Region, remote: RemoteRegion, request: Any = None) -> None:
+        if not isinstance(remote, RemoteRegion):
+            raise MpcommError(f"remote must be a RemoteRegion (from Engine.open), not {type(remote).__name__}",
+                              request=request)
+        if kind == "write":
+            if "w" not in remote.access:
+                raise PermissionDeniedError(f"remote region {remote.name!r} is read-only", region=remote.name,
+                                            peer=remote.address, request=request)
+        elif kind == "read":
+            if "w" not in local.access:
+                raise PermissionDeniedError(f"local buffer {local.name!r} is read-only; it cannot receive a read",
+                                            region=local.name, request=request)
+            if "r" not in remote.access:
+                raise PermissionDeniedError(f"remote region {remote.name!r} may not be read", region=remote.name,
+                                            peer=remote.address, request=request)
+        else:
+            raise MpcommError(f"request op must be 'write' or 'read', not {kind!r}", request=request)
+
+    @staticmethod
+    def _check_bounds(local: Region, remote: RemoteRegion, lo: int, ro: int, length: int | None,
+                      request: Any = None) -> int:
+        return checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo, ro, length,
+                                 request)
+
+    def new_op(self, kind: str, local: Region, lo: int, remote: RemoteRegion, ro: int, length: int,
+            timeout: float, dispatch: Dispatch, request: Request | None = None) -> Operation:
+        now = time.monotonic()
+        op = Op(kind, local, lo, remote, ro, length, now + timeout, time.time() + timeout, sink=self._reported)
+        t = Transfer(request, _dispatch=dispatch)
+        t.operation = op
+        op.transfer = t
+        return op
+
+    def _check_group(self, g: OperationGroup, index: list[int] | None = None,
+                     requests: Sequence[Request] | None = None) -> None:
+        n = g.count
+        if n == 0:
+            return
+        lo, ro, ln = g.local_offsets, g.remote_offsets, g.lengths
+        i = checks.first_bad(lo, ro, ln, g.local.size, g.remote.size)
+        if i < 0:
+            return
+        try:  # the error path only: name the first bad index
+            self._check_bounds(g.local, g.remote, lo[i], ro[i], ln[i])
+        except OutOfBoundsError as exc:
+            k = i if index is None else index[i]
+            raise OutOfBoundsError(f"request {k} of the batch: {exc}; nothing was transferred",
+                                   region=exc.region, peer=exc.peer,
+                                   request=requests[k] if requests is not None else None) from None
+
+    def _adopt(self, group: OperationGroup, batch: Batch, start: int, ephemeral: bool) -> None:
+        group.transfer = batch
+        group.batch = batch
+        group.first_index = start
+        group.stage = WAITING
+        group.ephemeral = ephemeral
+        group.holds_slot = False
+        group.posting = False
+        group.deadline_entry = None
+        group.notify_after = None
+        group.tracked = False
+        group.released = False
+        group.route_hint = None
+        batch.parts.append((start, group))
+        batch.operation = group if not batch.operation else batch.operation
+
+    def _hold(self, unit: Any) -> None:
+        """Lease the local region and take a queue_depth slot; raise (holding nothing) if either fails."""
+        unit.local.acquire()
+        if self._raise_on_full:
+            ok = self.slots.acquire(blocking=False)
+        else:
+            ok = self.slots.acquire(timeout=max(0.0, unit.deadline - time.monotonic()))
+        if not ok:
+            unit.local.release()
+            raise BackPressureError(
+                f"{self.slots.capacity} requests already in flight (runtime.queue_depth)",
+                request=unit.transfer.request,
+            )
+        unit.holds_slot = True
+
+    def _unhold(self, unit: Any) -> None:
+        if unit.holds_slot:
+            unit.holds_slot = False
+            self.slots.release()
+        unit.local.release()
+
+    def _stage(self, unit: Any) -> None:
+        self._arm(unit)
+        self._track(unit)

@@ -1,0 +1,154 @@
+"""Endings: a transport's report, the release of what a unit held, and the delivery of its outcome."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..errors import EngineClosedError
+from ..transfer import Batch, Transfer, resolve_members
+from ..transport import Operation, OperationGroup
+from .regions import release_view
+from .units import FINISHED
+
+log = logging.getLogger("mpcomm.engine")
+
+
+def settle_members(batch: Batch) -> None:
+    for _, part in batch.parts:
+        if isinstance(part, OperationGroup):
+            resolve_members(part)
+
+
+class Endings:
+    """The :class:`~mpcomm.engine.requests.Pipeline`'s endings (a mixin: its state lives on the Pipeline)."""
+
+    def _reported(self, op: Operation, error: BaseException | None, nbytes: int) -> None:
+        """An Operation's sink: the transport's word that it ended."""
+        if error is not None and self._retry(op, error):
+            return
+        if error is None:
+            self._succeeded(op)
+        if error is None and op.notify_after is not None:
+            try:
+                self._queue_notification(op, nbytes)
+                return
+            except RuntimeError:
+                error = EngineClosedError("the engine was closed before the notification was sent")
+        self._finish(op, error, nbytes)
+
+    def _group_reported(self, group: OperationGroup) -> None:
+        if group.errors:
+            first = group.errors[min(group.errors)]
+            if self._retry(group, first):
+                return
+        else:
+            self._succeeded(group)
+        self._finish(group, None, 0)
+
+    def _release(self, unit: Any) -> None:
+        dl = unit.deadline_entry
+        if dl is not None:
+            self.timer.cancel(dl)
+        self._end_probe(unit)
+        if unit.tracked:
+            with self._inflight_lock:
+                self._inflight.discard(unit)
+        if not unit.released:
+            unit.released = True
+            self._unhold(unit)
+            t = unit.transfer if unit.batch is None and isinstance(unit, Operation) else None
+            if t is not None and t.operation is unit:
+                # Break handle <-> operation: a finished request's buffer is freed when the
+                # engine and the caller drop it, not at the next cyclic GC (8 MiB requests
+                # piled up to GiBs between collections). The handle keeps what `request` needs.
+                t.drop_operation()
+            if unit.ephemeral:
+                local = unit.local
+                if unit.batch is None or all(p.local is not local or p.done for _, p in unit.batch.parts):
+                    self.regions.unregister_from(local, self.transports)
+                    release_view(local)
+        t = unit.transport
+        if t is None:
+            return
+        if self._backlog.get(t.name):
+            try:
+                self.executor.submit(self._drain_backlog, t.name)
+            except RuntimeError:
+                pass
+
+    def _finish(self, unit: Any, error: BaseException | None, nbytes: int, failed_group: bool = False) -> None:
+        """Release what the unit held, then publish its outcome."""
+        unit.stage = FINISHED
+        if failed_group and isinstance(unit, OperationGroup) and not unit.done:
+            unit.sink = None  # we publish here, not through the sink
+            unit.fail(error)  # type: ignore[arg-type]
+        if failed_group and isinstance(unit, Operation) and not unit.done:
+            unit.sink = None
+            unit.fail(error)  # type: ignore[arg-type]
+            if unit.abort_exc is not None and error is not unit.abort_exc:
+                error = unit.abort_exc
+        self._release(unit)
+        batch = unit.batch
+        if batch is None:
+            t = unit.transfer
+            if not t.record_outcome(error, nbytes):
+                return  # resolved already (an unconfirmed timeout): the resources are free now
+            self._push(unit)
+            return
+        if isinstance(unit, Operation):
+            unit.transfer.record_outcome(error, nbytes)
+            unit.transfer.dispatch.push(unit.transfer)
+        if batch.part_ended():
+            self._batch_done(batch)
+
+    def _push(self, op: Operation) -> None:
+        with op.lock:
+            if op.posting or op.handed:
+                return  # the posting thread settles it when post() returns
+            op.handed = True
+        t = op.transfer
+        if t.dispatch is self.dispatch and t.leave_to_waiter():
+            return  # the thread blocked in result() settles it: no completion-thread hop
+        t.dispatch.push(t)
+
+    def _batch_done(self, batch: Batch) -> None:
+        total = 0
+        clean = True
+        for _, part in batch.parts:
+            if isinstance(part, OperationGroup):
+                if part.errors:
+                    clean = False
+                    break
+                total += part.total_bytes
+            else:
+                clean = False
+                break
+        if clean:
+            error = None
+        else:
+            _statuses, errors, lengths = batch.index_state()
+            error = errors[min(errors)] if errors else None
+            total = sum(lengths)
+        if any(isinstance(p, OperationGroup) and p.member_handles for _, p in batch.parts):
+            # Per-request handles exist (batch.transfers): their callbacks run on the completion thread.
+            batch.on_settled = settle_members
+        if not batch.record_outcome(error, total):
+            return
+        if batch.take_handover():
+            if batch.dispatch is self.dispatch and batch.leave_to_waiter():
+                return  # the thread blocked in result() settles it: no completion-thread hop
+            batch.dispatch.push(batch)
+
+    def _deliver_inline(self, handle: Transfer, settle: Any) -> None:
+        """A handle that finished on the posting thread: settle it here (no hop), or, when it was
+        posted with a completion queue, hand it to that queue: its poller settles and reaps it."""
+        if handle.dispatch is self.dispatch:
+            settle()
+        else:
+            handle.dispatch.push(handle)
+
+    def _settle_batch_inline(self, batch: Batch) -> None:
+        batch.settle()
+        settle_members(batch)
+        batch.run_callbacks()

@@ -1,0 +1,59 @@
+"""Notifying: a request's notification sent after its data landed, on the engine's notify workers."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..errors import EngineClosedError, MpcommError
+from ..transport import Operation
+
+
+class Notifying:
+    """The :class:`~mpcomm.engine.requests.Pipeline`'s notifying (a mixin: its state lives on the Pipeline)."""
+
+    def _queue_notification(self, op: Operation, nbytes: int) -> None:
+        """Send ``op``'s notification on a notify worker, at most ``_notify_per_peer`` per peer.
+
+        Raises RuntimeError (nothing queued) when the engine's notify pool is shut down.
+        """
+        addr = op.remote.address
+        with self._notify_lock:
+            lane = self._notify_lanes.get(addr)
+            if lane is None:
+                lane = self._notify_lanes[addr] = [deque(), 0]
+            lane[0].append((op, nbytes))
+            if lane[1] >= self._notify_per_peer:
+                return  # a worker of this peer's takes it next
+            try:
+                self.notifier.submit(self._drain_notifications, addr)
+            except RuntimeError:
+                lane[0].pop()
+                if not lane[0] and not lane[1]:
+                    del self._notify_lanes[addr]
+                raise
+            lane[1] += 1
+
+    def _drain_notifications(self, addr: str) -> None:
+        """Notify worker: send ``addr``'s waiting notifications in order until none is left."""
+        while True:
+            with self._notify_lock:
+                lane = self._notify_lanes[addr]
+                if not lane[0]:
+                    lane[1] -= 1
+                    if not lane[1]:
+                        del self._notify_lanes[addr]
+                    return
+                op, nbytes = lane[0].popleft()
+            self._notify_then_finish(op, nbytes)
+
+    def _notify_then_finish(self, op: Operation, nbytes: int) -> None:
+        error: BaseException | None = None
+        try:
+            self.e.notify(op.remote, op.notify_after, max(op.time_left(), 0.001))
+        except BaseException as exc:  # noqa: BLE001
+            error = exc if isinstance(exc, MpcommError) else MpcommError(f"after the data landed: {exc}")
+            if self.closed and not isinstance(error, EngineClosedError):
+                cause, error = error, EngineClosedError("the engine was closed before the target took the "
+                                                        "notification (the data had landed)")
+                error.__cause__ = cause
+        self._finish(op, error, nbytes)

@@ -1,0 +1,290 @@
+"""Planning: many requests checked and grouped once (``submit``, ``prepare``, ``write_many``) into vectorised parts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import EngineClosedError, MpcommError, RegionClosedError
+from ..memory import Region
+from ..remote import RemoteRegion
+from ..transfer import Batch, Request
+from ..transport import OperationGroup, int64_array
+from .notify import MAX_NOTIFY
+
+if TYPE_CHECKING:
+    from .requests import Pipeline
+
+
+_NONE = object()
+
+
+class GroupSpec:
+    """One vectorised part of a plan: checked once, made into an OperationGroup per posting."""
+
+    __slots__ = ("kind", "local", "remote", "local_offsets", "remote_offsets", "lengths", "timeout", "ephemeral",
+                 "start", "hint")
+
+    def __init__(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+                 lengths: Any, timeout: float, ephemeral: bool, start: int) -> None:
+        self.kind = kind
+        self.local = local
+        self.remote = remote
+        self.local_offsets = local_offsets
+        self.remote_offsets = remote_offsets
+        self.lengths = lengths
+        self.timeout = timeout
+        self.ephemeral = ephemeral
+        self.start = start
+        self.hint: tuple[str, ...] | None = None
+
+
+class Plan:
+    """Checked, grouped requests: what submit() posts once and a PreparedBatch posts many times."""
+
+    def __init__(self, requests: Sequence[Request] | None) -> None:
+        self.requests = requests
+        self.count = len(requests) if requests is not None else 0
+        self.groups: list[GroupSpec] = []
+        self.singles: list[tuple[int, Request, Region, int, int, int, float, bool, Any]] = []
+        self.locals: dict[int, tuple[Region, bool]] = {}
+
+
+class PreparedBatch:
+    """Requests checked and grouped once, posted as often as needed (``Engine.prepare``).
+
+    The model is NIXL's ``initialize_xfer`` + ``transfer`` or a re-posted
+    work-request list: each :meth:`post` returns a new :class:`~mpcomm.Batch`
+    and costs one group per (local region, remote region) pair, with no
+    per-request Python work. The regions must stay registered; a descriptor
+    of a restarted peer fails the posting with StaleRegionError as usual.
+    """
+
+    def __init__(self, pipeline: Pipeline, plan: Plan) -> None:
+        self._pipeline = pipeline
+        self._plan = plan
+        #: Number of requests each posting carries.
+        self.count = plan.count
+
+    def __repr__(self) -> str:
+        return f"<PreparedBatch x{self.count} in {len(self._plan.groups)} group(s)>"
+
+    def post(self, *, completion_queue: Any = None) -> Batch:
+        """Post every request once more; returns the new handle at once."""
+        p = self._pipeline
+        if p.closed:
+            raise EngineClosedError("the engine is closed")
+        return p._start_plan(self._plan, completion_queue, True)
+
+
+def runs(idx: list[int]) -> list[tuple[int, int]]:
+    """Positions [start, stop) of ``idx`` where the request indices are consecutive."""
+    out = []
+    start = 0
+    for k in range(1, len(idx)):
+        if idx[k] != idx[k - 1] + 1:
+            out.append((start, k))
+            start = k
+    out.append((start, len(idx)))
+    return out
+
+
+class Planning:
+    """The :class:`~mpcomm.engine.requests.Pipeline`'s planning (a mixin: its state lives on the Pipeline)."""
+
+    def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+               lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        hint = self._hint(route)
+        local, ephemeral = self._local(buf, "ephemeral-batch")
+        self._check_access(kind, local, remote)
+        t = self._timeout(timeout)
+        now = time.monotonic()
+        group = OperationGroup(kind, local, remote, local_offsets, remote_offsets, lengths, now + t, time.time() + t,
+                               sink=self._group_reported)
+        self._check_group(group)
+        batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
+        if group.count == 0:
+            batch.record_outcome(None, 0)
+            self._deliver_inline(batch, batch.finish_inline)
+            return batch
+        self._adopt(group, batch, 0, ephemeral)
+        group.route_hint = hint
+        batch.left = 1
+        batch.posting = False
+        batch.staged = not post
+        self._hold(group)
+        if post:
+            self._post_batch(batch, [group])
+        else:
+            self._stage(group)
+        return batch
+
+    def _plan(self, requests: Sequence[Request], timeout: float | None, route: Any = None) -> Plan:
+        """Check and group requests (same kind, local buffer, remote descriptor and timeout).
+
+        Every request is checked before anything is held: access once per group,
+        bounds vectorised per group.
+        """
+        plan = Plan(requests)
+        groups: dict[tuple[Any, ...], tuple[list[int], list[int], list[int], list[int]]] = {}
+        locals_ = plan.locals
+        # Consecutive requests usually share local buffer and group: remember the last ones.
+        last_obj: Any = _NONE
+        last_key: Any = _NONE
+        local: Region = None  # type: ignore[assignment]
+        g: Any = None
+        for i, req in enumerate(requests):
+            if type(req) is not Request and not isinstance(req, Request):
+                raise MpcommError(f"submit() takes Request objects, not {type(req).__name__} (index {i})")
+            obj = req.local
+            if obj is not last_obj:
+                got = locals_.get(id(obj))
+                if got is None:
+                    got = locals_[id(obj)] = self._local(obj, f"ephemeral-{i}")
+                local, last_obj = got[0], obj
+            length = req.length
+            if length is None:
+                length = local.size - req.local_offset
+            hint = self._hint(req.route if req.route is not None else route, req)
+            if req.notify is not None:
+                self._check_access(req.op, local, req.remote, req)
+                # The offsets are read once: what was checked is what is posted.
+                lo, ro = req.local_offset, req.remote_offset
+                length = self._check_bounds(local, req.remote, lo, ro, length, req)
+                if len(req.notify) > MAX_NOTIFY:
+                    raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
+                plan.singles.append((i, req, local, lo, ro, length,
+                                     self._timeout(req.timeout if req.timeout is not None else timeout),
+                                     locals_[id(obj)][1], hint))
+                last_key = _NONE
+                continue
+            key = (req.op, id(local), id(req.remote), req.timeout, hint)
+            if key != last_key:
+                g = groups.get(key)
+                if g is None:
+                    # Access is checked once per group, bounds vectorised per group below.
+                    self._check_access(req.op, local, req.remote, req)
+                    g = groups[key] = ([], [], [], [])
+                last_key = key
+            g[0].append(i)
+            g[1].append(req.local_offset)
+            g[2].append(req.remote_offset)
+            g[3].append(length)
+        for key, (idx, lo, ro, ln) in groups.items():
+            req = requests[idx[0]]
+            local, ephemeral = locals_[id(req.local)]
+            t = self._timeout(req.timeout if req.timeout is not None else timeout)
+            # A group covers consecutive indices only; runs keep the index mapping exact.
+            for s0, s1 in runs(idx):
+                spec = GroupSpec(key[0], local, req.remote, int64_array(lo[s0:s1], None, "local_offsets"),
+                                  int64_array(ro[s0:s1], None, "remote_offsets"), int64_array(ln[s0:s1], None, "lengths"),
+                                  t, ephemeral, idx[s0])
+                spec.hint = key[-1]
+                self._check_spec(spec, idx[s0:s1], requests)
+                plan.groups.append(spec)
+        return plan
+
+    def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
+               route: Any = None) -> Batch:
+        """Group the requests into vectorised parts and post (or stage) them."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        return self._start_plan(self._plan(requests, timeout, route), cq, post)
+
+    def prepare(self, requests: Sequence[Request], timeout: float | None) -> PreparedBatch:
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        plan = self._plan(requests, timeout)
+        if plan.singles or any(g.ephemeral for g in plan.groups):
+            raise MpcommError("prepare() takes requests between registered Regions without notify; "
+                              "register the buffers first (or use submit())")
+        return PreparedBatch(self, plan)
+
+    def prepare_many(self, kind: str, local: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+                     lengths: Any, timeout: float | None) -> PreparedBatch:
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        if not isinstance(local, Region):
+            raise MpcommError("prepare_many() needs a registered Region as the local buffer")
+        region, _ = self._local(local, "")
+        self._check_access(kind, region, remote)
+        spec = GroupSpec(kind, region, remote, int64_array(local_offsets, None, "local_offsets"), None, None,
+                          self._timeout(timeout), False, 0)
+        spec.lengths = int64_array(lengths, None, "lengths")
+        spec.remote_offsets = int64_array(remote_offsets, len(spec.lengths), "remote_offsets")
+        if len(spec.local_offsets) != len(spec.lengths):
+            raise MpcommError(f"local_offsets has {len(spec.local_offsets)} entries, expected {len(spec.lengths)}")
+        self._check_spec(spec)
+        plan = Plan(None)
+        plan.groups.append(spec)
+        plan.count = len(spec.lengths)
+        return PreparedBatch(self, plan)
+
+    def _check_spec(self, spec: GroupSpec, index: list[int] | None = None,
+                    requests: Sequence[Request] | None = None) -> None:
+        g = OperationGroup(spec.kind, spec.local, spec.remote, spec.local_offsets, spec.remote_offsets,
+                           spec.lengths, 0.0, 0.0, copy=False)
+        self._check_group(g, index, requests)
+
+    def _start_plan(self, plan: Plan, cq: Any, post: bool) -> Batch:
+        batch = Batch(plan.count, _dispatch=self._dispatch_for(cq))
+        batch.requests = plan.requests
+        batch.posting = False
+        batch.staged = not post
+        units: list[Any] = []
+        now = time.monotonic()
+        wall = time.time()
+        for spec in plan.groups:
+            local = spec.local
+            if local.closed:
+                raise RegionClosedError(f"region {local.name!r} is unregistered", region=local.name)
+            # The plan's arrays are the engine's own copies, checked once (prepare/submit): no copy per post.
+            g = OperationGroup(spec.kind, local, spec.remote, spec.local_offsets, spec.remote_offsets,
+                               spec.lengths, now + spec.timeout, wall + spec.timeout, sink=self._group_reported,
+                               copy=False)
+            self._adopt(g, batch, spec.start, spec.ephemeral)
+            g.route_hint = spec.hint
+            units.append(g)
+        dispatch = batch.dispatch
+        for i, req, local, lo, ro, length, t, ephemeral, hint in plan.singles:
+            op = self.new_op(req.op, local, lo, req.remote, ro, length, t, dispatch, req)
+            op.notify_after = req.notify
+            op.ephemeral = ephemeral
+            op.route_hint = hint
+            op.batch = batch
+            batch.parts.append((i, op))
+            units.append(op)
+        if plan.singles:
+            batch.parts.sort(key=lambda p: p[0])
+        batch.left = len(units)
+        if not units:
+            batch.record_outcome(None, 0)
+            self._deliver_inline(batch, batch.finish_inline)
+            return batch
+        held: list[Any] = []
+        try:
+            for u in units:
+                self._hold(u)
+                held.append(u)
+        except BaseException:
+            for u in held:
+                self._unhold(u)
+            raise
+        if post:
+            self._post_batch(batch, units)
+        else:
+            for u in units:
+                self._stage(u)
+        return batch
+
+    def post_staged(self, batch: Batch) -> Batch:
+        """Post the parts of a ``submit(..., post=False)`` batch that are still waiting."""
+        if not getattr(batch, "staged", False):
+            return batch
+        batch.staged = False
+        units = [part for _, part in batch.parts]
+        self._post_batch(batch, units, staged=True)
+        return batch

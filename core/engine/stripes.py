@@ -1,0 +1,142 @@
+"""Stripes: a request split (a rule's ``split_min``) into parallel stripe Operations, one per transport."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from ..routing import Route, SplitPlan
+from ..transfer import TransferStatus
+from ..transport import Operation, Transport
+from .units import FINISHED, POSTED, WAITING
+
+if TYPE_CHECKING:
+    from ..control import PeerLink
+    from .requests import Pipeline
+
+log = logging.getLogger("mpcomm.engine")
+
+
+class Striped:
+    """The ``transport`` of a split request: stands for its stripes' transports
+    (an abort reaches every stripe; in-flight cancel only if all of them can)."""
+
+    post_may_block = False
+
+    def __init__(self, pipeline: Pipeline, subs: list[Operation]) -> None:
+        from ..transport import Capabilities
+
+        self._p = pipeline
+        self._subs = subs
+        ts = {s.transport.name: s.transport for s in subs}
+        self.name = "+".join(ts)
+        self.capabilities = Capabilities(inflight_cancel=all(t.capabilities.inflight_cancel for t in ts.values()))
+
+    def abort(self, op: Operation) -> None:
+        exc = op.abort_exc
+        for sub in self._subs:
+            if self._p.claim(sub, WAITING, FINISHED):  # waiting in a busy transport's backlog
+                sub.abort_exc = exc  # not retried
+                sub.fail(exc)  # type: ignore[arg-type]
+            else:
+                sub.abort(exc)  # type: ignore[arg-type]
+
+
+class Stripes:
+    """The :class:`~mpcomm.engine.requests.Pipeline`'s stripes (a mixin: its state lives on the Pipeline)."""
+
+    def _splits(self) -> bool:
+        s = getattr(self, "_split_rules", None)
+        if s is None:
+            s = self._split_rules = any(r.split_min is not None for r in self.e.route_policy.rules)
+        return s
+
+    def _split_plan(self, link: PeerLink, op: Operation, cands: tuple[Transport, ...], rule: str) -> SplitPlan | None:
+        q = self._query(link, op)
+        if q.hint:
+            return None
+        return self.e.route_policy.split(q, Route(tuple(t.name for t in cands), rule))
+
+    def _post_split(self, op: Operation, link: PeerLink, plan: SplitPlan, cands: tuple[Transport, ...], rule: str,
+                    names: tuple[str, ...], inline: bool) -> None:
+        self._end_probe(op)  # the stripes carry it: each is admitted (and probes) on its own
+        subs: list[Operation] = []
+        try:
+            for s in plan.stripes:
+                first = next((t for t in cands if t.name == s.transport), cands[0])
+                own = (first, *(t for t in cands if t is not first))
+                sub = Operation(op.kind, op.local, op.local_offset + s.offset, op.remote, op.remote_offset + s.offset,
+                                s.length, op.deadline, op.deadline_wall, link.info, sink=self._stripe_reported)
+                sub.parent = op
+                sub.stage = POSTED
+                sub.ephemeral = op.ephemeral
+                sub.route_hint = None
+                sub.batch = None
+                sub.candidates = own
+                sub.transfer = op.transfer
+                sub.transport = self._admit(sub, own, 0)
+                if self._lazy or op.ephemeral:
+                    self.regions.ensure_registered(op.local, sub.transport)
+                subs.append(sub)
+        except BaseException as exc:  # noqa: BLE001 - nothing posted yet
+            self._fail_unposted(op, exc, inline)
+            return
+        op.peer = link.info
+        op.candidates = ()
+        op.stripe_ops = subs
+        op.stripes_left = len(subs)
+        op.stripe_error = None
+        op.stripe_lock = threading.Lock()
+        op.transport = Striped(self, subs)
+        transfer = op.transfer
+        transfer.transport = "+".join(dict.fromkeys(s.transport.name for s in subs))
+        transfer.route, transfer.route_rule = names, rule
+        transfer.status = TransferStatus.POSTED
+        if op.batch is not None:
+            op.batch.status = TransferStatus.POSTED
+        if self.e.telemetry.enabled:
+            self.e.telemetry.on_post(op, transfer.transport)
+        with self._inflight_lock:
+            self._inflight.add(op)
+        op.posting = inline
+        self._arm(op)  # before posting: a stripe transport may wait on the peer in post()
+        for sub in subs:
+            if op.abort_exc is not None:
+                sub.abort_exc = op.abort_exc  # not retried
+                sub.fail(op.abort_exc)
+                continue
+            self._repost(sub, sub.transport)
+        if inline:
+            with op.lock:
+                op.posting = False
+            if transfer.outcome is not None and op.batch is None:
+                transfer.finish_inline()
+
+    def _stripe_reported(self, sub: Operation, error: BaseException | None, nbytes: int) -> None:
+        if error is not None and self._retry(sub, error):
+            return
+        if error is None:
+            self._succeeded(sub)
+        self._end_probe(sub)  # a stripe is never released: its own ending frees its probe
+        name = sub.transport.name if sub.transport is not None else ""
+        if self._backlog.get(name):  # a stripe holds no slot: release() would not drain for it
+            try:
+                self.executor.submit(self._drain_backlog, name)
+            except RuntimeError:
+                pass
+        op = sub.parent
+        with op.stripe_lock:
+            if error is not None and op.stripe_error is None:
+                op.stripe_error = error
+            op.stripes_left -= 1
+            last = op.stripes_left == 0
+        if not last:
+            return
+        op.transfer.stripes = tuple((s.local_offset - op.local_offset, s.length, s.transport.name)
+                                    for s in op.stripe_ops)
+        op.transfer.transport = "+".join(dict.fromkeys(s.transport.name for s in op.stripe_ops))
+        if op.stripe_error is None:
+            op.complete(op.length)
+        else:
+            op.fail(op.stripe_error)

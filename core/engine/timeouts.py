@@ -1,0 +1,63 @@
+"""Timeouts: a unit's deadline armed on the engine's timer, its abort, and the grace after which it is resolved."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..errors import TransferTimeout
+from ..transport import Operation, timeout_error
+from .units import FINISHED, WAITING
+
+log = logging.getLogger("mpcomm.engine")
+
+
+class Timeouts:
+    """The :class:`~mpcomm.engine.requests.Pipeline`'s timeouts (a mixin: its state lives on the Pipeline)."""
+
+    def _arm(self, unit: Any) -> None:
+        if unit.deadline_entry is None:
+            unit.deadline_entry = self.timer.schedule(unit.deadline, lambda u=unit: self._on_deadline(u))
+            if unit.done:
+                self.timer.cancel(unit.deadline_entry)
+
+    def _on_deadline(self, unit: Any) -> None:
+        if unit.done:
+            return
+        err = timeout_error(unit)
+        if self.claim(unit, WAITING, FINISHED):  # never posted: nothing moved
+            self._finish(unit, err, 0, failed_group=True)
+            return
+        unit.abort(err)
+        self.timer.schedule(time.monotonic() + self._grace, lambda: self._on_abort_overdue(unit))
+
+    def _on_abort_overdue(self, unit: Any) -> None:
+        if unit.done:
+            return
+        name = unit.transport.name if unit.transport else "?"
+        log.error("transport %s did not stop a timed-out %s within runtime.abort_grace_ms; failing it",
+                  name, unit.kind)
+        err = TransferTimeout(
+            f"{unit.kind} to {unit.remote.address} timed out and transport {name} did not confirm that it "
+            "stopped; bytes may still land in the destination range",
+            region=unit.remote.name, peer=unit.remote.address)
+        err.confirmed = False
+        # The transport may still touch the local buffer: keep the lease (and
+        # so the buffer) until it reports, but resolve the handle now.
+        self._resolve_unconfirmed(unit, err)
+
+    def _resolve_unconfirmed(self, unit: Any, err: BaseException) -> None:
+        unit.unconfirmed = True
+        self._end_probe(unit)  # resolved by its deadline: the transport's late report says nothing
+        if isinstance(unit, Operation):
+            unit.transfer.record_outcome(err, 0)
+            self._push(unit)
+        else:
+            # As for an Operation: the handle fails now with the unconfirmed error, while
+            # the group keeps its lease and slot until the transport reports (failing the
+            # group here released them with bytes still able to land, and replaced the
+            # error with the abort's confirmed-looking timeout).
+            batch = unit.batch
+            if batch.record_outcome(err, 0) and batch.take_handover():
+                batch.dispatch.push(batch)

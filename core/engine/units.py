@@ -1,0 +1,84 @@
+"""Units: what the engine keeps on a request (an Operation or an OperationGroup) besides what a transport sees.
+
+These fields are the engine's bookkeeping; they are public names so every room of the
+pipeline (:mod:`.admission`, :mod:`.posting`, :mod:`.endings`, ...) may read them, but
+transports never read or set them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ..transport import Operation
+
+# Unit stages (``unit.stage``), moved on under ``unit._lock``.
+WAITING, POSTED, FINISHED = 0, 1, 2
+
+
+class Op(Operation):
+    """An engine's request: an Operation whose bookkeeping starts at these class-level defaults.
+
+    A request stores only the fields that leave their default (most never
+    do), which keeps building one cheap on the hottest path.
+    """
+
+    stage = WAITING
+    ephemeral = False
+    notify_after: bytes | None = None
+    route_hint: tuple[str, ...] | None = None
+    holds_slot = False
+    posting = False
+    handed = False
+    batch: Any = None
+    deadline_entry: Any = None
+    tracked = False
+    released = False
+
+
+class Slots:
+    """A counting semaphore for ``runtime.queue_depth`` whose uncontended path is
+    one C-level lock (``threading.BoundedSemaphore`` is a Python Condition)."""
+
+    def __init__(self, n: int) -> None:
+        self.capacity = n
+        self._free = n
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - self._free
+
+    @property
+    def waiting(self) -> int:
+        """Threads waiting for a slot now (``Engine.stats()``'s queue backlog counts them)."""
+        return self._waiting
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        with self._lock:
+            if self._free:
+                self._free -= 1
+                return True
+            if not blocking:
+                return False
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._waiting += 1
+            try:
+                while not self._free:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(left)
+                self._free -= 1
+                return True
+            finally:
+                self._waiting -= 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._free += 1
+            if self._waiting:
+                self._cond.notify()
