@@ -59,6 +59,8 @@ class CopyLoop:
     """The Python fallback; :class:`NativeLoop` overrides every method with one C call."""
 
     native = False
+    #: ``mover(...)`` -> ShmTransport.inline_path's move in C, or None (the transport's closure serves).
+    mover: Any = None
 
     def __init__(self, reason: str) -> None:
         #: Why this implementation is in use (shown in availability text).
@@ -202,6 +204,7 @@ class NativeLoop(CopyLoop):
                 self.copy_many = module.copy_many  # type: ignore[method-assign]
                 self.cma_many = module.cma_many  # type: ignore[method-assign]
                 self._check2_fast = module.check2
+            self.mover = getattr(module, "mover", None)
 
     def share(self, min_bytes: int, spin_us: int) -> int:  # type: ignore[override]
         return int(self._share(max(int(min_bytes), 0), max(int(spin_us), 0) * 1000))
