@@ -13,7 +13,8 @@ cannot wrap::
     n <= size && off <= size - n        (off, n, size >= 0)
 
 The native code mirrors it and must stay in step: ``fits()`` in
-``core/engine/_fastlane.c`` (the C bound lane), ``mp_fits()`` in
+``core/engine/_fastlane.c`` (the C bound lane, and its ``first_bad``, which
+:func:`first_bad` hands the engine's own int64 arrays), ``mp_fits()`` in
 ``plugins/shm/_copyloop.c`` (the copy loops re-check every piece at the point
 of use) and ``mp_fits()`` in ``plugins/ucx/_ucxloop.c``. The test that holds
 them together is ``tests/core/test_lane_agreement.py`` (a hypothesis-driven
