@@ -13,7 +13,8 @@ cannot wrap::
     n <= size && off <= size - n        (off, n, size >= 0)
 
 The native code mirrors it and must stay in step: ``fits()`` in
-``core/engine/_fastlane.c`` (the C bound lane), ``mp_fits()`` in
+``core/engine/_fastlane.c`` (the C bound lane, and its ``first_bad``, which
+:func:`first_bad` hands the engine's own int64 arrays), ``mp_fits()`` in
 ``plugins/shm/_copyloop.c`` (the copy loops re-check every piece at the point
 of use) and ``mp_fits()`` in ``plugins/ucx/_ucxloop.c``. The test that holds
 them together is ``tests/core/test_lane_agreement.py`` (a hypothesis-driven
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 import sys
+from array import array
 from operator import add
 from typing import Any
 
@@ -35,6 +37,20 @@ __all__ = ["fits", "span", "check_span", "first_bad", "timeout_ok", "timeout_sec
 
 _INF = math.inf
 _MAX_INT = int(sys.float_info.max)
+_I64 = 1 << 63
+
+#: ``_fastlane.c``'s first_bad (this rule over array('q') buffers, one pass in C), False where
+#: that module is not in use; resolved at the first batch.
+_scan: Any = None
+
+
+def _native_scan() -> Any:
+    global _scan
+    from . import fastlane  # here, not at import: fastlane imports the memory module
+
+    mod = fastlane.module()
+    _scan = getattr(mod, "first_bad", False) if mod is not None else False
+    return _scan
 
 
 def fits(off: int, n: int, size: int) -> bool:
@@ -81,7 +97,9 @@ def check_span(lname: str, lsize: int, rname: str, rsize: int, peer: str | None,
 def first_bad(lo: Any, ro: Any, ln: Any, lsize: int, rsize: int) -> int:
     """The first index ``i`` whose request does not fit (:func:`span` with ``ln[i]``), or -1.
 
-    Vectorised for the common case (min/max over the arrays, one C-level map):
+    The engine's int64 arrays go through ``_fastlane.c``'s ``first_bad`` (``fits`` per
+    entry in one C pass; a 64-piece batch spent as long in min/max below as in its copies).
+    Otherwise vectorised for the common case (min/max over the arrays, one C-level map):
     with Python's unbounded ints, ``min >= 0`` and ``max(off + len) <= size``
     is exactly :func:`fits` for every index; the loop runs only to name the
     bad index.
@@ -89,6 +107,11 @@ def first_bad(lo: Any, ro: Any, ln: Any, lsize: int, rsize: int) -> int:
     n = len(ln)
     if n == 0:
         return -1
+    scan = _native_scan() if _scan is None else _scan
+    if (scan and type(lo) is array and type(ro) is array and type(ln) is array and lo.typecode == "q"
+            and ro.typecode == "q" and ln.typecode == "q" and len(lo) == n and len(ro) == n
+            and type(lsize) is int and type(rsize) is int and 0 <= lsize < _I64 and 0 <= rsize < _I64):
+        return scan(lo, ro, ln, lsize, rsize)  # the engine's own copies: the same rule in one C pass
     if (min(ln) >= 0 and min(lo) >= 0 and min(ro) >= 0 and max(map(add, lo, ln)) <= lsize
             and max(map(add, ro, ln)) <= rsize):
         return -1

@@ -80,6 +80,8 @@ class PreparedBatch:
 
 def runs(idx: list[int]) -> list[tuple[int, int]]:
     """Positions [start, stop) of ``idx`` where the request indices are consecutive."""
+    if idx[-1] - idx[0] == len(idx) - 1:  # increasing indices: consecutive all through
+        return [(0, len(idx))]
     out = []
     start = 0
     for k in range(1, len(idx)):
@@ -134,8 +136,14 @@ class Planning:
         # Consecutive requests usually share local buffer and group: remember the last ones.
         last_obj: Any = _NONE
         last_key: Any = _NONE
+        last_local: Any = _NONE
+        last_remote: Any = _NONE
         local: Region = None  # type: ignore[assignment]
         g: Any = None
+        add_i: Any = None
+        add_lo: Any = None
+        add_ro: Any = None
+        add_ln: Any = None
         for i, req in enumerate(requests):
             if type(req) is not Request and not isinstance(req, Request):
                 raise MpcommError(f"submit() takes Request objects, not {type(req).__name__} (index {i})")
@@ -148,7 +156,10 @@ class Planning:
             length = req.length
             if length is None:
                 length = local.size - req.local_offset
-            hint = self._hint(req.route if req.route is not None else route, req)
+            r = req.route
+            if r is None:
+                r = route
+            hint = None if r is None else self._hint(r, req)
             if req.notify is not None:
                 self._check_access(req.op, local, req.remote, req)
                 # The offsets are read once: what was checked is what is posted.
@@ -161,27 +172,33 @@ class Planning:
                                      locals_[id(obj)][1], hint))
                 last_key = _NONE
                 continue
-            key = (req.op, id(local), id(req.remote), req.timeout, hint)
-            if key != last_key:
+            op, remote, tmo = req.op, req.remote, req.timeout
+            # The same objects as the last request's: the same group, without building its key.
+            if (last_key is _NONE or op is not last_key[0] or local is not last_local or remote is not last_remote
+                    or tmo is not last_key[3] or hint is not last_key[4]):
+                key = (op, id(local), id(remote), tmo, hint)
                 g = groups.get(key)
                 if g is None:
                     # Access is checked once per group, bounds vectorised per group below.
-                    self._check_access(req.op, local, req.remote, req)
+                    self._check_access(op, local, remote, req)
                     g = groups[key] = ([], [], [], [])
-                last_key = key
-            g[0].append(i)
-            g[1].append(req.local_offset)
-            g[2].append(req.remote_offset)
-            g[3].append(length)
+                last_key, last_local, last_remote = key, local, remote
+                add_i, add_lo, add_ro, add_ln = g[0].append, g[1].append, g[2].append, g[3].append
+            add_i(i)
+            add_lo(req.local_offset)
+            add_ro(req.remote_offset)
+            add_ln(length)
         for key, (idx, lo, ro, ln) in groups.items():
             req = requests[idx[0]]
             local, ephemeral = locals_[id(req.local)]
             t = self._timeout(req.timeout if req.timeout is not None else timeout)
             # A group covers consecutive indices only; runs keep the index mapping exact.
             for s0, s1 in runs(idx):
-                spec = GroupSpec(key[0], local, req.remote, int64_array(lo[s0:s1], None, "local_offsets"),
-                                  int64_array(ro[s0:s1], None, "remote_offsets"), int64_array(ln[s0:s1], None, "lengths"),
-                                  t, ephemeral, idx[s0])
+                whole = s1 - s0 == len(idx)  # the usual case: no slice to copy first
+                spec = GroupSpec(key[0], local, req.remote,
+                                 int64_array(lo if whole else lo[s0:s1], None, "local_offsets"),
+                                 int64_array(ro if whole else ro[s0:s1], None, "remote_offsets"),
+                                 int64_array(ln if whole else ln[s0:s1], None, "lengths"), t, ephemeral, idx[s0])
                 spec.hint = key[-1]
                 self._check_spec(spec, idx[s0:s1], requests)
                 plan.groups.append(spec)

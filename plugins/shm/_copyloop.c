@@ -427,6 +427,7 @@ int64_t mp_cma(int pid, int wr, char *local, char *remote, int64_t n, int pidfd)
 #include <Python.h>
 
 #define MP_KEEP_GIL (64 << 10)
+#include <stddef.h> /* offsetof */
 
 static int mp_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *sig) {
     if (nargs != want) {
@@ -486,9 +487,292 @@ static PyObject *py_cma(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLongLong((long long)r);
 }
 
+/* The int64 array `o` as a buffer of at least `n` entries (held until release: the array
+ * cannot be resized under the loop), or -1 with ValueError/TypeError set. */
+static int mp_i64s(PyObject *o, long long n, Py_buffer *b) {
+    if (PyObject_GetBuffer(o, b, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (n < 0 || b->len / 8 < n) {
+        PyBuffer_Release(b);
+        PyErr_Format(PyExc_ValueError, "an offset or length array holds fewer than %lld int64 entries", n);
+        return -1;
+    }
+    return 0;
+}
+
+/* check2(roffs, loffs, lens, n, rsize, lsize) -> mp_check2's result: the batch check of
+ * shm's transport without ctypes' argument conversion (about 1 us a call, a 64-piece batch
+ * made two). */
+static PyObject *py_check2(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (mp_args(args, nargs, 6, "check2(roffs, loffs, lens, n, rsize, lsize)") < 0)
+        return NULL;
+    long long n = PyLong_AsLongLong(args[3]), rsize = PyLong_AsLongLong(args[4]),
+              lsize = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer b[3];
+    int got = 0;
+    for (; got < 3; got++)
+        if (mp_i64s(args[got], n, &b[got]) < 0)
+            break;
+    PyObject *res = NULL;
+    if (got == 3)
+        res = PyLong_FromLongLong((long long)mp_check2(b[0].buf, b[1].buf, b[2].buf, n, rsize, lsize));
+    while (got-- > 0)
+        PyBuffer_Release(&b[got]);
+    return res;
+}
+
+/* copy_many(dst, dsize, doffs, src, ssize, soffs, lens, start, n, budget, pidfd) ->
+ * mp_copy_many's result, the GIL released for the copies (as the ctypes call did). */
+static PyObject *py_copy_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (mp_args(args, nargs, 11, "copy_many(dst, dsize, doffs, src, ssize, soffs, lens, start, n, budget, pidfd)") < 0)
+        return NULL;
+    char *dst = PyLong_AsVoidPtr(args[0]);
+    const char *src = PyLong_AsVoidPtr(args[3]);
+    long long dsize = PyLong_AsLongLong(args[1]), ssize = PyLong_AsLongLong(args[4]),
+              start = PyLong_AsLongLong(args[7]), n = PyLong_AsLongLong(args[8]),
+              budget = PyLong_AsLongLong(args[9]);
+    long pidfd = PyLong_AsLong(args[10]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_many: negative start");
+        return NULL;
+    }
+    Py_buffer b[3];
+    PyObject *arr[3] = {args[2], args[5], args[6]};
+    int got = 0;
+    for (; got < 3; got++)
+        if (mp_i64s(arr[got], n, &b[got]) < 0)
+            break;
+    PyObject *res = NULL;
+    if (got == 3) {
+        int64_t r;
+        Py_BEGIN_ALLOW_THREADS
+        r = mp_copy_many(dst, dsize, b[0].buf, src, ssize, b[1].buf, b[2].buf, start, n, budget, (int)pidfd);
+        Py_END_ALLOW_THREADS
+        res = PyLong_FromLongLong((long long)r);
+    }
+    while (got-- > 0)
+        PyBuffer_Release(&b[got]);
+    return res;
+}
+
+/* cma_many(pid, write, local, lsize, loffs, remote, rsize, roffs, lens, start, n, budget, pidfd)
+ * -> mp_cma_many's result, the GIL released. */
+static PyObject *py_cma_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (mp_args(args, nargs, 13,
+                "cma_many(pid, write, local, lsize, loffs, remote, rsize, roffs, lens, start, n, budget, pidfd)") < 0)
+        return NULL;
+    long pid = PyLong_AsLong(args[0]);
+    int wr = PyObject_IsTrue(args[1]);
+    char *local = PyLong_AsVoidPtr(args[2]);
+    char *remote = PyLong_AsVoidPtr(args[5]);
+    long long lsize = PyLong_AsLongLong(args[3]), rsize = PyLong_AsLongLong(args[6]),
+              start = PyLong_AsLongLong(args[9]), n = PyLong_AsLongLong(args[10]),
+              budget = PyLong_AsLongLong(args[11]);
+    long pidfd = PyLong_AsLong(args[12]);
+    if (wr < 0 || PyErr_Occurred())
+        return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "cma_many: negative start");
+        return NULL;
+    }
+    Py_buffer b[3];
+    PyObject *arr[3] = {args[4], args[7], args[8]};
+    int got = 0;
+    for (; got < 3; got++)
+        if (mp_i64s(arr[got], n, &b[got]) < 0)
+            break;
+    PyObject *res = NULL;
+    if (got == 3) {
+        int64_t r;
+        Py_BEGIN_ALLOW_THREADS
+        r = mp_cma_many((int)pid, wr, local, lsize, b[0].buf, remote, rsize, b[1].buf, b[2].buf, start, n, budget,
+                        (int)pidfd);
+        Py_END_ALLOW_THREADS
+        res = PyLong_FromLongLong((long long)r);
+    }
+    while (got-- > 0)
+        PyBuffer_Release(&b[got]);
+    return res;
+}
+
+/* mover(acquire, release, error, enter, exit, mapping, size, base, laddr, lsize, pidfd, limit, small,
+ *       write, cma, pid) -> move(lo, ro, n) -> bool: ShmTransport.inline_path's move
+ * (plugins/shm/transport.py, which builds it and keeps the Python closure where this module
+ * is missing) without its Python frame, about a fifth of a bound 4 KiB write. The same
+ * steps in the same order: both ranges against the sizes held here (mp_fits), then a copy
+ * up to `small` bytes under the mapping's lock after error(mapping) said None (the
+ * revocation sets it under that lock), a longer one between enter() (None: admitted) and
+ * exit(); True once the bytes landed and the owner is alive. What it calls on the mapping
+ * comes as objects, no attribute name is read here. Anything but exact ints declines
+ * (False), as a range that does not fit: the caller's slower lane decides. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *acquire, *release, *error, *enter, *exit, *mapping;
+    char *base, *laddr;
+    long long size, lsize, limit, small;
+    int pidfd, write, cma, pid;
+} Mover;
+
+static void mover_dealloc(PyObject *o) {
+    Mover *m = (Mover *)o;
+    Py_XDECREF(m->acquire);
+    Py_XDECREF(m->release);
+    Py_XDECREF(m->error);
+    Py_XDECREF(m->enter);
+    Py_XDECREF(m->exit);
+    Py_XDECREF(m->mapping);
+    PyObject_Free(o);
+}
+
+/* call(f), dropping its result: 0, or -1 with its exception set */
+static int mp_call0(PyObject *f) {
+    PyObject *x = PyObject_CallNoArgs(f);
+    if (x == NULL)
+        return -1;
+    Py_DECREF(x);
+    return 0;
+}
+
+/* An exact int in [0, 2**63) into *v: 1; anything else (bool, float, negative, huge): 0. */
+static int mp_exact(PyObject *o, long long *v) {
+    if (!PyLong_CheckExact(o))
+        return 0;
+    int over = 0;
+    *v = PyLong_AsLongLongAndOverflow(o, &over);
+    if (*v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return !over && *v >= 0;
+}
+
+static PyObject *mover_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Mover *m = (Mover *)self;
+    if (PyVectorcall_NARGS(nargsf) != 3 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "move(lo, ro, n) takes 3 positional arguments");
+        return NULL;
+    }
+    long long lo, ro, n;
+    if (!mp_exact(args[0], &lo) || !mp_exact(args[1], &ro) || !mp_exact(args[2], &n) || n > m->limit
+        || !mp_fits(ro, n, m->size) || !mp_fits(lo, n, m->lsize))
+        Py_RETURN_FALSE;
+    int lng = n > m->small;
+    if (lng) {
+        PyObject *x = PyObject_CallNoArgs(m->enter);
+        if (x == NULL)
+            return NULL;
+        int refused = x != Py_None;
+        Py_DECREF(x);
+        if (refused)
+            Py_RETURN_FALSE;
+    } else {
+        if (mp_call0(m->acquire) < 0)
+            return NULL;
+        PyObject *e = PyObject_CallOneArg(m->error, m->mapping);
+        int revoked = e == NULL ? -1 : e != Py_None;
+        Py_XDECREF(e);
+        if (revoked) {
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb); /* a failed lookup's exception, kept aside for the release */
+            if (mp_call0(m->release) < 0) {
+                Py_XDECREF(et);
+                Py_XDECREF(ev);
+                Py_XDECREF(tb);
+                return NULL;
+            }
+            if (revoked < 0) {
+                PyErr_Restore(et, ev, tb);
+                return NULL;
+            }
+            Py_RETURN_FALSE;
+        }
+    }
+    int64_t rc;
+    if (m->cma) {
+        Py_BEGIN_ALLOW_THREADS /* a system call that may fault in the other process's pages */
+        rc = mp_cma(m->pid, m->write, m->laddr + lo, m->base + ro, (int64_t)n, m->pidfd);
+        Py_END_ALLOW_THREADS
+    } else {
+        char *dst = m->write ? m->base + ro : m->laddr + lo;
+        const char *src = m->write ? m->laddr + lo : m->base + ro;
+        if (n > MP_KEEP_GIL) {
+            Py_BEGIN_ALLOW_THREADS
+            rc = mp_copy(dst, src, (int64_t)n, m->pidfd);
+            Py_END_ALLOW_THREADS
+        } else {
+            rc = mp_copy(dst, src, (int64_t)n, m->pidfd);
+        }
+    }
+    if (mp_call0(lng ? m->exit : m->release) < 0)
+        return NULL;
+    return PyBool_FromLong(rc == 0);
+}
+
+static PyTypeObject MoverType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_mpcomm_copyloop.Mover",
+    .tp_basicsize = sizeof(Mover),
+    .tp_dealloc = mover_dealloc,
+    .tp_vectorcall_offset = offsetof(Mover, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "move(lo, ro, n) -> bool: a bound pair's inline shm copy",
+};
+
+static PyObject *py_mover(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (mp_args(args, nargs, 16, "mover(acquire, release, error, enter, exit, mapping, size, base, laddr, lsize, "
+                                 "pidfd, limit, small, write, cma, pid)") < 0)
+        return NULL;
+    long long size = PyLong_AsLongLong(args[6]), lsize = PyLong_AsLongLong(args[9]),
+              limit = PyLong_AsLongLong(args[11]), small = PyLong_AsLongLong(args[12]);
+    char *base = PyLong_AsVoidPtr(args[7]), *laddr = PyLong_AsVoidPtr(args[8]);
+    long pidfd = PyLong_AsLong(args[10]), pid = PyLong_AsLong(args[15]);
+    int wr = PyObject_IsTrue(args[13]), cma = PyObject_IsTrue(args[14]);
+    if (wr < 0 || cma < 0 || PyErr_Occurred())
+        return NULL;
+    if (size < 0 || lsize < 0 || limit < 0 || small < 0) {
+        PyErr_SetString(PyExc_ValueError, "mover: negative size");
+        return NULL;
+    }
+    Mover *m = PyObject_New(Mover, &MoverType);
+    if (m == NULL)
+        return NULL;
+    m->vectorcall = mover_call;
+    m->acquire = Py_NewRef(args[0]);
+    m->release = Py_NewRef(args[1]);
+    m->error = Py_NewRef(args[2]);
+    m->enter = Py_NewRef(args[3]);
+    m->exit = Py_NewRef(args[4]);
+    m->mapping = Py_NewRef(args[5]);
+    m->size = size;
+    m->base = base;
+    m->laddr = laddr;
+    m->lsize = lsize;
+    m->pidfd = (int)pidfd;
+    m->limit = limit;
+    m->small = small;
+    m->write = wr;
+    m->cma = cma;
+    m->pid = (int)pid;
+    return (PyObject *)m;
+}
+
 static PyMethodDef mp_methods[] = {
+    {"mover", (PyCFunction)(void (*)(void))py_mover, METH_FASTCALL, "a bound pair's inline move, in C"},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, "memcpy, then the owner's liveness"},
     {"cma", (PyCFunction)(void (*)(void))py_cma, METH_FASTCALL, "one cross-memory-attach range"},
+    {"check2", (PyCFunction)(void (*)(void))py_check2, METH_FASTCALL, "mp_check2 over int64 arrays"},
+    {"copy_many", (PyCFunction)(void (*)(void))py_copy_many, METH_FASTCALL, "mp_copy_many over int64 arrays"},
+    {"cma_many", (PyCFunction)(void (*)(void))py_cma_many, METH_FASTCALL, "mp_cma_many over int64 arrays"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -496,6 +780,8 @@ static struct PyModuleDef mp_module = {PyModuleDef_HEAD_INIT, "_mpcomm_copyloop"
                                        NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__mpcomm_copyloop(void) {
+    if (PyType_Ready(&MoverType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&mp_module);
     if (m != NULL && PyModule_AddIntConstant(m, "ABI", MP_ABI) < 0) {
         Py_DECREF(m);

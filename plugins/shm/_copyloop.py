@@ -59,6 +59,8 @@ class CopyLoop:
     """The Python fallback; :class:`NativeLoop` overrides every method with one C call."""
 
     native = False
+    #: ``mover(...)`` -> ShmTransport.inline_path's move in C, or None (the transport's closure serves).
+    mover: Any = None
 
     def __init__(self, reason: str) -> None:
         #: Why this implementation is in use (shown in availability text).
@@ -199,6 +201,14 @@ class NativeLoop(CopyLoop):
             # The same C functions without ctypes' argument conversion: the single-request path.
             self.copy = module.copy  # type: ignore[method-assign]
             self.cma = module.cma  # type: ignore[method-assign]
+            # And the batch calls: each ctypes call cost about 1 us, two per batch (check2, copy_many).
+            # These hold the arrays' buffers for the call and refuse arrays shorter than n.
+            if hasattr(module, "copy_many"):
+                self.check2 = self._check2_module  # type: ignore[method-assign]
+                self.copy_many = module.copy_many  # type: ignore[method-assign]
+                self.cma_many = module.cma_many  # type: ignore[method-assign]
+                self._check2_fast = module.check2
+            self.mover = getattr(module, "mover", None)
 
     def share(self, min_bytes: int, spin_us: int) -> int:  # type: ignore[override]
         return int(self._share(max(int(min_bytes), 0), max(int(spin_us), 0) * 1000))
@@ -209,6 +219,13 @@ class NativeLoop(CopyLoop):
 
     def check2(self, roffs: Any, loffs: Any, lens: Any, n: int, rsize: int, lsize: int) -> tuple[str, int, int]:
         r = self._check2(_addr(roffs), _addr(loffs), _addr(lens), n, rsize, lsize)
+        if r < 0:
+            return "", -1, -1 - r
+        return ("remote", r, 0) if r < n else ("local", r - n, 0)
+
+    def _check2_module(self, roffs: Any, loffs: Any, lens: Any, n: int, rsize: int,
+                       lsize: int) -> tuple[str, int, int]:
+        r = self._check2_fast(roffs, loffs, lens, n, rsize, lsize)
         if r < 0:
             return "", -1, -1 - r
         return ("remote", r, 0) if r < n else ("local", r - n, 0)

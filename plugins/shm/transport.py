@@ -83,6 +83,7 @@ import errno
 import json
 import logging
 import mmap
+import operator
 import os
 import secrets
 import socket
@@ -127,6 +128,8 @@ _FD_CLIENTS = 64  # fd-socket clients served at once
 _FD_TIMEOUT = 1.0  # seconds an fd-socket client gets per step (one recv, one send: an initiator sends at once)
 _SMALL = 64 << 10  # single requests up to this size copy under the mapping's lock (one lock, no counter)
 _CLAIM_WINDOW = 50e-6  # seconds a posted copy waits for its result() caller before a worker takes it
+#: _Mapping.error, read by the C move under the mapping's lock (beside the class: no name in C).
+_MAPPING_ERROR = operator.attrgetter("error")
 
 
 @dataclass(eq=False)
@@ -965,6 +968,9 @@ class ShmTransport(Transport):
         limit = min(self._inline, self._chunk)
         lock, size, base, laddr, lsize, pidfd = m.lock, m.size, m.base, local.address, local.size, m.pidfd
         copy1, cma1, pid, cma = self._copy1, self._cma1, m.pid, m.kind != "map"
+        if self._loop.mover is not None:  # the same move in C (_copyloop.c's mover): no Python frame
+            return self._loop.mover(lock.acquire, lock.release, _MAPPING_ERROR, m.enter, m.exit, m, size, base, laddr,
+                                    lsize, pidfd, limit, _SMALL, write, cma, pid)
 
         def move(lo: int, ro: int, n: int) -> bool:
             # Both ranges against the sizes held here, whatever the caller checked: the rule of

@@ -68,6 +68,8 @@ TESTS = [
     "tests/shm/test_copyloop.py::test_check2_names_the_side",
     "tests/shm/test_copyloop.py::test_cma_many_into_another_process",
     "tests/shm/test_copyloop.py::test_cma_many_stops_at_an_unmapped_piece",
+    "tests/shm/test_copyloop.py::test_batch_calls_skip_ctypes_and_refuse_short_arrays",
+    "tests/core/test_batch_check_native.py",
     "tests/regressions/test_native_path.py::test_the_copy_loops_check_every_piece_where_they_copy_it",
     "tests/regressions/test_native_path.py::test_a_batch_value_outside_int64_is_out_of_bounds",
     "tests/core/test_lane_agreement.py",

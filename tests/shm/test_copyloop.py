@@ -211,3 +211,28 @@ def test_single_copies_skip_ctypes(target: Target) -> None:
         assert loop.cma(target.pid, True, _addr(src), 8, 16, pidfd) == -14  # EFAULT, as through ctypes
     finally:
         os.close(pidfd)
+
+
+def test_batch_calls_skip_ctypes_and_refuse_short_arrays() -> None:
+    """check2/copy_many/cma_many are the module's functions too (a ctypes call cost about 1 us, two per
+    batch): they hold the arrays' buffers for the call and refuse an ``n`` the arrays do not hold,
+    where the ctypes call read past their end."""
+    loop = _copyloop.get()
+    if not loop.native:
+        pytest.skip(f"no compiled extension here: {loop.reason}")
+    assert type(loop.copy_many).__name__ == "builtin_function_or_method"
+    assert type(loop.cma_many).__name__ == "builtin_function_or_method"
+    src = bytearray(os.urandom(8192))
+    dst = bytearray(8192)
+    offs, lens = array("q", [0, 4096]), array("q", [4096, 4096])
+    assert loop.check2(offs, offs, lens, 2, 8192, 8192) == ("", -1, 8192)
+    assert loop.copy_many(_addr(dst), 8192, offs, _addr(src), 8192, offs, lens, 0, 2, 1 << 20, -1) == 2
+    assert dst == src
+    with pytest.raises(ValueError):
+        loop.check2(offs, offs, lens, 3, 1 << 20, 1 << 20)
+    with pytest.raises(ValueError):
+        loop.copy_many(_addr(dst), 8192, offs, _addr(src), 8192, offs, array("q", [1]), 0, 2, 1 << 20, -1)
+    with pytest.raises(ValueError):
+        loop.cma_many(os.getpid(), True, _addr(src), 8192, offs, _addr(dst), 8192, offs, lens, 0, 5, 1 << 20, -1)
+    with pytest.raises(ValueError):
+        loop.copy_many(_addr(dst), 8192, offs, _addr(src), 8192, offs, lens, -1, 2, 1 << 20, -1)
