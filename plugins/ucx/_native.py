@@ -24,7 +24,7 @@ from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.ucx")
 
-ABI = 6
+ABI = 7
 MODULE = "mpcomm.plugins.ucx._mpcomm_ucxloop"
 
 _lock = threading.Lock()
@@ -121,7 +121,8 @@ class LoopState(C.Structure):
                 ("efd", C.c_int64), ("nfd", C.c_int64), ("spin_ns", C.c_int64), ("stop", C.c_int32),
                 ("want", C.c_int32), ("events", C.c_uint32), ("drivers", C.c_int32), ("asked", C.c_int32),
                 ("kicks", C.c_uint32), ("check", C.c_void_p), ("sleeps", C.c_int64),
-                ("notified", C.c_int64)]
+                ("notified", C.c_int64), ("claim_ns", C.c_int64), ("handoff_at", C.c_int64),
+                ("held_until", C.c_int64), ("held", C.c_int64)]
 
 
 class ProgressLoop:
@@ -136,10 +137,10 @@ class ProgressLoop:
     """
 
     def __init__(self, lib: C.CDLL, progress: int, arm: int, signal: int, check: int, worker: int, efd: int,
-                 spin_ns: int) -> None:
+                 spin_ns: int, claim_ns: int = 0) -> None:
         self.nfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._state = LoopState(progress=progress, arm=arm, signal=signal, worker=worker, efd=efd, nfd=self.nfd,
-                                spin_ns=max(0, spin_ns), check=check)
+                                spin_ns=max(0, spin_ns), check=check, claim_ns=max(0, claim_ns))
         self._at = at = C.addressof(self._state)
         self._lib = lib
         self._want, self._ask = lib.mpcomm_ucx_loop_want, lib.mpcomm_ucx_loop_ask
@@ -163,7 +164,9 @@ class ProgressLoop:
         self._ask(self._at)
 
     def handoff(self) -> None:
-        """A request was handed off in flight: wanted from now on, and the loop progresses."""
+        """A request was handed off in flight: wanted from now on, and the loop progresses. For
+        ``claim_ns`` from now, work that would wake the bookkeeping thread holds that wake-up until
+        the window ends (a result() waiter may claim the request meanwhile; see _ucxloop.c)."""
         self._handoff(self._at)
 
     def kick(self) -> None:
@@ -214,6 +217,11 @@ class ProgressLoop:
     def sleeps(self) -> int:
         """How many times the loop slept on the worker's event fd and woke."""
         return self._state.sleeps
+
+    @property
+    def held(self) -> int:
+        """How many wake-ups of the bookkeeping thread were held for a claim window."""
+        return self._state.held
 
     @property
     def notified(self) -> int:
