@@ -79,6 +79,7 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
                             ("mpcomm_ucx_loop_handoff", C.c_int64, [C.c_void_p]),
                             ("mpcomm_ucx_loop_kick", C.c_int64, [C.c_void_p]),
                             ("mpcomm_ucx_loop_bump", None, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_events", None, [C.c_void_p]),
                             ("mpcomm_ucx_loop_worked", None, [C.c_void_p]),
                             ("mpcomm_ucx_loop_stop", None, [C.c_void_p]),
                             ("mpcomm_ucx_loop_wait", C.c_int64,
@@ -148,6 +149,7 @@ class ProgressLoop:
         self._kick, self._bump, self._worked = lib.mpcomm_ucx_loop_kick, lib.mpcomm_ucx_loop_bump, \
             lib.mpcomm_ucx_loop_worked
         self._wait_fn = lib.mpcomm_ucx_loop_wait
+        self._events = lib.mpcomm_ucx_loop_events
         self._thread = threading.Thread(target=lib.mpcomm_ucx_loop_run, args=(at,), name="mpcomm-ucx-native",
                                         daemon=True)
         self._stopped = False
@@ -185,6 +187,11 @@ class ProgressLoop:
         except OSError:
             pass
         self._bump(self._at)
+
+    def tell_drivers(self) -> None:
+        """The bookkeeping thread's own progress did work: every :meth:`wait` checks its request
+        (the thread itself looks at its requests again; it is not woken)."""
+        self._events(self._at)
 
     def bump(self) -> None:
         """Wake every :meth:`wait` (requests were reported)."""

@@ -204,6 +204,11 @@ static void mp_events(struct mp_loop *l) {
         syscall(SYS_futex, &l->events, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
+/* A Python thread's progress did work that only drivers may be waiting for (the bookkeeping
+   thread's own, which looks at its requests again itself): `events`, so each driver checks its
+   request natively. */
+void mpcomm_ucx_loop_events(struct mp_loop *l) { mp_events(l); }
+
 /* Python's wake-up of every driver (whatever it waits for): `kicks`, then `events`. */
 void mpcomm_ucx_loop_bump(struct mp_loop *l) {
     __atomic_add_fetch(&l->kicks, 1, __ATOMIC_SEQ_CST);

@@ -1668,14 +1668,23 @@ class UcxTransport(Transport):
                 loop.ask()
                 with self._lock:
                     wake_at = None
-                    if self._busy():
+                    stepped = self._busy()
+                    if stepped:
                         loop.want(True)
                         wake_at = self._tick(time.monotonic())
                     busy = self._busy()
                     loop.want(busy)
+                    driven = self._driven
+                # This thread's progress calls (its own below, and those of what its steps issued)
+                # may complete a driven request: its waiter sleeps on the loop's event counter,
+                # which only the loop's and posting threads' progress moved -- it slept out its
+                # 1 s wait step (test_pipelined_waiters_never_sleep_out_their_wait_step).
+                if stepped and driven:
+                    loop.tell_drivers()
                 if busy and worker.progress():
                     while worker.progress():
                         pass
+                    loop.tell_drivers()
                     continue  # local work done: look at the requests again before sleeping
                 timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic()) + 0.001
                 select.select([nfd], [], [], timeout)

@@ -264,6 +264,27 @@ def test_a_held_wake_up_is_released_when_the_claim_window_ends(make_engine: Any)
         fut.result(0)
 
 
+def test_pipelined_waiters_never_sleep_out_their_wait_step(make_engine: Any) -> None:
+    """64 writes in flight, then result() on each in turn: the later ones are handed off, and the
+    Python thread's own progress calls may complete the one a waiter drives. The waiter must hear
+    of it (the loop's event counter); it used to sleep out its 1 s wait step, now and then."""
+    tgt = make_engine(TCP, transports=["ucx"])
+    tgt.register(bytearray(1 << 20), name="kv")
+    ini = make_engine(TCP, transports=["ucx"])
+    remote = ini.open(tgt.address, "kv", timeout=10)
+    src = ini.allocate(4096)
+    ini.write(src, remote, 0, 4096).result(5)
+    slow = []
+    for k in range(150):
+        t = time.monotonic()
+        futs = [ini.write(src, remote, i * 4096, 4096) for i in range(64)]
+        for f in futs:
+            f.result(5)
+        if time.monotonic() - t > 0.5:  # about 10 ms each here
+            slow.append(k)
+    assert not slow, f"batches of 64 writes that took over 0.5 s: {slow}"
+
+
 _BUSY_INITIATOR = textwrap.dedent("""
     import sys, threading, mpcomm
     e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
