@@ -24,7 +24,7 @@ from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.ucx")
 
-ABI = 6
+ABI = 7
 MODULE = "mpcomm.plugins.ucx._mpcomm_ucxloop"
 
 _lock = threading.Lock()
@@ -79,6 +79,7 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
                             ("mpcomm_ucx_loop_handoff", C.c_int64, [C.c_void_p]),
                             ("mpcomm_ucx_loop_kick", C.c_int64, [C.c_void_p]),
                             ("mpcomm_ucx_loop_bump", None, [C.c_void_p]),
+                            ("mpcomm_ucx_loop_events", None, [C.c_void_p]),
                             ("mpcomm_ucx_loop_worked", None, [C.c_void_p]),
                             ("mpcomm_ucx_loop_stop", None, [C.c_void_p]),
                             ("mpcomm_ucx_loop_wait", C.c_int64,
@@ -121,7 +122,8 @@ class LoopState(C.Structure):
                 ("efd", C.c_int64), ("nfd", C.c_int64), ("spin_ns", C.c_int64), ("stop", C.c_int32),
                 ("want", C.c_int32), ("events", C.c_uint32), ("drivers", C.c_int32), ("asked", C.c_int32),
                 ("kicks", C.c_uint32), ("check", C.c_void_p), ("sleeps", C.c_int64),
-                ("notified", C.c_int64)]
+                ("notified", C.c_int64), ("claim_ns", C.c_int64), ("handoff_at", C.c_int64),
+                ("held_until", C.c_int64), ("held", C.c_int64)]
 
 
 class ProgressLoop:
@@ -136,10 +138,10 @@ class ProgressLoop:
     """
 
     def __init__(self, lib: C.CDLL, progress: int, arm: int, signal: int, check: int, worker: int, efd: int,
-                 spin_ns: int) -> None:
+                 spin_ns: int, claim_ns: int = 0) -> None:
         self.nfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._state = LoopState(progress=progress, arm=arm, signal=signal, worker=worker, efd=efd, nfd=self.nfd,
-                                spin_ns=max(0, spin_ns), check=check)
+                                spin_ns=max(0, spin_ns), check=check, claim_ns=max(0, claim_ns))
         self._at = at = C.addressof(self._state)
         self._lib = lib
         self._want, self._ask = lib.mpcomm_ucx_loop_want, lib.mpcomm_ucx_loop_ask
@@ -147,6 +149,7 @@ class ProgressLoop:
         self._kick, self._bump, self._worked = lib.mpcomm_ucx_loop_kick, lib.mpcomm_ucx_loop_bump, \
             lib.mpcomm_ucx_loop_worked
         self._wait_fn = lib.mpcomm_ucx_loop_wait
+        self._events = lib.mpcomm_ucx_loop_events
         self._thread = threading.Thread(target=lib.mpcomm_ucx_loop_run, args=(at,), name="mpcomm-ucx-native",
                                         daemon=True)
         self._stopped = False
@@ -163,7 +166,9 @@ class ProgressLoop:
         self._ask(self._at)
 
     def handoff(self) -> None:
-        """A request was handed off in flight: wanted from now on, and the loop progresses."""
+        """A request was handed off in flight: wanted from now on, and the loop progresses. For
+        ``claim_ns`` from now, work that would wake the bookkeeping thread holds that wake-up until
+        the window ends (a result() waiter may claim the request meanwhile; see _ucxloop.c)."""
         self._handoff(self._at)
 
     def kick(self) -> None:
@@ -182,6 +187,11 @@ class ProgressLoop:
         except OSError:
             pass
         self._bump(self._at)
+
+    def tell_drivers(self) -> None:
+        """The bookkeeping thread's own progress did work: every :meth:`wait` checks its request
+        (the thread itself looks at its requests again; it is not woken)."""
+        self._events(self._at)
 
     def bump(self) -> None:
         """Wake every :meth:`wait` (requests were reported)."""
@@ -214,6 +224,11 @@ class ProgressLoop:
     def sleeps(self) -> int:
         """How many times the loop slept on the worker's event fd and woke."""
         return self._state.sleeps
+
+    @property
+    def held(self) -> int:
+        """How many wake-ups of the bookkeeping thread were held for a claim window."""
+        return self._state.held
 
     @property
     def notified(self) -> int:

@@ -6,6 +6,7 @@
  * UCX headers nor linking against UCX. Without a compiler the binding runs the
  * same loops in Python.
  */
+#define _GNU_SOURCE /* ppoll: the claim window's deadline in ns, not whole ms */
 #include <stdint.h>
 #include <stddef.h>
 #include <errno.h>
@@ -16,7 +17,7 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 
-#define MP_ABI 6
+#define MP_ABI 7
 
 int mpcomm_ucx_abi(void) { return MP_ABI; }
 
@@ -163,6 +164,10 @@ struct mp_loop {
     check_fn check;       /* ucp_request_check_status: a driver's request, checked without the GIL */
     int64_t sleeps;       /* polls that ended (observability) */
     int64_t notified;     /* writes to nfd */
+    int64_t claim_ns;     /* the claim window after a hand-off (0: none) */
+    int64_t handoff_at;   /* when the last request was handed off (mp_now_ns) */
+    int64_t held_until;   /* a wake-up of the bookkeeping thread held until then (0: none held) */
+    int64_t held;         /* wake-ups held (observability) */
 };
 
 /* One step of a short busy wait. Not sched_yield(): against a thread that never sleeps (a Python
@@ -199,16 +204,19 @@ static void mp_events(struct mp_loop *l) {
         syscall(SYS_futex, &l->events, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
+/* A Python thread's progress did work that only drivers may be waiting for (the bookkeeping
+   thread's own, which looks at its requests again itself): `events`, so each driver checks its
+   request natively. */
+void mpcomm_ucx_loop_events(struct mp_loop *l) { mp_events(l); }
+
 /* Python's wake-up of every driver (whatever it waits for): `kicks`, then `events`. */
 void mpcomm_ucx_loop_bump(struct mp_loop *l) {
     __atomic_add_fetch(&l->kicks, 1, __ATOMIC_SEQ_CST);
     mp_events(l);
 }
 
-/* Progress did work: tell whoever asked. `asked` (and `want`) are set before the asker checks its
-   requests, and read here after the work that may have completed them: no lost wake-up. */
-static void mp_worked(struct mp_loop *l) {
-    mp_events(l);
+/* Wake the bookkeeping thread if it has undriven requests and asked (once per ask). */
+static void mp_tell(struct mp_loop *l) {
     if (__atomic_load_n(&l->want, __ATOMIC_SEQ_CST) && __atomic_load_n(&l->asked, __ATOMIC_SEQ_CST)
         && __atomic_exchange_n(&l->asked, 0, __ATOMIC_SEQ_CST)) {
         mp_notify(l->nfd);
@@ -216,8 +224,67 @@ static void mp_worked(struct mp_loop *l) {
     }
 }
 
+/* Progress did work: tell whoever asked. `asked` (and `want`) are set before the asker checks its
+   requests, and read here after the work that may have completed them: no lost wake-up.
+ *
+ * The claim window. A request handed off (mpcomm_ucx_loop_handoff) whose answer comes before its
+ * caller reaches result() would wake the bookkeeping thread, which then reports it: another
+ * Python thread runs for a request whose caller was about to wait for it. So within `claim_ns`
+ * of the last hand-off, the wake-up is held until handoff_at + claim_ns (`held_until`), and
+ * released then by mp_release -- by when a waiter has claimed the request (drive(): `want` falls
+ * to 0 if it was the only one) or has not, and the bookkeeping thread is woken as before
+ * (callback-only users pay at most the window). Why no wake-up is lost:
+ *   - a hold only delays: every hold has a release. The loop thread calls mp_release after each
+ *     progress call that did no work and once more after ucp_worker_arm, and it never sleeps past
+ *     `held_until` (ppoll's timeout). A hold made on the loop thread is seen at its next
+ *     iteration. One made on another thread (a Python thread's own progress did work) signals
+ *     the worker after the CAS: the loop either read `held_until` after that CAS, or the signal
+ *     comes after its arm (the poll wakes) or before it (arm answers BUSY) -- as for `stop`;
+ *   - a hold that exists already is not extended (CAS from 0): its release, no later than its
+ *     own deadline, tells about this work too. A deadline is some hand-off's + claim_ns, so no
+ *     stream of hand-offs postpones a wake-up by more than the window;
+ *   - the release re-reads `want` and `asked` (mp_tell): `want` 0 means every request is driven
+ *     by a waiter, which checks its own natively (a waiter that gives up kicks the thread);
+ *     `asked` 0 means the thread was woken since and checks every status before it sleeps again.
+ * Work with no hand-off in the last claim_ns (further chunks of a request the thread steps)
+ * tells at once, as before. */
+static void mp_worked_on(struct mp_loop *l, int on_loop) {
+    mp_events(l);
+    if (!__atomic_load_n(&l->want, __ATOMIC_SEQ_CST) || !__atomic_load_n(&l->asked, __ATOMIC_SEQ_CST))
+        return;
+    int64_t claim = l->claim_ns;
+    if (claim > 0) {
+        int64_t until = __atomic_load_n(&l->handoff_at, __ATOMIC_SEQ_CST) + claim, now = mp_now_ns();
+        if (now < until) {
+            int64_t none = 0;
+            if (__atomic_compare_exchange_n(&l->held_until, &none, until, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                __atomic_add_fetch(&l->held, 1, __ATOMIC_RELAXED);
+                if (!on_loop)
+                    l->signal(l->worker);
+            }
+            return;
+        }
+    }
+    mp_tell(l);
+}
+
+static void mp_worked(struct mp_loop *l) { mp_worked_on(l, 1); }
+
+/* The loop thread: release a held wake-up whose window is over (mp_tell). Returns the ns until
+   the held one's deadline, or -1 when none is held. */
+static int64_t mp_release(struct mp_loop *l, int64_t now) {
+    int64_t until = __atomic_load_n(&l->held_until, __ATOMIC_SEQ_CST);
+    if (until == 0)
+        return -1;
+    if (now < until)
+        return until - now;
+    if (__atomic_compare_exchange_n(&l->held_until, &until, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        mp_tell(l);
+    return -1; /* (a failed CAS: a newer hold, seen at the next call) */
+}
+
 /* A Python thread's own progress call did work: tell whoever asked, as after the loop's own. */
-void mpcomm_ucx_loop_worked(struct mp_loop *l) { mp_worked(l); }
+void mpcomm_ucx_loop_worked(struct mp_loop *l) { mp_worked_on(l, 0); }
 
 /* Whether the bookkeeping thread has requests nobody drives (the transport, under its lock). */
 void mpcomm_ucx_loop_want(struct mp_loop *l, int64_t want) {
@@ -230,6 +297,7 @@ void mpcomm_ucx_loop_ask(struct mp_loop *l) { __atomic_store_n(&l->asked, 1, __A
 /* A posting thread handed a request in flight to the progress side: the bookkeeping thread must
    hear of its completion (unless a result() waiter claims it first), and the loop progresses. */
 int64_t mpcomm_ucx_loop_handoff(struct mp_loop *l) {
+    __atomic_store_n(&l->handoff_at, mp_now_ns(), __ATOMIC_SEQ_CST); /* its claim window starts */
     __atomic_store_n(&l->want, 1, __ATOMIC_SEQ_CST);
     return l->signal(l->worker);
 }
@@ -255,9 +323,12 @@ int64_t mpcomm_ucx_loop_run(struct mp_loop *l) {
         if (l->progress(l->worker)) {
             mp_worked(l);
             last = mp_now_ns();
+            mp_release(l, last); /* a long run of work does not postpone a held wake-up */
             continue;
         }
-        if (mp_now_ns() - last < l->spin_ns) {
+        int64_t now = mp_now_ns();
+        mp_release(l, now);
+        if (now - last < l->spin_ns) {
             mp_relax();
             continue;
         }
@@ -266,9 +337,15 @@ int64_t mpcomm_ucx_loop_run(struct mp_loop *l) {
             continue;
         if (__atomic_load_n(&l->stop, __ATOMIC_SEQ_CST))
             break;
+        /* After arm: a hold made on another thread before this read is seen here; one made after
+           it signals, and the poll wakes. Never sleep past a held wake-up's deadline. */
+        int64_t left = mp_release(l, mp_now_ns());
+        if (st != 0 && (left < 0 || left > 1000000))
+            left = 1000000; /* a failed arm polls in 1 ms steps */
+        struct timespec t = {left / 1000000000, left % 1000000000};
         struct pollfd p = {(int)l->efd, POLLIN, 0};
-        /* armed: sleep until UCX has an event or someone signals; a failed arm polls in 1 ms steps */
-        poll(&p, 1, st == 0 ? -1 : 1);
+        /* armed: sleep until UCX has an event, someone signals, or a held wake-up is due */
+        ppoll(&p, 1, left < 0 ? NULL : &t, NULL);
         __atomic_add_fetch(&l->sleeps, 1, __ATOMIC_RELAXED);
         last = mp_now_ns();
     }

@@ -312,6 +312,11 @@ class UcxTransport(Transport):
         # before they sleep (0: at once). On shared or oversubscribed CPUs a busy wait takes the CPU
         # the peer's answer needs (4 KiB over tcp here: 80 us p50 at 0, 360-480 us at 50).
         "native_spin_us": 0,
+        # A request handed off in flight is left this long to a result() waiter that claims it (drive)
+        # before the native loop wakes the Python thread for its answer: an answer that beats its
+        # caller to result() is then reported on the caller's thread. Callback-only users pay at most
+        # this per wake-up (0: the Python thread is woken at once). As tcp's HANDOFF.
+        "claim_us": 1000,
         "revoke_timeout": 2.0,  # seconds a target waits for an initiator to confirm a revocation
         "attach_timeout": 10.0,  # upper bound of an attach round trip (the request's deadline is shorter)
     }
@@ -325,6 +330,7 @@ class UcxTransport(Transport):
         self._inline_threshold = int(o["inline_threshold"])
         self._spin = int(o["spin_us"]) / 1e6
         self._native_spin = max(0, int(o["native_spin_us"])) / 1e6
+        self._claim = max(0, int(o["claim_us"])) / 1e6
         self._revoke_timeout = float(o["revoke_timeout"])
         self._attach_timeout = float(o["attach_timeout"])
         self._abort_grace = ctx.config.runtime.abort_grace_ms / 1000
@@ -433,7 +439,7 @@ class UcxTransport(Transport):
         # The worker's progress runs natively where the helper is built: nobody's GIL is needed for
         # a peer's emulated put/get (tcp) to be served. Python's thread then only steps this
         # process's own requests. Without the helper, the Python thread progresses (as before).
-        self._loop = self._worker.progress_loop(self._native_spin)
+        self._loop = self._worker.progress_loop(self._native_spin, self._claim)
         if self._loop is not None:
             self._loop.start()
         self._thread = threading.Thread(target=self._progress_loop if self._loop is None else self._bookkeeping_loop,
@@ -1489,11 +1495,14 @@ class UcxTransport(Transport):
             if not self._closed:
                 self._loop.handoff()  # `want` first, then the statuses: no completion goes unheard
                 # One the loop made between the issue and this hand-off told nobody: step it here
-                # (every caller returns right after this), and wake the Python thread if it is not over.
+                # (every caller returns right after this). If it is not over, what the step issued (a
+                # flush) is handed off again -- the loop progresses it and its claim window starts
+                # anew -- rather than the Python thread kicked: `want` was set before the statuses
+                # were read, so the completion of whatever is still outstanding is told as any other.
                 if any(r.status() != 1 for r, _n, _i in w.reqs) or (w.flush is not None and w.flush.status() != 1):
                     self._step_safe(w, time.monotonic())
                     if w in self._active:
-                        self._signal()
+                        self._loop.handoff()
         else:
             self._signal()
 
@@ -1659,14 +1668,23 @@ class UcxTransport(Transport):
                 loop.ask()
                 with self._lock:
                     wake_at = None
-                    if self._busy():
+                    stepped = self._busy()
+                    if stepped:
                         loop.want(True)
                         wake_at = self._tick(time.monotonic())
                     busy = self._busy()
                     loop.want(busy)
+                    driven = self._driven
+                # This thread's progress calls (its own below, and those of what its steps issued)
+                # may complete a driven request: its waiter sleeps on the loop's event counter,
+                # which only the loop's and posting threads' progress moved -- it slept out its
+                # 1 s wait step (test_pipelined_waiters_never_sleep_out_their_wait_step).
+                if stepped and driven:
+                    loop.tell_drivers()
                 if busy and worker.progress():
                     while worker.progress():
                         pass
+                    loop.tell_drivers()
                     continue  # local work done: look at the requests again before sleeping
                 timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic()) + 0.001
                 select.select([nfd], [], [], timeout)

@@ -216,6 +216,76 @@ def test_a_request_nobody_waits_on_is_reported_after_each_new_attach(make_engine
         assert bytes(buf[4096:]) == b"n" * 4096
 
 
+def _claiming(claim_us: int) -> dict[str, Any]:
+    return {"plugins": {"ucx": {"tls": "tcp,self", "claim_us": claim_us}}}
+
+
+def test_an_answer_that_beats_its_caller_to_result_is_reported_by_the_caller(make_engine: Any) -> None:
+    """The race of docs/ucx.md: the target answers a handed-off write before its caller reaches
+    result() (here the caller sleeps 30 ms first). Within the claim window the native loop holds
+    the Python thread's wake-up, so result() claims the request and reports it on its own thread."""
+    tgt = make_engine(TCP, transports=["ucx"])
+    buf = bytearray(1 << 20)
+    tgt.register(buf, name="kv")
+    ini = make_engine(_claiming(2_000_000), transports=["ucx"])  # 2 s: surely longer than the sleep
+    remote = ini.open(tgt.address, "kv", timeout=10)
+    src = ini.allocate(4096)
+    for _ in range(3):
+        ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+    tr = ini.transports["ucx"]
+    woke, driven = tr.wakeups, tr.waiter_reports
+    for i in range(10):
+        src.view[:8] = i.to_bytes(8, "little")
+        fut = ini.write(src, remote, i * 4096, 4096)
+        time.sleep(0.03)  # the answer comes meanwhile
+        fut.result(5)
+    woke, driven = tr.wakeups - woke, tr.waiter_reports - driven
+    assert all(buf[i * 4096:i * 4096 + 8] == i.to_bytes(8, "little") for i in range(10))
+    # One whose answer came before its hand-off is reported by the posting thread (not counted as
+    # the waiter's; a third or more of them on a loaded machine): the Python thread reports none.
+    assert woke <= 2, f"the transport's Python thread woke {woke} times for 10 writes ({driven} claimed)"
+    assert driven >= 3, f"only {driven} of 10 writes were reported by their waiter"
+
+
+def test_a_held_wake_up_is_released_when_the_claim_window_ends(make_engine: Any) -> None:
+    """Nobody claims these writes: the native loop, asleep, wakes itself at the window's end
+    (its poll timeout) and wakes the Python thread, which reports them."""
+    tgt = make_engine(TCP, transports=["ucx"])
+    tgt.register(bytearray(1 << 20), name="kv")
+    ini = make_engine(_claiming(200_000), transports=["ucx"])
+    remote = ini.open(tgt.address, "kv", timeout=10)
+    src = ini.allocate(4096)
+    ini.write(src, remote, 0, 4096).result(5)
+    for i in range(5):
+        fut = ini.write(src, remote, i * 4096, 4096)
+        end = time.monotonic() + 5
+        while not fut.done() and time.monotonic() < end:  # done() does not drive
+            time.sleep(0.005)
+        assert fut.done(), f"write {i}: nobody claimed it, and it was never reported"
+        fut.result(0)
+
+
+def test_pipelined_waiters_never_sleep_out_their_wait_step(make_engine: Any) -> None:
+    """64 writes in flight, then result() on each in turn: the later ones are handed off, and the
+    Python thread's own progress calls may complete the one a waiter drives. The waiter must hear
+    of it (the loop's event counter); it used to sleep out its 1 s wait step, now and then."""
+    tgt = make_engine(TCP, transports=["ucx"])
+    tgt.register(bytearray(1 << 20), name="kv")
+    ini = make_engine(TCP, transports=["ucx"])
+    remote = ini.open(tgt.address, "kv", timeout=10)
+    src = ini.allocate(4096)
+    ini.write(src, remote, 0, 4096).result(5)
+    slow = []
+    for k in range(150):
+        t = time.monotonic()
+        futs = [ini.write(src, remote, i * 4096, 4096) for i in range(64)]
+        for f in futs:
+            f.result(5)
+        if time.monotonic() - t > 0.5:  # about 10 ms each here
+            slow.append(k)
+    assert not slow, f"batches of 64 writes that took over 0.5 s: {slow}"
+
+
 _BUSY_INITIATOR = textwrap.dedent("""
     import sys, threading, mpcomm
     e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
