@@ -27,6 +27,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from operator import attrgetter, methodcaller
 from typing import Any
 
 from .errors import AlignmentError, AllocationError, RegionBusyError, RegionClosedError, RegionError
@@ -420,6 +421,15 @@ class Region:
             raise RegionError(f"region {self.name!r} is {self.location} memory: the CPU cannot slice it",
                               region=self.name)
         return self.view[offset : offset + length]
+
+
+
+#: A region's lease state as the engine's C lane (engine/_fastlane.c) reads it: whether it
+#: refuses new leases, how many close() calls wait, and how to wake them. The lane takes and
+#: releases leases by the protocol of :meth:`Region.acquire`/:meth:`Region.release` without
+#: calling them; it gets these probes when a pair is bound (engine/fastlane.py), so no C
+#: code names an attribute, and they sit here, beside the attributes they read.
+LEASE_PROBES = (attrgetter("_refusing"), attrgetter("_closers"), methodcaller("_wake_closers"))
 
 
 def region_of(obj: Any, *, name: str, access: str | None = None) -> Region:

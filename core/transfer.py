@@ -512,6 +512,10 @@ class _Landed(Transfer):
     or touched here.
     """
 
+    # The five attributes __init__ sets are slots: engine/_fastlane.c sets them through these
+    # descriptors (FIELDS, handed to it when a pair is bound), by no name.
+    __slots__ = ("bytes_moved", "_origin", "_request_args", "submitted_at", "finished_at")
+
     status = COMPLETED
     stripes: tuple[tuple[int, int, str], ...] = ()
     _applied = True
@@ -528,8 +532,9 @@ class _Landed(Transfer):
         """``origin`` says what carried it (shared by every handle of its lane); ``request`` holds
         the arguments of the :class:`Request` it stands for, built only if asked for. Five stores
         and a clock read: this runs once per request on the fastest path there is.
-        engine/_fastlane.c makes these handles too, setting the same five attributes without
-        this frame: keep the two in step (tests/core/test_fastlane.py compares them)."""
+        engine/_fastlane.c makes these handles too, setting the same five attributes (FIELDS, in
+        this order) without this frame: keep the two in step (tests/core/test_fastlane.py
+        compares them)."""
         self.bytes_moved = nbytes
         self._origin = origin
         self._request_args = request
@@ -592,6 +597,11 @@ def _call(fn: Callable[[Any], Any], arg: Any) -> None:
         # SystemExit (or the like) would end the completion thread silently, and with it
         # every later callback of the engine.
         log.exception("transfer callback %r raised; ignored", fn)
+
+
+#: The descriptors of the attributes _Landed.__init__ sets, in its order (engine/_fastlane.c's FIELD_*).
+_Landed.FIELDS = (_Landed.bytes_moved, _Landed._origin, _Landed._request_args,  # type: ignore[attr-defined]
+                  _Landed.submitted_at, _Landed.finished_at)
 
 
 class Batch(Transfer):

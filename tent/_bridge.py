@@ -4,11 +4,17 @@ Every method returns an int status and never raises: the C++ side treats an
 exception that escapes anyway as ``ERR_RUNTIME``. Completion is pushed to C++
 through ``_mpcomm_native.complete(handle, code, nbytes)`` (a module the
 library creates), so C++ threads poll their handles without taking the GIL.
+
+The library looks up no attribute by name: when it imports this module,
+the module hands :func:`open_bridge` to ``_mpcomm_native.attach``, and
+``open_bridge`` returns a new Bridge's entry points as a tuple, in the order
+of ``BridgeFn`` in tent/native/mpcomm.cpp.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,3 +86,20 @@ class Bridge:
         except Exception as exc:  # noqa: BLE001
             return self._fail(exc)
         return self._watch(handle, t)
+
+
+def open_bridge(complete: Callable[[int, int, int], None]) -> tuple[Callable[..., Any], ...]:
+    """A new Bridge's entry points, in mpcomm.cpp's ``BridgeFn`` order: call, issue, issue_many,
+    tcp_port, query (one Bridge per ``mpcomm::MPComm``; the tuple keeps it alive)."""
+    b = Bridge(complete)
+    return (b.call, b.issue, b.issue_many, b.tcp_port, b.query)
+
+
+def _attach() -> None:
+    """Hand :func:`open_bridge` to libmpcomm.so, which created ``_mpcomm_native`` before importing us."""
+    native = sys.modules.get("_mpcomm_native")
+    if native is not None:
+        native.attach(open_bridge)
+
+
+_attach()

@@ -16,7 +16,7 @@
  * the five attributes _Landed.__init__ sets (core/transfer.py, see landed());
  * each of those places names this file, and the tests compare the two lanes.
  */
-#define MP_ABI 1
+#define MP_ABI 2
 
 int mpcomm_fastlane_abi(void) { return MP_ABI; }
 
@@ -26,16 +26,25 @@ int mpcomm_fastlane_abi(void) { return MP_ABI; }
 #include <math.h>
 #include <time.h>
 
-/* What lane(...) binds, in this order (a tuple: the callable's self). */
+/* What lane(...) binds, in this order (a tuple: the callable's self). No name of a Python
+ * attribute appears in this file: what it reads or calls on the engine's objects is handed
+ * to lane() as an object (a probe is a callable taking the object it reads; fastlane.py
+ * names where each comes from), so a renamed attribute is renamed beside its probe. */
 enum {
-    S_LOCAL,      /* the local Region: its lease list and flags (see lease() below) */
+    S_LOCAL,      /* the local Region (see lease() below) */
     S_HELD,       /* local._held: one entry per lease */
+    S_REFUSING,   /* probe(local) -> truthy while the region refuses new leases */
+    S_CLOSERS,    /* probe(local) -> how many close() calls wait for the leases to end */
+    S_WAKE,       /* probe(local): wake them */
     S_MOVE,       /* the transport's move(lo, ro, n) -> truthy once landed */
-    S_LINK,       /* the PeerLink: .alive */
-    S_ENGINE,     /* the Engine: ._closed */
+    S_LINK,       /* the PeerLink */
+    S_ALIVE,      /* probe(link) -> truthy while the peer is reachable */
+    S_ENGINE,     /* the Engine */
+    S_CLOSED,     /* probe(engine) -> truthy once it is closed */
     S_FAILED_PATHS, /* the health tracker's failure tables (HealthTracker.failure_tables()): */
     S_FAILED_PEERS, /* while both are empty nothing has failed and admission is skipped */
     S_LANDED,     /* the handle class, _Landed: made here with the attributes its __init__ sets */
+    S_FIELDS,     /* _Landed.FIELDS: the descriptors of those five attributes, in FIELD_* order */
     S_ORIGIN,     /* what the handles name as their transport and route */
     S_KIND,       /* "write" / "read" */
     S_REMOTE,     /* the RemoteRegion */
@@ -46,8 +55,10 @@ enum {
     S_COUNT
 };
 
-static PyObject *s_refusing, *s_closers, *s_wake, *s_alive, *s_closed, *s_empty;
-static PyObject *s_bytes_moved, *s_origin, *s_request_args, *s_submitted_at, *s_finished_at;
+/* The order of _Landed.FIELDS (core/transfer.py). */
+enum { FIELD_BYTES_MOVED, FIELD_ORIGIN, FIELD_REQUEST_ARGS, FIELD_SUBMITTED_AT, FIELD_FINISHED_AT, FIELD_COUNT };
+
+static PyObject *s_empty;
 
 static double monotonic(void) {
     struct timespec t;
@@ -75,9 +86,9 @@ static inline int fits(unsigned long long off, unsigned long long n, unsigned lo
     return n <= size && off <= size - n;
 }
 
-/* 1 true, 0 false, -1 error (set) */
-static int attr_true(PyObject *o, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(o, name);
+/* probe(o) as a truth value: 1 true, 0 false, -1 error (set) */
+static int probe_true(PyObject *probe, PyObject *o) {
+    PyObject *v = PyObject_CallOneArg(probe, o);
     if (v == NULL)
         return -1;
     int r = PyObject_IsTrue(v);
@@ -86,11 +97,11 @@ static int attr_true(PyObject *o, PyObject *name) {
 }
 
 /* The lease protocol of Region.acquire/release (core/memory.py), without the two method
- * calls: append one entry, then look at _refusing (close() sets _refusing, then looks at the
- * list, so one of the two always sees the other); release pops it and wakes a waiting close()
+ * calls: append one entry, then probe "refusing" (close() sets it, then looks at the list,
+ * so one of the two always sees the other); release pops it and wakes a waiting close()
  * once the list is empty. Both run under the GIL, as list.append/pop do there. */
-static int wake_closers(PyObject *local) {
-    PyObject *x = PyObject_CallMethodNoArgs(local, s_wake);
+static int wake_closers(PyObject *const *s) {
+    PyObject *x = PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]);
     if (x == NULL)
         return -1;
     Py_DECREF(x);
@@ -98,10 +109,11 @@ static int wake_closers(PyObject *local) {
 }
 
 /* 1 leased, 0 refused (the region is being unregistered; nothing held), -1 error */
-static int lease(PyObject *local, PyObject *held) {
+static int lease(PyObject *const *s) {
+    PyObject *held = s[S_HELD];
     if (PyList_Append(held, Py_None) < 0)
         return -1;
-    int refusing = attr_true(local, s_refusing);
+    int refusing = probe_true(s[S_REFUSING], s[S_LOCAL]);
     if (refusing == 0)
         return 1;
     /* Refused, or the lookup failed: take the entry back. A failed lookup's exception is
@@ -111,7 +123,7 @@ static int lease(PyObject *local, PyObject *held) {
     if (refusing < 0)
         PyErr_Fetch(&et, &ev, &tb);
     Py_ssize_t n = PyList_GET_SIZE(held);
-    if (PyList_SetSlice(held, n - 1, n, NULL) < 0 || wake_closers(local) < 0) {
+    if (PyList_SetSlice(held, n - 1, n, NULL) < 0 || wake_closers(s) < 0) {
         Py_XDECREF(et);
         Py_XDECREF(ev);
         Py_XDECREF(tb);
@@ -124,16 +136,23 @@ static int lease(PyObject *local, PyObject *held) {
     return 0;
 }
 
-static int unlease(PyObject *local, PyObject *held) {
+static int unlease(PyObject *const *s) {
+    PyObject *held = s[S_HELD];
     Py_ssize_t n = PyList_GET_SIZE(held);
     if (n > 0 && PyList_SetSlice(held, n - 1, n, NULL) < 0)
         return -1;
     if (PyList_GET_SIZE(held) == 0) {
-        int closers = attr_true(local, s_closers);
-        if (closers < 0 || (closers && wake_closers(local) < 0))
+        int closers = probe_true(s[S_CLOSERS], s[S_LOCAL]);
+        if (closers < 0 || (closers && wake_closers(s) < 0))
             return -1;
     }
     return 0;
+}
+
+/* field = value through the descriptor _Landed.FIELDS hands (a slot: no name, no lookup). */
+static int set_field(PyObject *const *s, int field, PyObject *h, PyObject *value) {
+    PyObject *d = PyTuple_GET_ITEM(s[S_FIELDS], field);
+    return Py_TYPE(d)->tp_descr_set(d, h, value);
 }
 
 /* A handle born COMPLETED: _Landed.__init__'s five attributes, set here without its frame
@@ -144,9 +163,9 @@ static PyObject *landed(PyObject *const *s, PyObject *nobj, PyObject *req, doubl
     if (h == NULL)
         return NULL;
     PyObject *t0obj = PyFloat_FromDouble(t0), *t1obj = PyFloat_FromDouble(monotonic());
-    if (t0obj == NULL || t1obj == NULL || PyObject_SetAttr(h, s_bytes_moved, nobj) < 0
-        || PyObject_SetAttr(h, s_origin, s[S_ORIGIN]) < 0 || PyObject_SetAttr(h, s_request_args, req) < 0
-        || PyObject_SetAttr(h, s_submitted_at, t0obj) < 0 || PyObject_SetAttr(h, s_finished_at, t1obj) < 0)
+    if (t0obj == NULL || t1obj == NULL || set_field(s, FIELD_BYTES_MOVED, h, nobj) < 0
+        || set_field(s, FIELD_ORIGIN, h, s[S_ORIGIN]) < 0 || set_field(s, FIELD_REQUEST_ARGS, h, req) < 0
+        || set_field(s, FIELD_SUBMITTED_AT, h, t0obj) < 0 || set_field(s, FIELD_FINISHED_AT, h, t1obj) < 0)
         Py_CLEAR(h);
     Py_XDECREF(t0obj);
     Py_XDECREF(t1obj);
@@ -198,16 +217,16 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     if (PyDict_GET_SIZE(s[S_FAILED_PATHS]) || PyDict_GET_SIZE(s[S_FAILED_PEERS]))
         Py_RETURN_NONE;
-    int r = attr_true(s[S_LINK], s_alive);
+    int r = probe_true(s[S_ALIVE], s[S_LINK]);
     if (r <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
-    r = attr_true(s[S_ENGINE], s_closed);
+    r = probe_true(s[S_CLOSED], s[S_ENGINE]);
     if (r != 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
 
     double t0 = monotonic();
-    PyObject *local = s[S_LOCAL], *held = s[S_HELD], *x;
-    r = lease(local, held);
+    PyObject *local = s[S_LOCAL], *x;
+    r = lease(s);
     if (r <= 0) {
         if (r < 0)
             return NULL;
@@ -246,7 +265,7 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_DECREF(x);
         done = 0;
     }
-    if (unlease(local, held) < 0) {
+    if (unlease(s) < 0) {
         Py_DECREF(nobj);
         return NULL;
     }
@@ -266,7 +285,7 @@ release_fail: {
         /* Release the lease with the pending exception kept aside. */
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
-        if (unlease(local, held) < 0) {
+        if (unlease(s) < 0) {
             Py_XDECREF(et);
             Py_XDECREF(ev);
             Py_XDECREF(tb);
@@ -280,13 +299,26 @@ release_fail: {
 static PyMethodDef run_def = {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
                               "run(lo, ro, length, timeout): one request on a bound pair, or None"};
 
-/* lane(local, held, move, link, engine, failed_paths, failed_peers, landed, origin, kind, remote,
- *      lsize, rsize, unbind, move_failed) -> the pair's run callable */
+static int is_field_tuple(PyObject *t) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != FIELD_COUNT)
+        return 0;
+    for (Py_ssize_t i = 0; i < FIELD_COUNT; i++)
+        if (Py_TYPE(PyTuple_GET_ITEM(t, i))->tp_descr_set == NULL)
+            return 0;
+    return 1;
+}
+
+/* lane(local, held, refusing, closers, wake, move, link, alive, engine, closed, failed_paths,
+ *      failed_peers, landed, fields, origin, kind, remote, lsize, rsize, unbind, move_failed)
+ * -> the pair's run callable */
 static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != S_COUNT || !PyLong_CheckExact(args[S_LSIZE]) || !PyLong_CheckExact(args[S_RSIZE])
         || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
-        || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])) {
+        || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
+        || !is_field_tuple(args[S_FIELDS]) || !PyCallable_Check(args[S_REFUSING])
+        || !PyCallable_Check(args[S_CLOSERS]) || !PyCallable_Check(args[S_WAKE])
+        || !PyCallable_Check(args[S_ALIVE]) || !PyCallable_Check(args[S_CLOSED])) {
         PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);
         return NULL;
     }
@@ -309,12 +341,7 @@ static struct PyModuleDef mp_module = {PyModuleDef_HEAD_INIT, "_mpcomm_fastlane"
                                        NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__mpcomm_fastlane(void) {
-#define INTERN(var, text) ((var = PyUnicode_InternFromString(text)) != NULL)
-    if (!(INTERN(s_refusing, "_refusing") && INTERN(s_closers, "_closers") && INTERN(s_wake, "_wake_closers")
-          && INTERN(s_alive, "alive") && INTERN(s_closed, "_closed") && INTERN(s_bytes_moved, "bytes_moved")
-          && INTERN(s_origin, "_origin") && INTERN(s_request_args, "_request_args")
-          && INTERN(s_submitted_at, "submitted_at") && INTERN(s_finished_at, "finished_at")
-          && (s_empty = PyTuple_New(0)) != NULL))
+    if ((s_empty = PyTuple_New(0)) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&mp_module);
     if (m != NULL && PyModule_AddIntConstant(m, "ABI", MP_ABI) < 0) {

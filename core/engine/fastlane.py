@@ -14,14 +14,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from operator import attrgetter
 from types import ModuleType
 from typing import Any
 
 from .. import native_helper
+from ..memory import LEASE_PROBES
 
 log = logging.getLogger("mpcomm.engine")
 
-ABI = 1
+ABI = 2  # 2: what the lane reads comes as probes and descriptors, not attribute names
 MODULE = "mpcomm.engine._mpcomm_fastlane"
 
 _lock = threading.Lock()
@@ -61,7 +63,26 @@ def status() -> str:
     return reason
 
 
-def lane(*bound: Any) -> Any:
-    """The pair's ``run(lo, ro, length, timeout)`` in C, or None; ``bound`` as listed in ``_fastlane.c``."""
+#: PeerLink.alive (public), read per request.
+_ALIVE = attrgetter("alive")
+
+
+def lane(local: Any, held: Any, move: Any, link: Any, engine: Any, failed_paths: Any, failed_peers: Any,
+         landed: Any, origin: Any, kind: str, remote: Any, lsize: int, rsize: int, unbind: Any, move_failed: Any,
+         *, closed: Any) -> Any:
+    """The pair's ``run(lo, ro, length, timeout)`` in C, or None.
+
+    ``_fastlane.c`` reads and sets no attribute by name: what it reads per
+    request is handed to it here, once per bound pair, as objects. The local
+    region's lease state comes as :data:`mpcomm.memory.LEASE_PROBES`, the
+    link's liveness as a probe of ``link.alive``, the engine's state as
+    ``closed`` (a probe of ``engine``, from the module that reads it the same
+    way in Python), and the handle's five attributes as ``landed.FIELDS``
+    (its slots' descriptors).
+    """
     mod = module()
-    return None if mod is None else mod.lane(*bound)
+    if mod is None:
+        return None
+    refusing, closers, wake = LEASE_PROBES
+    return mod.lane(local, held, refusing, closers, wake, move, link, _ALIVE, engine, closed, failed_paths,
+                    failed_peers, landed, landed.FIELDS, origin, kind, remote, lsize, rsize, unbind, move_failed)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -157,6 +158,10 @@ def _move_failed(transport: str, exc: BaseException) -> None:
     log.error("transport %s failed in its inline_path move", transport, exc_info=exc)
 
 
+#: The engine's state as the C lane reads it per request: the read _plain makes (fastlane.lane).
+_ENGINE_CLOSED = operator.attrgetter("_closed")
+
+
 def _plain(path: Any, lo: int, ro: int, length: int | None, timeout: float | None) -> int | None:
     """What a bound pair (``_FastPath``, ``_PostPath``) rechecks per request: the length it
     moves, or None for anything unusual (the full path then takes the request and raises
@@ -211,7 +216,7 @@ class _FastPath(LandedOrigin):
         return fastlane.lane(self.local, self.local._held, self.move, self.link, self.engine, paths, peers, _Landed,
                              LandedOrigin(self.transport, self.route, self.rule, self.dispatch), self.kind,
                              self.remote, self.lsize, self.rsize, functools.partial(self.table.pop, key, None),
-                             functools.partial(_move_failed, self.transport)) or self._run
+                             functools.partial(_move_failed, self.transport), closed=_ENGINE_CLOSED) or self._run
 
     def _run(self, lo: int, ro: int, length: int | None, timeout: float | None) -> Transfer | None:
         length = _plain(self, lo, ro, length, timeout)

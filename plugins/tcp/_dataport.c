@@ -58,6 +58,15 @@ int mpcomm_dataport_abi(void) { return DP_ABI; }
 #define ACC_R 1
 #define ACC_W 2
 
+/* Refusal messages name the region (repr(region.name)) in full, as server.py's do, up to
+ * QNAME_MAX bytes of it (cut at a UTF-8 character boundary beyond); MSG_CAP holds any message
+ * with such a name, BODY_CAP its JSON (each byte escaped at most as \uXXXX). With 1024-byte
+ * buffers a long name was cut, and cut inside a character it made the reply invalid UTF-8:
+ * the initiator took a refusal for a malformed reply (tests/tcp/test_tcp_native_messages.py). */
+#define QNAME_MAX 4096
+#define MSG_CAP (QNAME_MAX + 512)
+#define BODY_CAP (6 * MSG_CAP + 64)
+
 /* Outcomes of run(): how the connection ended (dataport.py logs them as server.py does). */
 #define END_CLOSED 0 /* the initiator closed, idle timeout, or transport closed */
 #define END_PROTOCOL 1 /* ProtocolError: warning, reset */
@@ -832,7 +841,7 @@ static int reply(Ctx *x, int status, uint32_t count, uint64_t req_id, const void
 }
 
 static int refuse(Ctx *x, uint64_t req_id, int code, const char *msg, double end) {
-    char body[2048];
+    static __thread char body[BODY_CAP]; /* per thread: too big for a small thread stack */
     size_t n = error_body(body, sizeof body, code, msg);
     return reply(x, ST_ERR, 0, req_id, body, n, end);
 }
@@ -860,7 +869,7 @@ static long long recv_region(Ctx *x, Entry *e, uint64_t off, uint64_t n, double 
 static int do_write(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint64_t epoch, uint64_t off,
                     uint64_t n, double end) {
     Port *p = x->p;
-    char msg[1024];
+    char msg[MSG_CAP];
     Entry *e;
     int code = admit(p, x->c, rid, token, epoch, off, n, ACC_W, end, 1, &e, msg, sizeof msg);
     if (code) {
@@ -887,7 +896,7 @@ static int do_write(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint6
 static int do_read(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint64_t epoch, uint64_t off,
                    uint64_t n, double end) {
     Port *p = x->p;
-    char msg[1024];
+    char msg[MSG_CAP];
     Entry *e;
     int code = admit(p, x->c, rid, token, epoch, off, n, ACC_R, end, 1, &e, msg, sizeof msg);
     if (code)
@@ -913,7 +922,7 @@ static int do_batch(Ctx *x, int op, uint32_t count, uint64_t req_id, uint64_t ri
     unsigned char *status = calloc(count, 1);
     struct iovec *iov = malloc(((size_t)count + 2) * sizeof *iov);
     Entry *e = NULL;
-    char msg[1024], first[1200];
+    char msg[MSG_CAP], first[MSG_CAP];
     if (!desc || !offs || !lens || !status || !iov) {
         rc = fail(x, END_OS, "out of memory for a batch of %u", count);
         goto out;
@@ -976,7 +985,7 @@ static int do_batch(Ctx *x, int op, uint32_t count, uint64_t req_id, uint64_t ri
         rc = refuse(x, req_id, code, msg, end);
         goto out;
     }
-    char body[2048];
+    static __thread char body[BODY_CAP]; /* per thread: too big for a small thread stack */
     size_t blen = 0;
     unsigned char jl[4];
     if (refused) {
@@ -1170,6 +1179,47 @@ static void spin_readable(int fd, long long budget_ns, double *quiet_until) {
     __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
 }
 
+/* A request header (wire.py REQ), decoded. */
+typedef struct {
+    int op;
+    uint32_t count;
+    uint64_t req_id, rid, token, epoch, off, n;
+    double left; /* seconds it may take from now: to its deadline, at most max_request, at least 0 */
+} Req;
+
+/* The header parser, as server.py's _one reads a header: the 64 bytes at h, at wall-clock time
+ * now. 0 with *q filled, or END_PROTOCOL with why. Pure (no I/O, no table): one() parses every
+ * header it receives with it, and the module function parse_head() any bytes (the fuzz tests,
+ * tests/fuzz/fuzz_dataport.py, against the Python rule). */
+static int parse_req(const unsigned char *h, double now, double max_request, Req *q, char *why, size_t wsz) {
+    if (h[0] != 'M' || h[1] != 'Q') {
+        snprintf(why, wsz, "bad request magic %02x%02x", h[0], h[1]);
+        return END_PROTOCOL;
+    }
+    q->op = h[2];
+    q->count = get_be32(h + 4);
+    q->req_id = get_be64(h + 8);
+    q->rid = get_be64(h + 16);
+    q->token = get_be64(h + 24);
+    q->epoch = get_be64(h + 32);
+    q->off = get_be64(h + 40);
+    q->n = get_be64(h + 48);
+    uint64_t dbits = get_be64(h + 56);
+    double deadline;
+    memcpy(&deadline, &dbits, 8);
+    if (!isfinite(deadline) || deadline <= 0) {
+        snprintf(why, wsz, "request deadline %g is not a finite positive time", deadline);
+        return END_PROTOCOL;
+    }
+    double left = deadline - now;
+    if (left < 0)
+        left = 0;
+    if (left > max_request)
+        left = max_request;
+    q->left = left;
+    return 0;
+}
+
 /* One request (server.py's _one): -1 to go on, else END_*. */
 static int one(Ctx *x, int first) {
     Port *p = x->p;
@@ -1193,23 +1243,13 @@ static int one(Ctx *x, int first) {
         if (r)
             return io_end(x, r, "tcp request header");
     }
-    if (h[0] != 'M' || h[1] != 'Q')
-        return fail(x, END_PROTOCOL, "bad request magic %02x%02x", h[0], h[1]);
-    int op = h[2];
-    uint32_t count = get_be32(h + 4);
-    uint64_t req_id = get_be64(h + 8), rid = get_be64(h + 16), token = get_be64(h + 24);
-    uint64_t epoch = get_be64(h + 32), off = get_be64(h + 40), n = get_be64(h + 48);
-    uint64_t dbits = get_be64(h + 56);
-    double deadline;
-    memcpy(&deadline, &dbits, 8);
-    if (!isfinite(deadline) || deadline <= 0)
-        return fail(x, END_PROTOCOL, "request deadline %g is not a finite positive time", deadline);
-    double left = deadline - wall();
-    if (left < 0)
-        left = 0;
-    if (left > p->max_request)
-        left = p->max_request;
-    double end = mono() + left;
+    Req q;
+    if (parse_req(h, wall(), p->max_request, &q, x->why, sizeof x->why))
+        return END_PROTOCOL;
+    int op = q.op;
+    uint32_t count = q.count;
+    uint64_t req_id = q.req_id, rid = q.rid, token = q.token, epoch = q.epoch, off = q.off, n = q.n;
+    double end = mono() + q.left;
     switch (op) {
     case OP_WRITE:
         return do_write(x, req_id, rid, token, epoch, off, n, end);
@@ -1316,7 +1356,11 @@ static PyObject *Port_publish(Port *self, PyObject *args) {
     e->base = e->view.buf;
     e->size = (uint64_t)e->view.len;
     e->rights = (strchr(rights, 'r') ? ACC_R : 0) | (strchr(rights, 'w') && !e->view.readonly ? ACC_W : 0);
-    e->qname = strndup(qname, 1024);
+    size_t qlen = strlen(qname);
+    if (qlen > QNAME_MAX) /* cut at a character boundary: never half a UTF-8 sequence */
+        for (qlen = QNAME_MAX; qlen > 0 && ((unsigned char)qname[qlen] & 0xC0) == 0x80; qlen--)
+            ;
+    e->qname = strndup(qname, qlen);
     if (!e->qname) {
         PyBuffer_Release(&e->view);
         free(e);
@@ -1406,7 +1450,7 @@ static PyObject *Port_check(Port *self, PyObject *args) {
     const char *acc;
     if (!ready(self) || !PyArg_ParseTuple(args, "KKKKKs", &rid, &token, &epoch, &off, &n, &acc))
         return NULL;
-    char msg[1024];
+    char msg[MSG_CAP];
     Entry *e;
     int code = admit(self, NULL, rid, token, epoch, off, n, acc[0] == 'w' ? ACC_W : ACC_R, INFINITY, 1, &e, msg,
                      sizeof msg);
@@ -1542,8 +1586,37 @@ static PyObject *set_spin_limit(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* parse_head(header, now, max_request_s) -> (op, count, req_id, region_id, token, epoch, offset,
+ * length, left_s): the loop's header parser on any 64 bytes; ValueError(why) where the loop would
+ * close the connection. */
+static PyObject *parse_head(PyObject *m, PyObject *args) {
+    (void)m;
+    Py_buffer b;
+    double now, max_request;
+    if (!PyArg_ParseTuple(args, "y*dd", &b, &now, &max_request))
+        return NULL;
+    if (b.len != REQ_SIZE) {
+        PyBuffer_Release(&b);
+        PyErr_Format(PyExc_ValueError, "a request header is %d bytes, not %zd", REQ_SIZE, b.len);
+        return NULL;
+    }
+    Req q;
+    char why[512];
+    int rc = parse_req(b.buf, now, max_request, &q, why, sizeof why);
+    PyBuffer_Release(&b);
+    if (rc) {
+        PyErr_SetString(PyExc_ValueError, why);
+        return NULL;
+    }
+    return Py_BuildValue("(iIKKKKKKd)", q.op, (unsigned int)q.count, (unsigned long long)q.req_id,
+                         (unsigned long long)q.rid, (unsigned long long)q.token, (unsigned long long)q.epoch,
+                         (unsigned long long)q.off, (unsigned long long)q.n, q.left);
+}
+
 static PyMethodDef module_methods[] = {
     {"set_spin_limit", set_spin_limit, METH_O, "How many connections may busy-poll at once."},
+    {"parse_head", parse_head, METH_VARARGS,
+     "parse_head(header, now, max_request_s) -> the decoded header; ValueError where the loop closes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -143,18 +143,27 @@ PyObject *nativeComplete(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
+PyObject *nativeAttach(PyObject *, PyObject *);
+
 PyMethodDef kNativeMethods[] = {
     {"complete", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(nativeComplete)),
      METH_FASTCALL, "complete(handle, code, nbytes): a transfer reached its terminal state"},
+    {"attach", nativeAttach, METH_O,
+     "attach(open_bridge): mpcomm.tent._bridge hands its entry point when it is imported"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kNativeModule = {PyModuleDef_HEAD_INIT, "_mpcomm_native",
                              "libmpcomm.so's completion entry point", -1, kNativeMethods};
 
+// What a bridge hands back (mpcomm.tent._bridge.open_bridge): its entry points, in this order.
+// No Python attribute is looked up by name here: the bridge module hands open_bridge to
+// attach() when it is imported, and open_bridge returns the callables.
+enum BridgeFn { FN_CALL, FN_ISSUE, FN_ISSUE_MANY, FN_TCP_PORT, FN_QUERY, FN_COUNT };
+
 struct Runtime {
     int status = MPCOMM_ERR_RUNTIME;
     std::string error = "not started";
-    PyObject *bridge_cls = nullptr;
+    PyObject *open_bridge = nullptr;  // mpcomm.tent._bridge.open_bridge, handed to attach()
     PyObject *complete = nullptr;
     PyObject *kind_write = nullptr;
     PyObject *kind_read = nullptr;
@@ -163,6 +172,16 @@ struct Runtime {
 Runtime &runtime() {
     static Runtime *r = new Runtime();
     return *r;
+}
+
+PyObject *nativeAttach(PyObject *, PyObject *open_bridge) {
+    if (!PyCallable_Check(open_bridge)) {
+        PyErr_SetString(PyExc_TypeError, "attach(open_bridge): open_bridge must be callable");
+        return nullptr;
+    }
+    Py_INCREF(open_bridge);
+    Py_XSETREF(runtime().open_bridge, open_bridge);
+    Py_RETURN_NONE;
 }
 
 std::string fetchPyError() {
@@ -219,18 +238,22 @@ void importBridge(Runtime &rt) {
         Py_XDECREF(mod);
         return;
     }
-    rt.complete = PyObject_GetAttrString(mod, "complete");
+    rt.complete = PyCFunction_NewEx(&kNativeMethods[0], nullptr, mod);  // the function itself, not looked up
     Py_DECREF(mod);
-    PyObject *bridge = PyImport_ImportModule("mpcomm.tent._bridge");
+    PyObject *bridge = PyImport_ImportModule("mpcomm.tent._bridge");  // its import calls attach()
+    if (bridge && !rt.open_bridge) {  // imported before _mpcomm_native existed: run it again
+        PyObject *again = PyImport_ReloadModule(bridge);
+        Py_DECREF(bridge);
+        bridge = again;
+    }
     if (!bridge) {
         rt.error = "cannot import mpcomm.tent._bridge (is mpcomm installed for this Python? set MPCOMM_PYTHON): " +
                    fetchPyError();
         return;
     }
-    rt.bridge_cls = PyObject_GetAttrString(bridge, "Bridge");
     Py_DECREF(bridge);
-    if (!rt.bridge_cls || !rt.complete) {
-        rt.error = "mpcomm.tent._bridge has no Bridge: " + fetchPyError();
+    if (!rt.open_bridge || !rt.complete) {
+        rt.error = "mpcomm.tent._bridge did not attach its entry point: " + fetchPyError();
         return;
     }
     rt.kind_write = PyUnicode_InternFromString("write");
@@ -347,7 +370,7 @@ PyObject *pyStr(const std::string &s) { return PyUnicode_DecodeUTF8(s.data(), (P
 // ---- MPComm ---------------------------------------------------------------------
 
 struct MPComm::Impl {
-    PyObject *bridge = nullptr;  // owned; touched with the GIL only
+    PyObject *bridge = nullptr;  // owned: the bridge's entry points (a tuple, BridgeFn order); GIL only
     std::mutex life;             // serialises init/shutdown
 
     ~Impl() {
@@ -360,11 +383,8 @@ struct MPComm::Impl {
     // Calls bridge.call(name, *args) with args built by the caller (stolen).
     int call(const char *name, PyObject *args) {
         if (!args) return setLast(MPCOMM_ERR_RUNTIME, fetchPyError());
-        PyObject *fn = PyObject_GetAttrString(bridge, "call");
-        if (!fn) {
-            Py_DECREF(args);
-            return setLast(MPCOMM_ERR_RUNTIME, fetchPyError());
-        }
+        PyObject *fn = PyTuple_GET_ITEM(bridge, FN_CALL);
+        Py_INCREF(fn);
         PyObject *full = PyTuple_New(PyTuple_GET_SIZE(args) + 1);
         PyObject *pyname = full ? PyUnicode_FromString(name) : nullptr;
         if (!pyname) {  // out of memory: nothing may be set into a tuple that is not there
@@ -427,7 +447,7 @@ struct MPComm::Impl {
     TransferHandle one(PyObject *kind, uintptr_t local, const std::string &host, uintptr_t remote, size_t len) {
         return issue([&](TransferHandle h) -> PyObject * {
             PyObject *args[7];
-            args[0] = bridge;
+            args[0] = nullptr;  // PY_VECTORCALL_ARGUMENTS_OFFSET: the callee may use this slot
             args[1] = PyLong_FromUnsignedLongLong(h);
             args[2] = kind;
             args[3] = PyLong_FromUnsignedLongLong(local);
@@ -435,11 +455,9 @@ struct MPComm::Impl {
             args[5] = PyLong_FromUnsignedLongLong(remote);
             args[6] = PyLong_FromSize_t(len);
             PyObject *r = nullptr;
-            if (args[1] && args[3] && args[4] && args[5] && args[6]) {
-                static PyObject *name = nullptr;  // set once, under the GIL; retried if it failed
-                if (!name) name = PyUnicode_InternFromString("issue");
-                if (name) r = PyObject_VectorcallMethod(name, args, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-            }
+            if (args[1] && args[3] && args[4] && args[5] && args[6])
+                r = PyObject_Vectorcall(PyTuple_GET_ITEM(bridge, FN_ISSUE), args + 1,
+                                        6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
             for (int i : {1, 3, 4, 5, 6}) Py_XDECREF(args[i]);
             return r;
         });
@@ -460,8 +478,8 @@ struct MPComm::Impl {
             }
             PyObject *r = nullptr;
             if (hl && rl && !PyErr_Occurred())
-                r = PyObject_CallMethod(bridge, "issue_many", "KsKOOn", (unsigned long long)h, mode,
-                                        (unsigned long long)local, hl, rl, (Py_ssize_t)len);
+                r = PyObject_CallFunction(PyTuple_GET_ITEM(bridge, FN_ISSUE_MANY), "KsKOOn", (unsigned long long)h,
+                                          mode, (unsigned long long)local, hl, rl, (Py_ssize_t)len);
             Py_XDECREF(hl);
             Py_XDECREF(rl);
             return r;
@@ -484,8 +502,13 @@ int MPComm::init(const std::string &host_id, const std::string &device_names, in
         std::lock_guard<std::mutex> l(impl_->life);
         Gil g;
         if (!impl_->bridge) {
-            impl_->bridge = PyObject_CallFunctionObjArgs(runtime().bridge_cls, runtime().complete, nullptr);
-            if (!impl_->bridge) return setLast(MPCOMM_ERR_RUNTIME, fetchPyError());
+            PyObject *fns = PyObject_CallOneArg(runtime().open_bridge, runtime().complete);
+            if (!fns) return setLast(MPCOMM_ERR_RUNTIME, fetchPyError());
+            if (!PyTuple_CheckExact(fns) || PyTuple_GET_SIZE(fns) != FN_COUNT) {
+                Py_DECREF(fns);
+                return setLast(MPCOMM_ERR_RUNTIME, "mpcomm.tent._bridge.open_bridge returned an unexpected value");
+            }
+            impl_->bridge = fns;
         }
         return impl_->call("init", Py_BuildValue("(NNi)", pyStr(host_id), pyStr(device_names), tcp_port));
     } catch (...) {
@@ -498,7 +521,7 @@ int MPComm::getTcpPort() const {
         if (ensureRuntime()) return 0;
         Gil g;
         if (!impl_->bridge) return 0;
-        PyObject *r = PyObject_CallMethod(impl_->bridge, "tcp_port", nullptr);
+        PyObject *r = PyObject_CallNoArgs(PyTuple_GET_ITEM(impl_->bridge, FN_TCP_PORT));
         if (!r) {
             setLast(MPCOMM_ERR_RUNTIME, fetchPyError());
             return 0;
@@ -572,7 +595,8 @@ int MPComm::queryRemoteBuffer(const std::string &host_id, const std::string &tcp
         {
             Gil g;
             if (!impl_->bridge) return setLast(MPCOMM_ERR_NOT_INITIALIZED, "init() was not called");
-            PyObject *r = PyObject_CallMethod(impl_->bridge, "query", "NNi", pyStr(host_id), pyStr(tcp_addr), tcp_port);
+            PyObject *r = PyObject_CallFunction(PyTuple_GET_ITEM(impl_->bridge, FN_QUERY), "NNi", pyStr(host_id),
+                                                pyStr(tcp_addr), tcp_port);
             if (!r) return setLast(MPCOMM_ERR_RUNTIME, fetchPyError());
             if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
                 Py_DECREF(r);

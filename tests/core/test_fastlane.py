@@ -275,7 +275,7 @@ def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pyt
 
 
 class _FailingLookup(Region):
-    """A region whose ``_refusing`` cannot be read (the C lane's lease looks it up by name)."""
+    """A region whose ``_refusing`` cannot be read (the C lane reads it through memory.LEASE_PROBES)."""
 
     fail = False
 

@@ -437,7 +437,9 @@ int pyhost(int argc, char **argv) {
     PyStatus st = Py_InitializeFromConfig(&config);
     PyConfig_Clear(&config);
     if (PyStatus_Exception(st)) fail("host Py_Initialize");
-    CHECK(PyRun_SimpleString("import mpcomm, sys; sys.host_marker = 42") == 0, "host runs Python");
+    // The host imported the bridge module before the library created _mpcomm_native: the library
+    // runs it again to get its entry point (mpcomm.cpp importBridge).
+    CHECK(PyRun_SimpleString("import mpcomm, mpcomm.tent._bridge, sys; sys.host_marker = 42") == 0, "host runs Python");
     PyThreadState *main_state = PyEval_SaveThread();
 
     const size_t S = 1 << 20;
@@ -457,11 +459,10 @@ int pyhost(int argc, char **argv) {
         PyGILState_STATE g = PyGILState_Ensure();  // wait with the GIL held
         int code = b.waitTransfer(h, 20000);
         CHECK(code == MPCOMM_SUCCESS, "wait with the GIL held -> " + std::to_string(code));
-        PyObject *sys = PyImport_ImportModule("sys");
-        PyObject *marker = sys ? PyObject_GetAttrString(sys, "host_marker") : nullptr;
+        PyObject *globals = PyModule_GetDict(PyImport_AddModule("__main__"));  // borrowed
+        PyObject *marker = PyRun_String("__import__('sys').host_marker", Py_eval_input, globals, globals);
         CHECK(marker && PyLong_AsLong(marker) == 42, "the library used the host's interpreter");
         Py_XDECREF(marker);
-        Py_XDECREF(sys);
         PyGILState_Release(g);
     }
     b.releaseTransfer(h);
