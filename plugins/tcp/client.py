@@ -427,10 +427,21 @@ class Conn:
             if piece is None or piece.state not in (SENDING, SENT, DONE):
                 raise ProtocolError(f"reply for a request {rid} that is not awaiting one")
             discard = piece.state == DONE
-            if not discard:
+            self.load -= piece.size
+            # The common reply, a single write that landed: no body follows, so what _reply and
+            # _finish do for it is done under this one hold of the lock.
+            landed = (status == wire.ST_OK and not length and not count and not piece.read and not piece.count
+                      and not discard)
+            if landed:
+                piece.state = DONE
+                self.last_used = time.monotonic()
+            elif not discard:
                 piece.state = RECEIVING
                 self.current = piece  # _fail_all reports it if the reply breaks off
-            self.load -= piece.size
+        if landed:
+            # Aborted meanwhile: it landed in full all the same; op.fail reports the abort (_finish).
+            piece.report(PeerConnectionError("aborted; the target answered") if piece.aborted else None, None, True)
+            return
         self._reply(sock, piece, status, count, length, discard)
         self.current = None
         self.last_used = time.monotonic()

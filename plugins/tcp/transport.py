@@ -258,9 +258,9 @@ class TcpTransport(Transport):
             return
         pool = self._pool(op.peer, op.remote.address)
         if op.length < self._stripe_threshold or self._conns == 1:
-            ranges: Any = ((0, op.length),)  # the common small request: one frame, no striping
-        else:
-            ranges = stripes(op.length, min(self._conns, math.ceil(op.length / (self._stripe_threshold // 2))))
+            self._post_one(op, pool)  # the common small request: one frame, no striping
+            return
+        ranges = stripes(op.length, min(self._conns, math.ceil(op.length / (self._stripe_threshold // 2))))
         pieces = Pieces(op, len(ranges))
         plist: list[Piece] = []
         op.state = plist
@@ -280,6 +280,25 @@ class TcpTransport(Transport):
             except MpcommError as exc:
                 piece.report(exc, None, True)
         if op.aborted:  # aborted while we posted: reach the pieces abort() could not see yet
+            self.abort(op)
+
+    def _post_one(self, op: Any, pool: Pool) -> None:
+        """One frame for the whole request: what ``post`` does for one stripe, with no
+        :class:`~mpcomm.transport_kit.Pieces` between the piece and ``op`` (the piece reports it)."""
+        read = op.kind == "read"
+        length, remote = op.length, op.remote
+        rid = next_id()
+        head = memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_READ if read else wire.OP_WRITE, 0, 0, rid,
+                                        remote.region_id, remote.token, int(remote.epoch, 16), op.remote_offset,
+                                        length, op.deadline_wall))
+        part = op.local.view[op.local_offset : op.local_offset + length]
+        piece = Piece(rid, read, [head] if read else [head, part], [part] if read else [], _Reporter(op), 0, length)
+        op.state = [piece]
+        try:
+            self._submit(pool, pool.pick(1)[0], piece, read or length <= self._inline)
+        except MpcommError as exc:
+            piece.report(exc, None, True)
+        if op.aborted:  # aborted while we posted: reach the piece abort() could not see yet
             self.abort(op)
 
     def post_many(self, group: Any) -> None:
@@ -484,6 +503,23 @@ class TcpTransport(Transport):
 
 
 logging.getLogger("mpcomm.transport.tcp").addHandler(logging.NullHandler())
+
+
+class _Reporter:
+    """A one-piece request's report: the piece ends the request (Pieces.done for a count of 1),
+    then lets go of it (``op.state`` leads back here: no cycle left for the collector)."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+
+    def __call__(self, err: BaseException | None, _status: Any, confirmed: bool) -> None:
+        op, self.op = self.op, None
+        if err is None:
+            op.complete(None)
+        else:
+            op.fail(err, confirmed=confirmed)
 
 
 def _outside(region: Any, off: int, n: int, index: int | None = None, side: str = "local") -> OutOfBoundsError:
