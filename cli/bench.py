@@ -85,7 +85,6 @@ from ._common import (
     get_state,
     handle_errors,
     parse_size,
-    print_json,
 )
 from .records import numa_binding, proc_cpu, self_cpu
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import statistics
-import time
 from typing import Annotated, Any
 
 import typer

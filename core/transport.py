@@ -858,7 +858,6 @@ TRANSPORT_CONTRACT: dict[str, ContractMember] = {
     "availability": ContractMember("classmethod"),
     "memory_kind_availability": ContractMember("classmethod"),
     "version": ContractMember("classmethod"),
-    "memory_kind_availability": ContractMember("classmethod"),
     "node_checks": ContractMember("classmethod"),
     "start": ContractMember("method"),
     "reach": ContractMember("method"),

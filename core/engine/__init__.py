@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence

@@ -54,7 +54,7 @@ from typing import Any
 from mpcomm.auth import client_authenticate
 from mpcomm.errors import MpcommError, PeerConnectionError, ProtocolError, error_from_code, map_errors
 from mpcomm.peer import format_endpoint
-from mpcomm.transport_kit import send_nowait, views_of
+from mpcomm.transport_kit import send_nowait
 from mpcomm.wire import NOSIGNAL, sendall
 
 from . import busypoll, wire

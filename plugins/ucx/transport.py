@@ -86,7 +86,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpcomm import Availability, Capabilities, Transport, TransportContext
 from mpcomm.errors import (
-    AccessError,
     EngineClosedError,
     MpcommError,
     OutOfBoundsError,
@@ -1305,7 +1304,6 @@ class UcxTransport(Transport):
         ep = peer.ep
         if ep is None or peer.failed is not None or op.length > self._chunk or op.length > self._inline_threshold:
             return False
-        ucp = self._ucp
         att = w.att
         if att.generation != peer.generation or att.rkey is None:
             self._rkey(att)
