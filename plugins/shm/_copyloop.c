@@ -500,6 +500,24 @@ static int mp_i64s(PyObject *o, long long n, Py_buffer *b) {
     return 0;
 }
 
+/* The three int64 arrays of a batch call (offsets, offsets, lengths), each holding n entries:
+ * 0 with all three buffers held (release them with mp_release3), -1 with none held. */
+static int mp_hold3(PyObject *a0, PyObject *a1, PyObject *a2, long long n, Py_buffer b[3]) {
+    PyObject *arr[3] = {a0, a1, a2};
+    for (int got = 0; got < 3; got++)
+        if (mp_i64s(arr[got], n, &b[got]) < 0) {
+            while (got-- > 0)
+                PyBuffer_Release(&b[got]);
+            return -1;
+        }
+    return 0;
+}
+
+static void mp_release3(Py_buffer b[3]) {
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&b[i]);
+}
+
 /* check2(roffs, loffs, lens, n, rsize, lsize) -> mp_check2's result: the batch check of
  * shm's transport without ctypes' argument conversion (about 1 us a call, a 64-piece batch
  * made two). */
@@ -512,15 +530,10 @@ static PyObject *py_check2(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (PyErr_Occurred())
         return NULL;
     Py_buffer b[3];
-    int got = 0;
-    for (; got < 3; got++)
-        if (mp_i64s(args[got], n, &b[got]) < 0)
-            break;
-    PyObject *res = NULL;
-    if (got == 3)
-        res = PyLong_FromLongLong((long long)mp_check2(b[0].buf, b[1].buf, b[2].buf, n, rsize, lsize));
-    while (got-- > 0)
-        PyBuffer_Release(&b[got]);
+    if (mp_hold3(args[0], args[1], args[2], n, b) < 0)
+        return NULL;
+    PyObject *res = PyLong_FromLongLong((long long)mp_check2(b[0].buf, b[1].buf, b[2].buf, n, rsize, lsize));
+    mp_release3(b);
     return res;
 }
 
@@ -543,22 +556,14 @@ static PyObject *py_copy_many(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_buffer b[3];
-    PyObject *arr[3] = {args[2], args[5], args[6]};
-    int got = 0;
-    for (; got < 3; got++)
-        if (mp_i64s(arr[got], n, &b[got]) < 0)
-            break;
-    PyObject *res = NULL;
-    if (got == 3) {
-        int64_t r;
-        Py_BEGIN_ALLOW_THREADS
-        r = mp_copy_many(dst, dsize, b[0].buf, src, ssize, b[1].buf, b[2].buf, start, n, budget, (int)pidfd);
-        Py_END_ALLOW_THREADS
-        res = PyLong_FromLongLong((long long)r);
-    }
-    while (got-- > 0)
-        PyBuffer_Release(&b[got]);
-    return res;
+    if (mp_hold3(args[2], args[5], args[6], n, b) < 0)
+        return NULL;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = mp_copy_many(dst, dsize, b[0].buf, src, ssize, b[1].buf, b[2].buf, start, n, budget, (int)pidfd);
+    Py_END_ALLOW_THREADS
+    mp_release3(b);
+    return PyLong_FromLongLong((long long)r);
 }
 
 /* cma_many(pid, write, local, lsize, loffs, remote, rsize, roffs, lens, start, n, budget, pidfd)
@@ -583,23 +588,15 @@ static PyObject *py_cma_many(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     Py_buffer b[3];
-    PyObject *arr[3] = {args[4], args[7], args[8]};
-    int got = 0;
-    for (; got < 3; got++)
-        if (mp_i64s(arr[got], n, &b[got]) < 0)
-            break;
-    PyObject *res = NULL;
-    if (got == 3) {
-        int64_t r;
-        Py_BEGIN_ALLOW_THREADS
-        r = mp_cma_many((int)pid, wr, local, lsize, b[0].buf, remote, rsize, b[1].buf, b[2].buf, start, n, budget,
-                        (int)pidfd);
-        Py_END_ALLOW_THREADS
-        res = PyLong_FromLongLong((long long)r);
-    }
-    while (got-- > 0)
-        PyBuffer_Release(&b[got]);
-    return res;
+    if (mp_hold3(args[4], args[7], args[8], n, b) < 0)
+        return NULL;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = mp_cma_many((int)pid, wr, local, lsize, b[0].buf, remote, rsize, b[1].buf, b[2].buf, start, n, budget,
+                    (int)pidfd);
+    Py_END_ALLOW_THREADS
+    mp_release3(b);
+    return PyLong_FromLongLong((long long)r);
 }
 
 /* mover(acquire, release, error, enter, exit, mapping, size, base, laddr, lsize, pidfd, limit, small,
