@@ -68,6 +68,22 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
 
 
+
+def parse_head(head: Any, now: float, max_request: float) -> tuple[int, int, int, int, int, int, int, int, float]:
+    """A request header: (op, count, req_id, region_id, token, epoch, offset, length, seconds left).
+
+    The seconds left are the initiator's wall-clock deadline less ``now``, within
+    [0, ``max_request``]. ProtocolError for a bad magic or a deadline that is not a
+    finite positive time. The native loop's ``parse_head`` (_dataport.c) makes the
+    same decisions; tests/tcp/test_tcp_native_parser.py and the fuzz run hold them to it.
+    """
+    magic, op, _flags, count, req_id, region_id, token, epoch, offset, length, deadline = wire.REQ.unpack(head)
+    if magic != wire.REQ_MAGIC:
+        raise ProtocolError(f"bad request magic {bytes(magic)!r}")
+    if not math.isfinite(deadline) or deadline <= 0:
+        raise ProtocolError(f"request deadline {deadline!r} is not a finite positive time")
+    return op, count, req_id, region_id, token, epoch, offset, length, min(max(deadline - now, 0.0), max_request)
+
 class _Closed(Exception):
     """The initiator closed the connection between requests."""
 
@@ -180,13 +196,9 @@ class Server:
             raise _Closed()  # closed by the initiator, or idle for idle_timeout_ms (it dials again when needed)
         if got < wire.REQ.size:
             recv_into_by(sock, head[got:], time.monotonic() + self.handshake_time, "tcp request header")
-        magic, op, _flags, count, req_id, region_id, token, epoch, offset, length, deadline = wire.REQ.unpack(head)
-        if magic != wire.REQ_MAGIC:
-            raise ProtocolError(f"bad request magic {bytes(magic)!r}")
-        if not math.isfinite(deadline) or deadline <= 0:
-            raise ProtocolError(f"request deadline {deadline!r} is not a finite positive time")
-        now = time.monotonic()
-        end = now + min(max(deadline - time.time(), 0.0), self.max_request)
+        op, count, req_id, region_id, token, epoch, offset, length, budget = parse_head(head, time.time(),
+                                                                                       self.max_request)
+        end = time.monotonic() + budget
         epoch_s = f"{epoch:016x}"
         if op == wire.OP_WRITE:
             self._write(sock, req_id, region_id, token, epoch_s, offset, length, end)

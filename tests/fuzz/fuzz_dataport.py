@@ -41,7 +41,6 @@ Any other outcome raises AssertionError: atheris prints the input and exits non-
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import struct
@@ -55,7 +54,7 @@ import mpcomm
 from mpcomm.auth import client_authenticate
 from mpcomm.engine import checks, regions
 from mpcomm.engine.regions import RegionTable
-from mpcomm.errors import MpcommError
+from mpcomm.errors import MpcommError, ProtocolError
 from mpcomm.memory import Region
 from mpcomm.plugins.tcp import dataport, server, wire
 
@@ -165,10 +164,10 @@ _NOW, _MAX_REQUEST = 1.7e9, 600.0
 
 def python_head(head: bytes) -> tuple[Any, ...] | None:
     """server.py's _one on a header: its fields and time budget, or None where it raises ProtocolError."""
-    magic, op, _flags, count, req_id, rid, token, epoch, off, n, deadline = wire.REQ.unpack(head)
-    if magic != wire.REQ_MAGIC or not math.isfinite(deadline) or deadline <= 0:
+    try:
+        return server.parse_head(head, _NOW, _MAX_REQUEST)
+    except ProtocolError:
         return None
-    return (op, count, req_id, rid, token, epoch, off, n, min(max(deadline - _NOW, 0.0), _MAX_REQUEST))
 
 
 def check_headers(stream: bytes) -> None:

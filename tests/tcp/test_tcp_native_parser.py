@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpcomm.plugins.tcp import dataport, wire
+from mpcomm.errors import ProtocolError
+from mpcomm.plugins.tcp import dataport, server, wire
 
 pytestmark = pytest.mark.skipif(dataport.load() is None, reason=f"native data port: {dataport.reason}")
 
@@ -23,11 +24,11 @@ NOW, MAX_REQUEST = 1.7e9, 600.0
 
 
 def python_head(head: bytes) -> tuple[Any, ...] | None:
-    """server.py's _one on ``head``: (op, count, req_id, region_id, token, epoch, offset, length, budget)."""
-    magic, op, _flags, count, req_id, rid, token, epoch, off, n, deadline = wire.REQ.unpack(head)
-    if magic != wire.REQ_MAGIC or not math.isfinite(deadline) or deadline <= 0:
+    """server.py's header rule (parse_head, what _one calls) on ``head``: (op, count, req_id, region_id, token, epoch, offset, length, budget)."""
+    try:
+        return server.parse_head(head, NOW, MAX_REQUEST)
+    except ProtocolError:
         return None
-    return (op, count, req_id, rid, token, epoch, off, n, min(max(deadline - NOW, 0.0), MAX_REQUEST))
 
 
 def native_head(head: bytes) -> tuple[Any, ...] | None:
