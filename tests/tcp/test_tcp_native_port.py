@@ -21,6 +21,7 @@ from tcp_support import closed, error_code, reply, req, wait_for
 import mpcomm
 from mpcomm.errors import MpcommError
 from mpcomm.plugins.tcp import dataport, wire
+from mpcomm.testing.spinning import SpinningTarget
 
 pytestmark = pytest.mark.skipif(dataport.load() is None, reason=f"native data port: {dataport.reason}")
 
@@ -35,22 +36,6 @@ def _port(engine: mpcomm.Engine) -> Any:
 
 # -- a target whose interpreter is busy --------------------------------------------------------
 
-_SPINNER = textwrap.dedent("""
-    import sys, threading, time, mpcomm
-    e = mpcomm.Engine(transports=["tcp"])
-    e.register(bytearray(1 << 20), name="kv")
-    print(e.address, flush=True)
-    sys.stdin.readline()                   # the initiator is connected and authenticated
-    def spin():
-        print("spinning", flush=True)
-        while True:                        # never releases the GIL but every 10 s, when asked
-            pass
-    sys.setswitchinterval(10)              # a thread waiting for the GIL asks for it after 10 s
-    threading.Thread(target=spin, daemon=True).start()
-    time.sleep(600)
-""")
-
-
 def _p50(ini: mpcomm.Engine, src: Any, remote: Any, n: int) -> float:
     lat = []
     for _ in range(n):
@@ -61,18 +46,13 @@ def _p50(ini: mpcomm.Engine, src: Any, remote: Any, n: int) -> float:
 
 
 def test_a_target_spinning_in_python_still_serves_a_write(make_engine: Any) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+    with SpinningTarget(None, ["tcp"]) as target:
         ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
-        remote = ini.open(address, "kv", timeout=10)
+        remote = ini.open(target.address, "kv", timeout=10)
         src = ini.allocate(4096)
         src.view[:] = b"s" * 4096
         idle = _p50(ini, src, remote, 50)  # also: the one connection is dialled and authenticated
-        proc.stdin.write("go\n")  # type: ignore[union-attr]
-        proc.stdin.flush()  # type: ignore[union-attr]
-        assert proc.stdout.readline().strip() == "spinning"  # type: ignore[union-attr]
-        time.sleep(0.2)  # the spinner has the GIL; with a 10 s switch interval it keeps it
+        target.spin()  # the spinner has the GIL; with a 10 s switch interval it keeps it
         t0 = time.monotonic()
         busy = _p50(ini, src, remote, 50)  # each within its 5 s timeout (the Python server: ~10 s each)
         back = bytearray(4096)
@@ -82,9 +62,6 @@ def test_a_target_spinning_in_python_still_serves_a_write(make_engine: Any) -> N
         assert took < 9, f"50 writes and a read took {took:.1f} s against a target holding its GIL"
         print(f"\nspinning target: 4 KiB write p50 {busy * 1e6:.0f} us vs idle {idle * 1e6:.0f} us "
               f"(ratio {busy / idle:.2f})")
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 # -- revocation ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 import mpcomm
 from mpcomm.plugins.ucx import _native
 from mpcomm.testing.fixtures import make_engine  # noqa: F401 (fixture)
+from mpcomm.testing.spinning import SpinningTarget
 from mpcomm.plugins.ucx.transport import UcxTransport
 
 AVAIL = UcxTransport.availability()
@@ -27,27 +28,6 @@ pytestmark = [
 ]
 
 TCP = {"plugins": {"ucx": {"tls": "tcp,self"}}}  # RMA emulated over active messages: the target must progress
-
-_SPINNER = textwrap.dedent("""
-    import sys, threading, time, mpcomm
-    e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
-    e.register(bytearray(1 << 20), name="kv")
-    print(e.address, flush=True)
-    sys.stdin.readline()                   # the initiator attached (control channel, Python)
-    def spin():
-        print("spinning", flush=True)
-        while True:                        # never releases the GIL but every 10 s, when asked
-            pass
-    sys.setswitchinterval(10)              # a thread waiting for the GIL asks for it after 10 s
-    threading.Thread(target=spin, daemon=True).start()
-    time.sleep(600)
-""")
-
-
-def _spinner(env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
-
 
 def _p50(ini: mpcomm.Engine, src: Any, remote: Any, n: int, fill: int) -> float:
     lat = []
@@ -60,17 +40,12 @@ def _p50(ini: mpcomm.Engine, src: Any, remote: Any, n: int, fill: int) -> float:
 
 
 def test_a_target_spinning_in_python_still_serves_tcp_puts_and_gets(make_engine: Any) -> None:
-    proc = _spinner()
-    try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+    with SpinningTarget(TCP, ["ucx"]) as target:
         ini = make_engine(TCP, transports=["ucx"])
-        remote = ini.open(address, "kv", timeout=10)
+        remote = ini.open(target.address, "kv", timeout=10)
         src = ini.allocate(256 << 10)
         idle = _p50(ini, src, remote, 50, 0)  # attaches and wires up while the target is idle
-        proc.stdin.write("go\n")  # type: ignore[union-attr]
-        proc.stdin.flush()  # type: ignore[union-attr]
-        assert proc.stdout.readline().strip() == "spinning"  # type: ignore[union-attr]
-        time.sleep(0.2)  # the spinner has the GIL; with a 10 s switch interval it keeps it
+        target.spin()  # the spinner has the GIL; with a 10 s switch interval it keeps it
         t0 = time.monotonic()
         busy = _p50(ini, src, remote, 50, 100)  # each within 5 s (Python progress: ~10 s each)
         back = bytearray(16 * 4096)
@@ -88,32 +63,21 @@ def test_a_target_spinning_in_python_still_serves_tcp_puts_and_gets(make_engine:
         assert took < 5, f"50 writes and 3 more requests took {took:.1f} s against a target holding its GIL"
         print(f"\nspinning target over UCX_TLS=tcp,self: 4 KiB write p50 {busy * 1e6:.0f} us vs idle "
               f"{idle * 1e6:.0f} us (ratio {busy / idle:.2f}); the rest in {took:.2f} s")
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_without_the_native_loop_the_spinning_target_stalls_its_peer(make_engine: Any) -> None:
     """The control: the same target with the Python progress thread (MPCOMM_UCX_NATIVE=0) is what the
     native loop fixes -- one write waits for the target's GIL (its 10 s switch interval)."""
-    proc = _spinner(dict(os.environ, MPCOMM_UCX_NATIVE="0"))
-    try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+    with SpinningTarget(TCP, ["ucx"], env=dict(os.environ, MPCOMM_UCX_NATIVE="0")) as target:
         ini = make_engine(TCP, transports=["ucx"])
-        remote = ini.open(address, "kv", timeout=10)
+        remote = ini.open(target.address, "kv", timeout=10)
         src = ini.allocate(4096)
         _p50(ini, src, remote, 5, 0)
-        proc.stdin.write("go\n")  # type: ignore[union-attr]
-        proc.stdin.flush()  # type: ignore[union-attr]
-        assert proc.stdout.readline().strip() == "spinning"  # type: ignore[union-attr]
-        time.sleep(0.2)
+        target.spin()
         t0 = time.monotonic()
         with pytest.raises((mpcomm.TransferTimeout, TimeoutError)):
             ini.write(src, remote, 0, 4096).result(2)
         assert time.monotonic() - t0 >= 1.9
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 _TARGET = textwrap.dedent("""
