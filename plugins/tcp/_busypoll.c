@@ -21,10 +21,11 @@ static long long now_ns(void) {
 }
 
 /* 1: fd is readable, closed or failed (the caller's recv says which); 0: still
- * nothing after budget_ns; -errno: poll itself failed. */
+ * nothing after budget_ns; -errno: poll itself failed. The time spent is compared with
+ * the budget (never start + budget, which wraps for a budget near 2^63). */
 int mpcomm_tcp_spin_readable(int fd, long long budget_ns) {
     struct pollfd p;
-    long long end = now_ns() + budget_ns;
+    long long start = now_ns();
     p.fd = fd;
     p.events = POLLIN;
     for (;;) {
@@ -34,7 +35,7 @@ int mpcomm_tcp_spin_readable(int fd, long long budget_ns) {
             return 1;
         if (r < 0 && errno != EINTR)
             return -errno;
-        if (now_ns() >= end)
+        if (now_ns() - start >= budget_ns)
             return 0;
         /* Let a thread that shares this CPU run: the peer we wait for may be it. */
         sched_yield();
@@ -56,6 +57,7 @@ int mpcomm_tcp_spin_readable(int fd, long long budget_ns) {
  * server.py and client.py for the library without the module. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -76,46 +78,6 @@ static int counted_spin(int fd, long long budget_ns) {
     return r;
 }
 
-static int int_args(PyObject *const *args, Py_ssize_t n, long long *out) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        out[i] = PyLong_AsLongLong(args[i]);
-        if (out[i] == -1 && PyErr_Occurred())
-            return -1;
-    }
-    return 0;
-}
-
-/* set_spin_limit(n): how many threads of this process may poll at once (n >= 0). */
-static PyObject *py_set_spin_limit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long n;
-    if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "set_spin_limit(n) takes 1 argument");
-        return NULL;
-    }
-    if (int_args(args, 1, &n) < 0)
-        return NULL;
-    __atomic_store_n(&spin_limit, n < 0 ? 0 : (n > 1 << 20 ? 1 << 20 : (int)n), __ATOMIC_RELEASE);
-    Py_RETURN_NONE;
-}
-
-/* spin_readable(fd, budget_ns) -> 1 readable (or closed), 0 nothing (or no poller slot), -errno */
-static PyObject *py_spin_readable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[2];
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "spin_readable(fd, budget_ns) takes 2 arguments");
-        return NULL;
-    }
-    if (int_args(args, 2, a) < 0)
-        return NULL;
-    int r;
-    Py_BEGIN_ALLOW_THREADS
-    r = counted_spin((int)a[0], a[1]);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(r);
-}
-
 static int writable(PyObject *obj, Py_buffer *view, Py_ssize_t need) {
     if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return -1;
@@ -127,6 +89,82 @@ static int writable(PyObject *obj, Py_buffer *view, Py_ssize_t need) {
     return 0;
 }
 
+/* One argument of an entry point: a writable C-contiguous buffer of at least `need` bytes
+ * (need > 0), or an int64 that must lie in [lo, hi] (strict: OverflowError outside) or is
+ * clamped into it. The bounds are what keeps every later sum and cast in range: a time
+ * added to now_ns() or a quiet counter, a poll() timeout, an fd. */
+typedef struct {
+    long long lo, hi;
+    int strict;
+    Py_ssize_t need;
+} arg_rule;
+
+#define FD_ARG {INT_MIN, INT_MAX, 1, 0}     /* a C int: refused outside, never truncated */
+#define NS_ARG {0, 1LL << 62, 0, 0}        /* a spin budget: now_ns() + it cannot wrap (146 years) */
+#define MS_ARG {0, 1 << 30, 0, 0}           /* a poll() timeout, or a time added to now_ns() */
+#define BUF_ARG(n) {0, 0, 0, (n)}
+
+/* Checks nargs and parses args by rules into ints[i] (integers) and *buf (the one buffer, which
+ * the caller releases). -1 with an exception set and nothing held, else 0. */
+static int take_args(const char *usage, const arg_rule *rules, Py_ssize_t n, PyObject *const *args,
+                     Py_ssize_t nargs, long long *ints, Py_buffer *buf) {
+    if (nargs != n) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd argument%s", usage, n, n == 1 ? "" : "s");
+        return -1;
+    }
+    int held = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const arg_rule *r = &rules[i];
+        if (r->need > 0) {
+            if (writable(args[i], buf, r->need) < 0)
+                goto fail;
+            held = 1;
+            continue;
+        }
+        long long v = PyLong_AsLongLong(args[i]);
+        if (v == -1 && PyErr_Occurred())
+            goto fail;
+        if ((v < r->lo || v > r->hi) && r->strict) {
+            PyErr_Format(PyExc_OverflowError, "%s: argument %zd (%lld) is out of range", usage, i + 1, v);
+            goto fail;
+        }
+        ints[i] = v < r->lo ? r->lo : (v > r->hi ? r->hi : v);
+    }
+    return 0;
+fail:
+    if (held)
+        PyBuffer_Release(buf);
+    return -1;
+}
+
+#define TAKE_ARGS(usage, rules, ints, buf) \
+    take_args(usage, rules, (Py_ssize_t)(sizeof(rules) / sizeof(rules[0])), args, nargs, ints, buf)
+
+/* set_spin_limit(n): how many threads of this process may poll at once (n >= 0). */
+static PyObject *py_set_spin_limit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    static const arg_rule rules[] = {{0, 1 << 20, 0, 0}};
+    long long n;
+    if (TAKE_ARGS("set_spin_limit(n)", rules, &n, NULL) < 0)
+        return NULL;
+    __atomic_store_n(&spin_limit, (int)n, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+/* spin_readable(fd, budget_ns) -> 1 readable (or closed), 0 nothing (or no poller slot), -errno */
+static PyObject *py_spin_readable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    static const arg_rule rules[] = {FD_ARG, NS_ARG};
+    long long a[2];
+    if (TAKE_ARGS("spin_readable(fd, budget_ns)", rules, a, NULL) < 0)
+        return NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = counted_spin((int)a[0], a[1]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(r);
+}
+
 /* next_request(fd, spin_ns, head) -> bytes received (0: the end), or -errno
  *
  * Polls up to spin_ns for the next request (when a poller slot is free), then
@@ -134,13 +172,10 @@ static int writable(PyObject *obj, Py_buffer *view, Py_ssize_t need) {
  * SO_RCVTIMEO bounds it: -EAGAIN when it ran out). */
 static PyObject *py_next_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long a[2];
+    static const arg_rule rules[] = {FD_ARG, NS_ARG, BUF_ARG(1)};
+    long long a[3];
     Py_buffer head;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "next_request(fd, spin_ns, head) takes 3 arguments");
-        return NULL;
-    }
-    if (int_args(args, 2, a) < 0 || writable(args[2], &head, 1) < 0)
+    if (TAKE_ARGS("next_request(fd, spin_ns, head)", rules, a, &head) < 0)
         return NULL;
     ssize_t got;
     Py_BEGIN_ALLOW_THREADS
@@ -172,13 +207,10 @@ static uint64_t be64(const unsigned char *p) {
  * Waits by polling up to spin_ns (when a poller slot is free), else up to wait_ms in poll(). */
 static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long a[4];
+    static const arg_rule rules[] = {FD_ARG, NS_ARG, MS_ARG, {0, LLONG_MAX, 0, 0}, BUF_ARG(RESP_SIZE)};
+    long long a[5];
     Py_buffer head;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "next_reply(fd, spin_ns, wait_ms, max_len, head) takes 5 arguments");
-        return NULL;
-    }
-    if (int_args(args, 4, a) < 0 || writable(args[4], &head, RESP_SIZE) < 0)
+    if (TAKE_ARGS("next_reply(fd, spin_ns, wait_ms, max_len, head)", rules, a, &head) < 0)
         return NULL;
     int fd = (int)a[0], r;
     unsigned char *h = head.buf;
@@ -251,13 +283,12 @@ static int readable_now(int fd) {
 
 static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
+    /* handoff and idle bounded so that quiet (< idle before each += handoff) cannot wrap */
+    static const arg_rule rules[] = {FD_ARG, BUF_ARG(2 * sizeof(int)), {1000, 1LL << 40, 0, 0},
+                                     {0, 1LL << 62, 0, 0}, MS_ARG};
     long long a[5];
     Py_buffer flags;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "await_reply(fd, flags, handoff_ns, idle_ns, max_ms) takes 5 arguments");
-        return NULL;
-    }
-    if (int_args(args, 1, a) < 0 || int_args(args + 2, 3, a + 2) < 0 || writable(args[1], &flags, 2 * sizeof(int)) < 0)
+    if (TAKE_ARGS("await_reply(fd, flags, handoff_ns, idle_ns, max_ms)", rules, a, &flags) < 0)
         return NULL;
     int fd = (int)a[0], r = 0;
     const int *f = flags.buf;

@@ -81,6 +81,7 @@ TESTS = [
     "tests/tcp/test_tcp_notify_native.py::test_generated_notify_frames_get_an_answer_or_a_closed_connection",
     "tests/tcp/test_tcp_native_parser.py",
     "tests/tcp/test_tcp_native_messages.py",
+    "tests/tcp/test_tcp_busypoll.py",  # tcp's busy-poll module and its one argument parser
 ]
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import array
 import errno
 import socket
 import struct
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -165,3 +167,59 @@ def test_next_reply_length_check_cannot_wrap() -> None:
         b.sendall(frame)
         assert nr(fd, 0, 100, 2**63 - 1, head) == busypoll.REPLY_SHORT  # allowed, but never whole
         assert a.recv(len(frame), socket.MSG_DONTWAIT) == frame
+
+
+def _helper() -> Any:
+    from mpcomm import native_helper
+
+    h = native_helper.load(busypoll.MODULE, busypoll.ABI, "mpcomm_tcp_abi")
+    if isinstance(h, str):
+        pytest.skip(h)
+    return h
+
+
+def test_a_budget_near_2_63_waits_instead_of_wrapping() -> None:
+    """``now + budget`` wrapped for a budget near 2^63 (its end lay in the past: nothing was
+    waited for); the time spent is compared with the budget instead, in the module and in the
+    plain function ctypes calls."""
+    import ctypes
+
+    h = _helper()
+    plain = h.lib.mpcomm_tcp_spin_readable
+    plain.restype, plain.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_longlong]
+    for spin in (plain, h.module.spin_readable):
+        a, b = socket.socketpair()
+        with a, b:
+            threading.Timer(0.02, lambda: b.send(b"x")).start()
+            assert spin(a.fileno(), 2**63 - 1) == 1
+
+
+def test_every_entry_point_refuses_an_fd_outside_a_c_int() -> None:
+    """One argument parser for every entry point: an fd that is no C int is refused, never
+    truncated to another descriptor (2^32 + fd used to poll and read fd)."""
+    m = _helper().module
+    a, b = socket.socketpair()
+    with a, b:
+        b.send(b"x" * wire.RESP.size)
+        far = (1 << 32) + a.fileno()
+        head = bytearray(wire.RESP.size)
+        calls = [lambda: m.spin_readable(far, 0), lambda: m.next_request(far, 0, head),
+                 lambda: m.next_reply(far, 0, 0, 1 << 20, head),
+                 lambda: m.await_reply(far, array.array("i", [0, 0]), 1000, 0, 0)]
+        for call in calls:
+            with pytest.raises(OverflowError):
+                call()
+        assert a.recv(64, socket.MSG_DONTWAIT) == b"x" * wire.RESP.size  # nothing was read
+        with pytest.raises(TypeError, match=r"next_reply\(fd, spin_ns, wait_ms, max_len, head\) takes 5 arguments"):
+            m.next_reply(a.fileno(), 0, 0, head)
+        with pytest.raises(ValueError):  # a header buffer too short, after the integers parsed
+            m.next_request(a.fileno(), 0, bytearray(0))
+        with pytest.raises(BufferError):  # a buffer that is not writable
+            m.await_reply(a.fileno(), b"\0" * 8, 1000, 0, 0)
+        with pytest.raises(OverflowError):  # beyond int64, as before
+            m.spin_readable(a.fileno(), 2**64)
+        # Out-of-range times are clamped: a negative wait is no wait, a huge handoff/idle is bounded.
+        t0 = time.monotonic()
+        assert m.next_reply(a.fileno(), -5, -5, -1, head) == busypoll.REPLY_NONE
+        assert time.monotonic() - t0 < 1
+        assert m.await_reply(a.fileno(), array.array("i", [1, 0]), 2**63 - 1, 2**63 - 1, -1) == busypoll.AWAIT_NONE
