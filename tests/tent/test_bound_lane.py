@@ -5,47 +5,15 @@ in use. Real engines over tcp on loopback."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import threading
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tent_support import SIZE, Mem
 
-from mpcomm.tent import TransferEngine
 from mpcomm.tent.codes import ProviderError
 from mpcomm.tent.provider import Provider
-
-SIZE = 1 << 16
-
-
-class Mem:
-    def __init__(self, n: int = SIZE) -> None:
-        self.mm = mmap.mmap(-1, n)
-        self._anchor = ctypes.c_char.from_buffer(self.mm)
-        self.addr = ctypes.addressof(self._anchor)
-
-
-def _provider(name: str) -> Provider:
-    p = Provider()
-    p.init(f"127.0.0.1:{name}", "", 0, bind="127.0.0.1", transports=["tcp"])
-    p.start_accept()
-    return p
-
-
-@pytest.fixture(scope="module")
-def nodes():  # type: ignore[no-untyped-def]
-    """A publishes one range; B registers one and has A's keys."""
-    a, b = _provider("a"), _provider("b")
-    ma, mb = Mem(), Mem()
-    a.publish(ma.addr, SIZE)
-    b.register_memory(mb.addr, SIZE)
-    b.connect("A", "127.0.0.1", a.tcp_port)
-    b.query("A")
-    yield a, b, ma, mb
-    b.shutdown()
-    a.shutdown()
 
 
 def _bind(b: Provider, ma: Mem, mb: Mem) -> None:
@@ -132,94 +100,73 @@ def test_every_change_a_look_up_could_see_retires_the_bound_pair(nodes) -> None:
     assert not bound()
 
 
-def test_after_a_failed_transfer_the_peer_is_looked_up_again() -> None:
+def test_after_a_failed_transfer_the_peer_is_looked_up_again(own_nodes) -> None:  # type: ignore[no-untyped-def]
     """A transfer that fails because the peer is gone retires the pair: the next one resolves afresh."""
-    a, b = _provider("a2"), _provider("b2")
-    ma, mb = Mem(), Mem()
-    try:
-        a.publish(ma.addr, SIZE)
-        b.register_memory(mb.addr, SIZE)
-        b.connect("A", "127.0.0.1", a.tcp_port)
-        b.query("A")
-        b.issue("write", mb.addr, "A", ma.addr, 8, 10.0, watch=False).result()
-        a.shutdown()
-        t = b.issue_bound("write", mb.addr, "A", ma.addr, 8, 2.0)
-        if t is not None:  # posted before the loss was seen: it fails, and says so
-            with pytest.raises(Exception):  # noqa: B017 - whichever error the loss is reported as
-                t.result()
-            b.settled("A", t)
-        assert b.issue_bound("write", mb.addr, "A", ma.addr, 8, 2.0) is None
-    finally:
-        b.shutdown()
-        a.shutdown()
+    a, b, ma, mb = own_nodes
+    _bind(b, ma, mb)
+    a.shutdown()
+    t = b.issue_bound("write", mb.addr, "A", ma.addr, 8, 2.0)
+    if t is not None:  # posted before the loss was seen: it fails, and says so
+        with pytest.raises(Exception):  # noqa: B017 - whichever error the loss is reported as
+            t.result()
+        b.settled("A", t)
+    assert b.issue_bound("write", mb.addr, "A", ma.addr, 8, 2.0) is None
 
 
-def test_sync_transfers_follow_unregister_and_register_again() -> None:
+def test_sync_transfers_follow_unregister_and_register_again(tcp_engines) -> None:  # type: ignore[no-untyped-def]
     """Through the Mooncake API: a range unregistered after a transfer is refused, and nothing lands."""
-    a, b = TransferEngine(), TransferEngine()
-    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    a, b = tcp_engines
     ma, mb = Mem(), Mem()
-    try:
-        session = f"127.0.0.1:{a.get_rpc_port()}"
-        assert a.register_memory(ma.addr, SIZE) == 0 and b.register_memory(mb.addr, SIZE) == 0
-        mb.mm[0:4] = b"one!"
-        assert b.transfer_sync_write(session, mb.addr, ma.addr, 4) == 0
-        assert b.transfer_sync_write(session, mb.addr, ma.addr, 4) == 0
-        assert ma.mm[0:4] == b"one!"
-        assert b.unregister_memory(mb.addr) == 0
-        mb.mm[0:4] = b"two!"
-        assert b.transfer_sync_write(session, mb.addr, ma.addr, 4) == -1
-        assert b.transfer_sync_read(session, mb.addr, ma.addr, 4) == -1
-        assert ma.mm[0:4] == b"one!" and mb.mm[0:4] == b"two!"
-        assert b.register_memory(mb.addr, 4096) == 0
-        assert b.transfer_sync_write(session, mb.addr + 4096, ma.addr, 4) == -1  # past the new range
-        assert b.transfer_sync_write(session, mb.addr, ma.addr, 4) == 0
-        assert ma.mm[0:4] == b"two!"
-        assert b.transfer_sync_read(session, mb.addr + 8, ma.addr, 4) == 0
-        assert mb.mm[8:12] == b"two!"
-        assert b.transfer_sync(session, mb.addr + 16, ma.addr, 4, 1) == 0  # a plain int opcode: Write
-        assert ma.mm[0:4] == b"\0\0\0\0"
-        assert b.transfer_sync_write(session, mb.addr, ma.addr, True) == 0  # not an exact int: general path
-        assert b.transfer_sync_write(session, mb.addr, ma.addr, 4.0) == -1
-        assert b.transfer_sync_write(session, mb.addr, ma.addr, 1 << 64) == -1
-        assert b.transfer_sync_write(session, mb.addr, ma.addr, 0) == -1
-        assert b.transfer_sync_write("127.0.0.1:1", mb.addr, ma.addr, 4) == -1
-    finally:
-        b.close()
-        a.close()
+    session = f"127.0.0.1:{a.get_rpc_port()}"
+    assert a.register_memory(ma.addr, SIZE) == 0 and b.register_memory(mb.addr, SIZE) == 0
+    mb.mm[0:4] = b"one!"
+    assert b.transfer_sync_write(session, mb.addr, ma.addr, 4) == 0
+    assert b.transfer_sync_write(session, mb.addr, ma.addr, 4) == 0
+    assert ma.mm[0:4] == b"one!"
+    assert b.unregister_memory(mb.addr) == 0
+    mb.mm[0:4] = b"two!"
+    assert b.transfer_sync_write(session, mb.addr, ma.addr, 4) == -1
+    assert b.transfer_sync_read(session, mb.addr, ma.addr, 4) == -1
+    assert ma.mm[0:4] == b"one!" and mb.mm[0:4] == b"two!"
+    assert b.register_memory(mb.addr, 4096) == 0
+    assert b.transfer_sync_write(session, mb.addr + 4096, ma.addr, 4) == -1  # past the new range
+    assert b.transfer_sync_write(session, mb.addr, ma.addr, 4) == 0
+    assert ma.mm[0:4] == b"two!"
+    assert b.transfer_sync_read(session, mb.addr + 8, ma.addr, 4) == 0
+    assert mb.mm[8:12] == b"two!"
+    assert b.transfer_sync(session, mb.addr + 16, ma.addr, 4, 1) == 0  # a plain int opcode: Write
+    assert ma.mm[0:4] == b"\0\0\0\0"
+    assert b.transfer_sync_write(session, mb.addr, ma.addr, True) == 0  # not an exact int: general path
+    assert b.transfer_sync_write(session, mb.addr, ma.addr, 4.0) == -1
+    assert b.transfer_sync_write(session, mb.addr, ma.addr, 1 << 64) == -1
+    assert b.transfer_sync_write(session, mb.addr, ma.addr, 0) == -1
+    assert b.transfer_sync_write("127.0.0.1:1", mb.addr, ma.addr, 4) == -1
 
 
-def test_threads_alternating_between_two_local_ranges_land_every_byte() -> None:
+def test_threads_alternating_between_two_local_ranges_land_every_byte(tcp_engines) -> None:  # type: ignore[no-untyped-def]
     """The pair kept per host changes under the threads' feet (two local ranges, eight threads)."""
-    a, b = TransferEngine(), TransferEngine()
-    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    a, b = tcp_engines
     ma, m1, m2 = Mem(2 * SIZE), Mem(), Mem()
-    try:
-        session = f"127.0.0.1:{a.get_rpc_port()}"
-        assert a.register_memory(ma.addr, 2 * SIZE) == 0
-        assert b.register_memory(m1.addr, SIZE) == 0 and b.register_memory(m2.addr, SIZE) == 0
-        m1.mm[:] = bytes(range(256)) * (SIZE // 256)
-        m2.mm[:] = bytes(reversed(range(256))) * (SIZE // 256)
-        piece = SIZE // 64
-        errors: list[tuple[int, int]] = []
+    session = f"127.0.0.1:{a.get_rpc_port()}"
+    assert a.register_memory(ma.addr, 2 * SIZE) == 0
+    assert b.register_memory(m1.addr, SIZE) == 0 and b.register_memory(m2.addr, SIZE) == 0
+    m1.mm[:] = bytes(range(256)) * (SIZE // 256)
+    m2.mm[:] = bytes(reversed(range(256))) * (SIZE // 256)
+    piece = SIZE // 64
+    errors: list[tuple[int, int]] = []
 
-        def work(t: int) -> None:
-            for j in range(t, 64, 8):
-                for k, m in enumerate((m1, m2)):
-                    off = j * piece
-                    rc = b.transfer_sync_write(session, m.addr + off, ma.addr + k * SIZE + off, piece)
-                    if rc:
-                        errors.append((j, k))
+    def work(t: int) -> None:
+        for j in range(t, 64, 8):
+            for k, m in enumerate((m1, m2)):
+                off = j * piece
+                rc = b.transfer_sync_write(session, m.addr + off, ma.addr + k * SIZE + off, piece)
+                if rc:
+                    errors.append((j, k))
 
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors
-        assert ma.mm[:SIZE] == m1.mm[:] and ma.mm[SIZE:] == m2.mm[:]
-    finally:
-        b.close()
-        a.close()
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert ma.mm[:SIZE] == m1.mm[:] and ma.mm[SIZE:] == m2.mm[:]

@@ -36,21 +36,11 @@ def _run(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
                           timeout=timeout, cwd=ROOT)
 
 
-@pytest.fixture
-def engines():  # type: ignore[no-untyped-def]
-    a, b = TransferEngine(), TransferEngine()
-    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    yield a, b
-    a.close()
-    b.close()
-
-
 # -- item 9 ----------------------------------------------------------------------------------
 
 
-def test_second_initialize_is_refused_and_the_first_engine_keeps_serving(engines) -> None:  # type: ignore[no-untyped-def]
-    a, b = engines
+def test_second_initialize_is_refused_and_the_first_engine_keeps_serving(tcp_engines) -> None:  # type: ignore[no-untyped-def]
+    a, b = tcp_engines
     port = a.get_rpc_port()
     assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
     assert a.initialize_ext("127.0.0.1", "127.0.0.1:1", "tcp", "", "etcd") == -1
