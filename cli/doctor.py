@@ -5,6 +5,7 @@ Read-only: it changes nothing on the system (see :mod:`mpcomm.cli.nodecheck`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -12,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mpcomm import native_helper
+from mpcomm.tent.build import stale_artefacts
 from mpcomm.tent.doctor import native_provider_check
 
 from mpcomm.topology import discover_gpus
@@ -52,6 +54,23 @@ def native_helper_checks() -> list[Check]:
     return [Check("plugins", f"compiled:{what}", Status.WARN, f"missing: {why}",
                   "reinstall mpcomm where a C compiler and Python headers are available, or use a binary wheel")
             for what, why in gone.items()]
+
+
+def stale_native_checks(pkg_dir: str | None = None, helpers: dict[str, Path] | None = None) -> list[Check]:
+    """One WARN per stale native build artefact (its path, and what to do), else one PASS.
+
+    Stale: the MPComm provider's files an old build scheme left in an editable install's package
+    dir, a provider library older than its source, a compiled helper older than its C source
+    (``pkg_dir``/``helpers``: what to look at instead of this install; see the two functions).
+    """
+    found = stale_artefacts(pkg_dir)
+    found += [(built, f"older than its source {source}",
+               "rebuild the helpers: pip install -e . again, or python setup.py build_ext --inplace")
+              for built, source in native_helper.stale(helpers)]
+    if not found:
+        return [Check("plugins", "stale_native", Status.PASS, "no stale native build artefacts")]
+    return [Check("plugins", f"stale_native:{path.name}", Status.WARN, f"{path}: {why}", todo)
+            for path, why, todo in found]
 
 
 def manifest_extra(found: dict[str, Any]) -> dict[str, str]:
@@ -97,6 +116,7 @@ def doctor(
     checks = nodecheck.run_checks(min_shm_bytes=parse_size(min_shm), min_memlock_bytes=parse_size(min_memlock))
     checks += plugin_checks(found)
     checks += native_helper_checks()  # accelerations missing from this install, and their measured cost
+    checks += stale_native_checks()  # an old build's files, or a build older than its source
     checks += gpus.doctor_checks(discover_gpus())  # where each GPU sits; which transports move CUDA memory
     checks.append(native_provider_check())  # libmpcomm.so for Mooncake TENT (docs/tent.md)
     worst = nodecheck.worst_status(checks)

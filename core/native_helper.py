@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.util
 import json
 import logging
 import threading
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["COST", "HELPERS", "Helper", "build_record", "load", "missing", "warn_missing_once"]
+__all__ = ["COST", "HELPERS", "Helper", "build_record", "load", "missing", "stale", "warn_missing_once"]
 
 log = logging.getLogger("mpcomm.native")
 
@@ -120,6 +121,34 @@ def missing() -> dict[str, str]:
             importlib.import_module(name)
         except ImportError as exc:
             out[what] = f"{_why_absent(name, exc)}; without it: {COST[name]}"
+    return out
+
+
+def stale(found: dict[str, Path] | None = None) -> list[tuple[Path, Path]]:
+    """(built helper, its C source) for each compiled helper older than the source beside it.
+
+    Only a checkout (an editable install) keeps the sources beside the built modules; a wheel
+    ships no ``.c``, so nothing is compared there. A source edited since the last build means the
+    module in use is not what the source says until it is rebuilt. ``found``: {import name: built
+    file} to look at (default: the file each helper of :data:`HELPERS` imports from).
+    """
+    if found is None:
+        found = {}
+        for name in HELPERS:
+            try:
+                spec = importlib.util.find_spec(name)
+            except ImportError:
+                continue
+            if spec is not None and spec.origin:
+                found[name] = Path(spec.origin)
+    out = []
+    for name, built in found.items():
+        source = built.parent / Path(HELPERS[name][1]).name
+        try:
+            if source.stat().st_mtime > built.stat().st_mtime:
+                out.append((built, source))
+        except OSError:  # no source here (a wheel), or the file went away meanwhile
+            continue
     return out
 
 

@@ -80,11 +80,7 @@ def _checkout_of(pkg: Path) -> Path | None:
 def native_root(pkg_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where the provider of this mpcomm lives (its MPCOMM_ROOT): the package dir of a wheel
     install, or :func:`editable_root` of the checkout an editable install imports from."""
-    if pkg_dir is None:
-        import mpcomm
-
-        pkg_dir = Path(mpcomm.__file__).resolve().parent
-    pkg = Path(pkg_dir)
+    pkg = _package_dir(pkg_dir)
     if (pkg / "lib" / SONAME).exists() or (pkg / STATUS_FILE).exists():
         return pkg
     checkout = _checkout_of(pkg)
@@ -156,6 +152,51 @@ def build_native(dest: str | os.PathLike[str], src: str | os.PathLike[str] = NAT
     if not quiet:
         print(f"mpcomm: built {out} (Python {pyver}, loaded at init)")
     return status
+
+
+#: What an older build scheme wrote into the package dir itself. An editable install now builds the
+#: provider into the checkout's build/native/; left in the package dir (core/), these shadow it:
+#: native_root() takes the package dir wherever they stand, so an old libmpcomm is loaded.
+OLD_LAYOUT = (STATUS_FILE, "lib", "include")
+
+
+def _package_dir(pkg_dir: str | os.PathLike[str] | None) -> Path:
+    if pkg_dir is None:
+        import mpcomm
+
+        return Path(mpcomm.__file__).resolve().parent
+    return Path(pkg_dir)
+
+
+def stale_artefacts(pkg_dir: str | os.PathLike[str] | None = None) -> list[tuple[Path, str, str]]:
+    """[(path, why it is stale, what to do)] for the provider of an editable install; [] for a wheel.
+
+    * the package dir's own native-status.json, lib/ and include/ (:data:`OLD_LAYOUT`);
+    * the library :func:`native_status` resolves, when a source under the checkout's tent/native/
+      is newer than it (edited since the last build).
+
+    A wheel is left alone: its package dir is its MPCOMM_ROOT, and an installer's file times say
+    nothing about which file was built from which.
+    """
+    pkg = _package_dir(pkg_dir)
+    checkout = _checkout_of(pkg)
+    if checkout is None:
+        return []
+    out: list[tuple[Path, str, str]] = []
+    for name in OLD_LAYOUT:
+        path = pkg / name
+        if path.is_symlink() or path.exists():
+            out.append((path, f"left by an old build scheme; it shadows {editable_root(checkout)}, so an old "
+                              "libmpcomm would be loaded", f"remove it (rm -r {path})"))
+    st = native_status(pkg)
+    if st["built"]:
+        lib = Path(st["library"])
+        sources = [f for f in (checkout / "tent" / "native").iterdir() if f.is_file()]
+        newer = [f for f in sources if f.stat().st_mtime > lib.stat().st_mtime]
+        if newer:
+            out.append((lib, f"older than its source {max(newer, key=lambda f: f.stat().st_mtime)}",
+                        "rebuild it: python -m mpcomm.tent.build"))
+    return out
 
 
 def native_status(pkg_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
