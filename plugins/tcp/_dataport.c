@@ -799,17 +799,49 @@ static int io_end(Ctx *x, int io, const char *what) {
     return fail(x, END_OS, "%s: %s", what, strerror(errno));
 }
 
-/* {"code": ..., "message": ...} with the message escaped for JSON; returns its length. */
+/* The code point of the UTF-8 sequence at s and its length in *len; U+FFFD for a malformed byte
+ * (length 1). Stops at a NUL, which is never a continuation byte. */
+static uint32_t utf8_next(const unsigned char *s, int *len) {
+    uint32_t c = s[0];
+    int k = c < 0x80 ? 0 : (c & 0xE0) == 0xC0 ? 1 : (c & 0xF0) == 0xE0 ? 2 : (c & 0xF8) == 0xF0 ? 3 : -1;
+    *len = 1;
+    if (k < 0)
+        return 0xFFFD;
+    if (k > 0)
+        c &= 0x3Fu >> k;
+    for (int i = 1; i <= k; i++) {
+        if ((s[i] & 0xC0) != 0x80)
+            return 0xFFFD;
+        c = c << 6 | (s[i] & 0x3Fu);
+    }
+    *len = k + 1;
+    return c > 0x10FFFF ? 0xFFFD : c;
+}
+
+/* {"code": ..., "message": ...} with the message escaped as server.py's json.dumps does (ensure_ascii:
+ * the short escapes, \u00XX for other controls and DEL, \uXXXX or a surrogate pair beyond ASCII), so
+ * both servers send the same bytes. Returns its length. A message of MSG_CAP bytes fits BODY_CAP: no
+ * byte takes more than 6. */
 static size_t error_body(char *out, size_t cap, int code, const char *msg) {
+    static const char SHORT[] = "btn\0fr"; /* \b \t \n (\v has none) \f \r: json's short escapes */
     size_t n = (size_t)snprintf(out, cap, "{\"code\": \"%s\", \"message\": \"", CODES[code]);
-    for (const unsigned char *s = (const unsigned char *)msg; *s && n + 8 < cap; s++) {
-        if (*s == '"' || *s == '\\') {
+    for (const unsigned char *s = (const unsigned char *)msg; *s && n + 16 < cap;) {
+        int len;
+        uint32_t c = utf8_next(s, &len);
+        s += len;
+        if (c == '"' || c == '\\') {
             out[n++] = '\\';
-            out[n++] = (char)*s;
-        } else if (*s < 0x20) {
-            n += (size_t)snprintf(out + n, cap - n, "\\u%04x", *s);
+            out[n++] = (char)c;
+        } else if (c >= '\b' && c <= '\r' && SHORT[c - '\b']) {
+            out[n++] = '\\';
+            out[n++] = SHORT[c - '\b'];
+        } else if (c >= 0x10000) {
+            c -= 0x10000;
+            n += (size_t)snprintf(out + n, cap - n, "\\u%04x\\u%04x", 0xD800 | (c >> 10), 0xDC00 | (c & 0x3FF));
+        } else if (c < 0x20 || c >= 0x7F) {
+            n += (size_t)snprintf(out + n, cap - n, "\\u%04x", c);
         } else {
-            out[n++] = (char)*s;
+            out[n++] = (char)c;
         }
     }
     n += (size_t)snprintf(out + n, cap - n, "\"}");
