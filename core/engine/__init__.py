@@ -291,6 +291,7 @@ class Engine:
                 regions=self._regions,
                 control=self._transport_request,
                 log=logging.getLogger(f"mpcomm.transport.{name}"),
+                notifications=self._notifications,
             )
             try:
                 inst = entry.cls(ctx)
