@@ -10,7 +10,8 @@ same run, between:
   (``Transport.carries_notification``);
 * ``after``: the path before it: the data frame, then, once it landed, a NOTIFY frame from one of
   the engine's notify workers (forced here by having this tcp transport answer
-  ``carries_notification`` with False).
+  ``carries_notification`` with False);
+* ``plain``: the same write without a notification, for reference.
 
 Prints the p50/p90 of each and their ratio. Absolute times depend on the machine's load;
 compare the ratio of the same run.
@@ -44,11 +45,12 @@ TARGET = textwrap.dedent("""
 """)
 
 
-def _round(e: mpcomm.Engine, src: mpcomm.Region, remote: mpcomm.RemoteRegion, n: int, size: int) -> list[float]:
+def _round(e: mpcomm.Engine, src: mpcomm.Region, remote: mpcomm.RemoteRegion, n: int, size: int,
+           note: bool = True) -> list[float]:
     out = []
     for i in range(n):
         t0 = time.perf_counter()
-        e.write(src, remote, 0, size, notify=b"note-%d" % i).result(10)
+        e.write(src, remote, 0, size, notify=b"note-%d" % i if note else None).result(10)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -69,12 +71,12 @@ def main() -> None:
             src = e.allocate(a.size)
             tcp = e.transports["tcp"]
             carried = tcp.carries_notification
-            samples: dict[str, list[float]] = {"carried": [], "after": []}
+            samples: dict[str, list[float]] = {"carried": [], "after": [], "plain": []}
             for r in range(a.rounds):
-                for mode in (("carried", "after") if r % 2 == 0 else ("after", "carried")):
+                for mode in (("carried", "after", "plain") if r % 2 == 0 else ("plain", "after", "carried")):
                     tcp.carries_notification = carried if mode == "carried" else (lambda op: False)
-                    _round(e, src, remote, 30, a.size)  # warm-up of this mode
-                    samples[mode] += _round(e, src, remote, a.per_round, a.size)
+                    _round(e, src, remote, 30, a.size, mode != "plain")  # warm-up of this mode
+                    samples[mode] += _round(e, src, remote, a.per_round, a.size, mode != "plain")
             tcp.carries_notification = carried
     finally:
         proc.stdin.write("\n")  # type: ignore[union-attr]
@@ -84,7 +86,7 @@ def main() -> None:
     for mode, xs in samples.items():
         xs.sort()
         res[mode] = (statistics.median(xs) * 1e6, xs[int(len(xs) * 0.9)] * 1e6)
-        print(f"{mode:8s} {a.size} B notifying write: p50 {res[mode][0]:7.1f} us  p90 {res[mode][1]:7.1f} us  "
+        print(f"{mode:8s} {a.size} B write: p50 {res[mode][0]:7.1f} us  p90 {res[mode][1]:7.1f} us  "
               f"({len(xs)} samples)")
     print(f"carried/after p50 ratio: {res['carried'][0] / res['after'][0]:.2f}")
 

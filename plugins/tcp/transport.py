@@ -27,10 +27,14 @@ without the GIL),
   it; with ``transport.tls`` it runs TLS first (:mod:`.tls_stream`).
 * Abort is fenced per connection that carried the request (see
   :mod:`.client`): a timed-out request on a live target is confirmed.
-* Notifications: where the peer's data port is native (it advertises
-  ``notify``), :meth:`TcpTransport.notify` sends a NOTIFY frame on a data
-  connection, which the target queues without its GIL (``_dataport.c``); the
-  engine calls it after the request completed, for any transport's request.
+* Notifications: a write with one that goes as one frame carries it on that
+  WRITE frame (``FLAG_NOTE``, :meth:`TcpTransport.carries_notification`): the
+  target admits the region and holds room in its queue before a byte lands,
+  queues the note after the data and answers once. Other notifications (bare
+  ones, striped or staged writes', other transports'): where the peer's data
+  port is native (it advertises ``notify``), :meth:`TcpTransport.notify` sends
+  a NOTIFY frame on a data connection, which the target queues without its
+  GIL (``_dataport.c``); the engine calls it after the request completed.
   Elsewhere (TLS, copy mode, no compiler) the control channel carries them.
 
 Zero-copy mode moves payloads straight between sockets and registered
