@@ -290,3 +290,20 @@ def test_generated_noting_frames_get_an_answer_or_a_closed_connection(small_targ
     t.close()
     note = engine.wait_notification(1)
     assert (note.peer, note.region, note.data) == ("gen-client", "kv", b"ok")
+
+
+def test_submitted_notifying_writes_carry_their_notes_too(spawn: Any) -> None:
+    tgt: Target = spawn()
+    with mpcomm.Engine({"plugins": {"tcp": {"connections": 1}}}, transports=["tcp"]) as e:
+        remote = e.open(tgt.address, "kv", timeout=5)
+        src = e.allocate(4096)
+        src.view[:] = bytes(range(256)) * 16
+        reqs = [mpcomm.Request("write", src, remote, 1024 * i, 1024, local_offset=1024 * i,
+                               notify=json.dumps({"off": 1024 * i, "len": 1024,
+                                                  "sha": _sha(bytes(src.view[1024 * i : 1024 * (i + 1)]))}).encode())
+                for i in range(4)]
+        e.submit(reqs).result(10)
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("mpcomm-notify_")]
+    notes = json.loads(tgt.cmd("notes"))
+    assert sorted(json.loads(n["data"])["off"] for n in notes) == [0, 1024, 2048, 3072]
+    assert all(n["data_in_place"] for n in notes), notes
