@@ -43,6 +43,12 @@ class Retries:
             health.failure(peer, t.name, error)
         else:
             self._end_probe(unit)
+        if getattr(unit, "notification", None) is not None:
+            # Its note went in the same frame as the data: a connection lost after the target
+            # queued it but before the reply came cannot be told apart from one lost before, and
+            # a second attempt would deliver the note twice. The caller gets the error (still
+            # retryable where it was) and decides (docs/contract.md §7).
+            return False
         if (t is None or unit.abort_exc is not None or not is_retryable(error) or self.closed
                 or unit.time_left() <= 0 or getattr(unit, "tries", 1) >= health.policy.max_attempts):
             return False

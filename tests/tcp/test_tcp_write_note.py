@@ -23,6 +23,8 @@ import mpcomm
 from mpcomm.control import NotificationQueue
 from mpcomm.errors import BackPressureError, LimitError
 from mpcomm.plugins.tcp import dataport, wire
+from mpcomm.plugins.tcp.server import Server
+from mpcomm.plugins.tcp.transport import TcpTransport
 
 U32, U64 = (1 << 32) - 1, (1 << 64) - 1
 MAX_NOTIFY = 64 << 10
@@ -307,3 +309,38 @@ def test_submitted_notifying_writes_carry_their_notes_too(spawn: Any) -> None:
     notes = json.loads(tgt.cmd("notes"))
     assert sorted(json.loads(n["data"])["off"] for n in notes) == [0, 1024, 2048, 3072]
     assert all(n["data_in_place"] for n in notes), notes
+
+
+class _NoteThenDropServer(Server):
+    """Queues a carried note and lands its data, then drops the connection instead of the first reply."""
+
+    dropped = 0
+
+    def _reply(self, sock: socket.socket, status: int, req_id: int, length: int, *body: Any, count: int = 0,
+               end: float) -> None:
+        if status == wire.ST_OK and not type(self).dropped:
+            type(self).dropped += 1
+            sock.shutdown(socket.SHUT_RDWR)
+            raise ConnectionResetError("dropped before the reply")
+        super()._reply(sock, status, req_id, length, *body, count=count, end=end)
+
+
+def test_a_connection_lost_before_the_reply_fails_the_request_and_delivers_the_note_once(
+        make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TcpTransport, "server_class", _NoteThenDropServer)
+    tgt = make_engine(transports=["tcp", "shm"])
+    monkeypatch.undo()
+    buf = bytearray(4096)
+    tgt.register(buf, name="kv")
+    ini = make_engine({"plugins": {"tcp": {"connections": 1}}}, transports=["tcp", "shm"])
+    remote = ini.open(tgt.address, "kv", timeout=5)
+    with pytest.raises(mpcomm.MpcommError) as err:  # shm, next on the route, is not tried
+        ini.write(b"w" * 64, remote, 0, notify=b"once", timeout=10, route=("tcp", "shm")).result(10)
+    assert _NoteThenDropServer.dropped == 1
+    assert not isinstance(err.value, BackPressureError)
+    # Not posted again: a second attempt would have queued the note a second time.
+    assert tgt.wait_notification(2).data == b"once"
+    with pytest.raises(TimeoutError):
+        tgt.wait_notification(0.5)
+    ini.write(b"v" * 64, remote, 0, notify=b"next", timeout=10, route=("tcp", "shm")).result(10)  # it goes on
+    assert tgt.wait_notification(2).data == b"next" and bytes(buf[:64]) == b"v" * 64
