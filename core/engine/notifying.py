@@ -23,8 +23,9 @@ class Notifying:
     @staticmethod
     def _carry_notification(op: Operation, t: Transport) -> None:
         """Just before ``t.post(op)`` of a request with a notification: hand the note to ``t`` when it
-        carries it with the data, else leave it to the notify workers. Asked at each post, so a
-        request retried on another transport is decided again."""
+        carries it with the data, else leave it to the notify workers. Asked at each post (a
+        request a busy transport handed back is asked again). One whose note was carried is not
+        failed over after a failed attempt (Retries._retry: the note might be delivered twice)."""
         note = op.notify_after if op.kind == "write" and t.carries_notification(op) else None
         op.notification = note
 
