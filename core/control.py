@@ -174,19 +174,45 @@ class NotificationQueue:
         self.max_count = max_count
         self.max_bytes = max_bytes
         self._items: deque[tuple[Any, int]] = deque()
-        self._bytes = 0
+        self._bytes = 0  # of the items queued and the room held for reserved ones
+        self._held = 0  # items reserved, not yet put
         self._cond = threading.Condition()
 
     def put(self, item: Any, size: int) -> None:
         with self._cond:
-            if len(self._items) >= self.max_count or self._bytes + size > self.max_bytes:
-                raise BackPressureError(
-                    f"notification queue full ({len(self._items)} notifications, {self._bytes} bytes; "
-                    f"limits.max_queued_notifications={self.max_count}, "
-                    f"limits.max_queued_notify_bytes={self.max_bytes}): nobody is consuming them")
-            self._items.append((item, size))
-            self._bytes += size
-            self._cond.notify()
+            self._hold(size)
+            self._append(item, size)
+
+    def reserve(self, size: int) -> None:
+        """Hold room for one item of ``size`` bytes (BackPressureError when full), for an item whose
+        data must land first: then :meth:`put_reserved` or :meth:`cancel`. Held room counts
+        against the limits as a queued item does."""
+        with self._cond:
+            self._hold(size)
+            self._held += 1
+
+    def put_reserved(self, item: Any, size: int) -> None:
+        with self._cond:
+            self._held -= 1
+            self._append(item, size)
+
+    def cancel(self, size: int) -> None:
+        with self._cond:
+            self._held -= 1
+            self._bytes -= size
+
+    def _hold(self, size: int) -> None:
+        count = len(self._items) + self._held
+        if count >= self.max_count or self._bytes + size > self.max_bytes:
+            raise BackPressureError(
+                f"notification queue full ({count} notifications, {self._bytes} bytes; "
+                f"limits.max_queued_notifications={self.max_count}, "
+                f"limits.max_queued_notify_bytes={self.max_bytes}): nobody is consuming them")
+        self._bytes += size
+
+    def _append(self, item: Any, size: int) -> None:
+        self._items.append((item, size))
+        self._cond.notify()
 
     def get(self, timeout: float | None = None) -> Any:
         """Next item; TimeoutError after ``timeout`` seconds."""

@@ -227,6 +227,11 @@ class TransportContext:
         regions: the target-side region table (:class:`RegionServer`).
         control: control-channel requests to a peer (:class:`ControlRequester`).
         log: a logger named after the transport.
+        notifications: the engine's notification queue, for notes a peer's request carries
+            with its data (:meth:`Transport.carries_notification`) that the target side
+            receives in Python: ``held = reserve(size)`` (BackPressureError when full) before
+            the data lands, then ``commit(held, peer_node_id, region_name, data)`` after it, or
+            ``cancel(held)``. None where the engine gives none.
     """
 
     config: Config
@@ -241,6 +246,7 @@ class TransportContext:
     regions: RegionServer
     control: ControlRequester
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("mpcomm.transport"))
+    notifications: Any = None
 
 
 # -- what a transport receives ------------------------------------------------------
@@ -299,6 +305,11 @@ class Operation:
         #: request under it too. ``sink`` is who hears the report (the engine).
         self.lock = threading.Lock()
         self.sink = sink
+
+    #: A notification this operation carries with its data, or None. The engine sets it only
+    #: on a write whose transport said :meth:`Transport.carries_notification`; that
+    #: transport then delivers it with the data (docs/contract.md, "Notifications").
+    notification: bytes | None = None
 
     def __repr__(self) -> str:
         return (f"<Operation {self.kind} {self.length}B local+{self.local_offset} -> "
@@ -815,6 +826,22 @@ class Transport:
         """
         return False
 
+    def carries_notification(self, op: Operation) -> bool:
+        """Whether :meth:`post` of this write can carry its notification with the data.
+
+        Asked just before each post of a write that has a notification. True: the
+        engine sets ``op.notification`` (its bytes; the region name is
+        ``op.remote.name``) and sends nothing else for it. The transport then
+        delivers it with the data: the target queues it after every byte of the
+        data landed and before it answers, as the target's node and with its limits.
+        ``op`` completes only once both happened. A refusal (a full queue:
+        BackPressureError; over the target's limits: LimitError) fails ``op`` with
+        the target's region untouched. False (the default): the engine sends the
+        notification itself after ``op`` completed (:meth:`notify`, or the control
+        channel), on one of its notify workers.
+        """
+        return False
+
     def close(self) -> None:
         """Release every resource; must not raise. Called once, after the last post."""
 
@@ -874,6 +901,7 @@ TRANSPORT_CONTRACT: dict[str, ContractMember] = {
     "handle_control": ContractMember("method"),
     "notification_queue": ContractMember("method"),
     "notify": ContractMember("method"),
+    "carries_notification": ContractMember("method"),
     "close": ContractMember("method"),
 }
 

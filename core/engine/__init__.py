@@ -291,6 +291,7 @@ class Engine:
                 regions=self._regions,
                 control=self._transport_request,
                 log=logging.getLogger(f"mpcomm.transport.{name}"),
+                notifications=self._notifications,
             )
             try:
                 inst = entry.cls(ctx)
@@ -646,6 +647,11 @@ class Engine:
         overrides the ``[[route]]`` rules for this request; failover walks it
         in that order and the handle's ``route_rule`` is ``"hint"``. Naming a
         transport that is not installed raises MpcommError.
+
+        ``notify`` (at most 64 KiB) is delivered to the target after the data
+        (docs/contract.md §7). Over tcp it rides on the data's frame: one
+        request, one reply, and a refusal (the target's queue full:
+        BackPressureError) comes before a byte is written.
         """
         if notify is None and completion_queue is None and route is None:
             run = self._fast.get((id(src), id(remote), "write"))  # a bound pair: bound.FastPath

@@ -29,7 +29,8 @@ class Endings:
             return
         if error is None:
             self._succeeded(op)
-        if error is None and op.notify_after is not None:
+        if error is None and op.notify_after is not None and op.notification is None:
+            # (A note the transport carried was delivered with the data: nothing is left to send.)
             try:
                 self._queue_notification(op, nbytes)
                 return

@@ -61,6 +61,17 @@ class _NativeQueue:
         if refused is not None:
             raise BackPressureError(refused)
 
+    def reserve(self, size: int) -> None:
+        refused = self.notes.reserve(size)
+        if refused is not None:
+            raise BackPressureError(refused)
+
+    def put_reserved(self, note: Notification, size: int) -> None:
+        self.notes.commit(note.peer, note.region, note.data, True)  # callbacks ran: settled
+
+    def cancel(self, size: int) -> None:
+        self.notes.cancel(size)
+
     def get(self, timeout: float | None = None) -> Notification:
         got = self.notes.get(timeout)  # waits with the GIL released
         if got is None:
@@ -126,6 +137,38 @@ class Notifications:
         if not any(consume for _, consume in callbacks):
             self._q.put(note, len(note.data))
         _run(callbacks, note)
+
+    # -- a note whose data must land first (a transport's serving thread, in Python) -----------
+    # tcp's Python server takes a WRITE frame that carries its notification this way
+    # (plugins/tcp/server.py _write_note): room first, so a full queue refuses the request
+    # before a byte of its data lands; then the note after the data, or the room back.
+
+    def reserve(self, size: int) -> tuple[int, bool]:
+        """Hold room for a note of ``size`` bytes (BackPressureError when the queue is full). No room is
+        held while a callback consumes notes (they are not queued). Returns what commit/cancel take."""
+        held = not any(consume for _, consume in self._callbacks)
+        if held:
+            self._q.reserve(size)
+        return size, held
+
+    def commit(self, held: tuple[int, bool], peer: str, region: str, data: bytes) -> None:
+        """Queue the note into its room and run the callbacks (before the sender's ack, as
+        :meth:`deliver`)."""
+        size, reserved = held
+        note = Notification(peer, region[:MAX_REGION], data)
+        callbacks = list(self._callbacks)
+        if reserved:
+            if any(consume for _, consume in callbacks):
+                self._q.cancel(size)  # a consuming callback came meanwhile: it takes the note
+            else:
+                self._q.put_reserved(note, size)
+        _run(callbacks, note)
+
+    def cancel(self, held: tuple[int, bool]) -> None:
+        """Give the room back: the note's data did not land."""
+        size, reserved = held
+        if reserved:
+            self._q.cancel(size)
 
     def wait(self, timeout: float | None) -> Notification:
         note: Notification = self._q.get(timeout)

@@ -1,15 +1,33 @@
-"""Notifying: a request's notification sent after its data landed, on the engine's notify workers."""
+"""Notifying: a request's notification, carried with its data or sent after it landed.
+
+Where the transport a write is posted to carries notifications with the data
+(:meth:`Transport.carries_notification`: tcp's WRITE frame with FLAG_NOTE), the
+request is one Operation and its note goes with it: the target queues the note
+after the data and answers both at once, so no notify worker and no second
+round trip is involved and the waiter in ``result()`` gets the outcome as for a
+write without one. Elsewhere the note is sent after the data landed, on the
+engine's notify workers (below).
+"""
 
 from __future__ import annotations
 
 from collections import deque
 
 from ..errors import EngineClosedError, MpcommError
-from ..transport import Operation
+from ..transport import Operation, Transport
 
 
 class Notifying:
     """The :class:`~mpcomm.engine.requests.Pipeline`'s notifying (a mixin: its state lives on the Pipeline)."""
+
+    @staticmethod
+    def _carry_notification(op: Operation, t: Transport) -> None:
+        """Just before ``t.post(op)`` of a request with a notification: hand the note to ``t`` when it
+        carries it with the data, else leave it to the notify workers. Asked at each post (a
+        request a busy transport handed back is asked again). One whose note was carried is not
+        failed over after a failed attempt (Retries._retry: the note might be delivered twice)."""
+        note = op.notify_after if op.kind == "write" and t.carries_notification(op) else None
+        op.notification = note
 
     def _queue_notification(self, op: Operation, nbytes: int) -> None:
         """Send ``op``'s notification on a notify worker, at most ``_notify_per_peer`` per peer.

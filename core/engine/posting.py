@@ -241,6 +241,8 @@ class Posting:
         """
         try:
             if isinstance(unit, Operation):
+                if getattr(unit, "notify_after", None) is not None:
+                    self._carry_notification(unit, t)
                 t.post(unit)
             else:
                 t.post_many(unit)

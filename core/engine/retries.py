@@ -7,7 +7,7 @@ import time
 from collections import deque
 from typing import Any
 
-from ..errors import MpcommError, PeerConnectionError
+from ..errors import BackPressureError, MpcommError, PeerConnectionError
 from ..health import counts_against_path, is_retryable
 from ..transport import Operation, Transport
 from .stripes import Striped
@@ -24,6 +24,12 @@ class Retries:
         t = unit.transport
         if isinstance(t, Striped):
             return False  # each stripe was retried on its own
+        if isinstance(error, BackPressureError) and getattr(unit, "notification", None) is not None:
+            # The target refused the note this write carried (its queue is full) before a byte
+            # landed: that says nothing about the path, and another transport reaches the same
+            # queue (and would land the data before the note is refused). The caller may retry.
+            self._end_probe(unit)
+            return False
         cands = getattr(unit, "candidates", ())
         health = self.e.health
         peer = unit.remote.address
@@ -37,6 +43,12 @@ class Retries:
             health.failure(peer, t.name, error)
         else:
             self._end_probe(unit)
+        if getattr(unit, "notification", None) is not None:
+            # Its note went in the same frame as the data: a connection lost after the target
+            # queued it but before the reply came cannot be told apart from one lost before, and
+            # a second attempt would deliver the note twice. The caller gets the error (still
+            # retryable where it was) and decides (docs/contract.md §7).
+            return False
         if (t is None or unit.abort_exc is not None or not is_retryable(error) or self.closed
                 or unit.time_left() <= 0 or getattr(unit, "tries", 1) >= health.policy.max_attempts):
             return False

@@ -135,7 +135,7 @@ def waiter_only(threads: PythonThreads, what: str, run: Callable[[], Any], tries
 
 
 def check_completion_on_waiter(make_env: Callable[[], Any], *, remote_name: str = "buf", size: int = 4096,
-                               large: int = 0, batch: int = 8) -> None:
+                               large: int = 0, batch: int = 8, notify: bool = False) -> None:
     """The completion property for one transport and one remote region.
 
     ``make_env()`` builds the :class:`~mpcomm.testing.ConformanceEnv` (engine
@@ -145,7 +145,9 @@ def check_completion_on_waiter(make_env: Callable[[], Any], *, remote_name: str 
     e.g. past a transport's inline threshold), ``write_many``/``read_many``
     of ``batch`` pieces, ``submit`` of ``batch`` requests, and ``submit`` of
     requests to two remote regions (two groups in one batch; the target has
-    ``alloc`` and ``buf``, as the kit's target does).
+    ``alloc`` and ``buf``, as the kit's target does). With ``notify``: also a
+    write of ``size`` bytes with a notification (``write(..., notify=...)``), for a
+    transport that carries the note with the data (Transport.carries_notification).
     """
     from mpcomm import Request
     from mpcomm.testing.patterns import pattern
@@ -173,6 +175,10 @@ def check_completion_on_waiter(make_env: Callable[[], Any], *, remote_name: str 
                 dst.view[:n] = bytes(n)
                 waiter_only(threads, f"read of {n} bytes", lambda n=n: eng.read(dst, remote, 0, n).result())
                 assert bytes(dst.view[:n]) == bytes(src.view[:n]), f"read of {n} bytes returned other data"
+            if notify:
+                eng.write(src, remote, 0, size, notify=b"warm").result(timeout=30)
+                waiter_only(threads, f"write of {size} bytes with a notification",
+                            lambda: eng.write(src, remote, 0, size, notify=b"note").result())
             offs = [i * size for i in range(batch)]
             lens = [size] * batch
             waiter_only(threads, f"write_many of {batch}x{size}",
@@ -199,18 +205,22 @@ def check_completion_on_waiter(make_env: Callable[[], Any], *, remote_name: str 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mpcomm.testing.completion TRANSPORT REGION [LARGE] [CONFIG_JSON]``: the check in a
-    fresh process (no thread runs before the profile is installed); exit status 1 with the report."""
+    """``python -m mpcomm.testing.completion TRANSPORT REGION [LARGE] [CONFIG_JSON] [--notify]``: the
+    check in a fresh process (no thread runs before the profile is installed); exit status 1 with the
+    report. ``--notify`` adds the notifying write."""
     import json
 
     from .kit import ConformanceEnv
 
     args = sys.argv[1:] if argv is None else argv
+    notify = "--notify" in args
+    args = [a for a in args if a != "--notify"]
     transport, region = args[0], args[1]
     large = int(args[2]) if len(args) > 2 else 0
     config = json.loads(args[3]) if len(args) > 3 else None
     try:
-        check_completion_on_waiter(lambda: ConformanceEnv(transport, config=config), remote_name=region, large=large)
+        check_completion_on_waiter(lambda: ConformanceEnv(transport, config=config), remote_name=region, large=large,
+                                  notify=notify)
     except AssertionError as exc:
         print(f"FAILED {transport} {region}: {exc}")
         return 1

@@ -54,7 +54,9 @@ int mpcomm_dataport_abi(void) { return DP_ABI; }
 #define ST_PARTIAL 2
 #define MAX_ERROR_PAYLOAD (64 << 10)
 #define MAX_NOTIFY (64 << 10) /* notify.py MAX_NOTIFY: the largest notification any node takes */
-#define MAX_NOTE_REGION 1024 /* bytes of the region name a NOTIFY frame may carry */
+#define MAX_NOTE_REGION 1024 /* bytes of the region name a NOTIFY frame (or a noting WRITE) may carry */
+#define FLAG_NOTE 0x01 /* a WRITE frame that carries its notification (wire.py FLAG_NOTE) */
+#define NOTE_LEN_SIZE 8 /* the note length after such a frame's header (wire.py NOTE_LEN) */
 #define ACC_R 1
 #define ACC_W 2
 
@@ -168,15 +170,46 @@ typedef struct {
 
 static PyTypeObject NotesType;
 
-/* Queue a copy of the note, or refuse: 0, E_BACKPRESSURE (msg set), or -1 (out of memory). The
- * limits are checked on unsigned values without a sum that can wrap. */
-static int notes_put(Notes *q, const char *peer, size_t plen, const char *region, size_t rlen,
-                     const unsigned char *data, size_t dlen, int settled, char *msg, size_t msz) {
-    if (plen > 4096 || rlen > 4096 || dlen > MAX_NOTIFY)
+/* Hold room for one note of dlen bytes, or refuse: 0 or E_BACKPRESSURE (msg set). The room counts
+ * against the limits at once (count and bytes), so a note whose data must land first (a WRITE
+ * frame carrying its notification, wire.py) is refused before anything is written; it is then
+ * either committed (notes_commit) or given back (notes_cancel). The limits are checked on
+ * unsigned values without a sum that can wrap. */
+static int notes_reserve(Notes *q, size_t dlen, char *msg, size_t msz) {
+    pthread_mutex_lock(&q->mu);
+    if (q->count >= q->max_count || dlen > q->max_bytes || q->bytes > q->max_bytes - dlen) {
+        snprintf(msg, msz,
+                 "notification queue full (%llu notifications, %llu bytes; limits.max_queued_notifications=%llu, "
+                 "limits.max_queued_notify_bytes=%llu): nobody is consuming them",
+                 (unsigned long long)q->count, (unsigned long long)q->bytes, (unsigned long long)q->max_count,
+                 (unsigned long long)q->max_bytes);
+        pthread_mutex_unlock(&q->mu);
+        return E_BACKPRESSURE;
+    }
+    q->count++;
+    q->bytes += dlen;
+    pthread_mutex_unlock(&q->mu);
+    return 0;
+}
+
+/* Give back the room of a reservation whose note will not come (its data did not land). */
+static void notes_cancel(Notes *q, size_t dlen) {
+    pthread_mutex_lock(&q->mu);
+    q->count--;
+    q->bytes -= dlen;
+    pthread_cond_broadcast(&q->cv); /* a waiter for room or for the queue to settle looks again */
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* Queue a copy of the note into the room reserved for it: 0, or -1 (out of memory; the room is
+ * given back). */
+static int notes_commit(Notes *q, const char *peer, size_t plen, const char *region, size_t rlen,
+                        const unsigned char *data, size_t dlen, int settled) {
+    Note *n = plen > 4096 || rlen > 4096 || dlen > MAX_NOTIFY ? NULL : malloc(sizeof *n + plen + rlen + dlen + 1);
+    if (!n) {
+        notes_cancel(q, dlen);
         return -1;
-    Note *n = malloc(sizeof *n + plen + rlen + dlen + 1);
-    if (!n)
-        return -1;
+    }
     n->next = NULL;
     n->plen = plen;
     n->rlen = rlen;
@@ -189,16 +222,6 @@ static int notes_put(Notes *q, const char *peer, size_t plen, const char *region
     if (dlen)
         memcpy(n->data, data, dlen);
     pthread_mutex_lock(&q->mu);
-    if (q->count >= q->max_count || dlen > q->max_bytes || q->bytes > q->max_bytes - dlen) {
-        snprintf(msg, msz,
-                 "notification queue full (%llu notifications, %llu bytes; limits.max_queued_notifications=%llu, "
-                 "limits.max_queued_notify_bytes=%llu): nobody is consuming them",
-                 (unsigned long long)q->count, (unsigned long long)q->bytes, (unsigned long long)q->max_count,
-                 (unsigned long long)q->max_bytes);
-        pthread_mutex_unlock(&q->mu);
-        free(n);
-        return E_BACKPRESSURE;
-    }
     n->seq = ++q->seq;
     n->state = settled || !q->callbacks || q->closed ? NOTE_READY : NOTE_PENDING;
     if (q->tail)
@@ -206,11 +229,20 @@ static int notes_put(Notes *q, const char *peer, size_t plen, const char *region
     else
         q->head = n;
     q->tail = n;
-    q->count++;
-    q->bytes += dlen;
     pthread_cond_broadcast(&q->cv);
     pthread_mutex_unlock(&q->mu);
     return 0;
+}
+
+/* Queue a copy of the note, or refuse: 0, E_BACKPRESSURE (msg set), or -1 (out of memory). */
+static int notes_put(Notes *q, const char *peer, size_t plen, const char *region, size_t rlen,
+                     const unsigned char *data, size_t dlen, int settled, char *msg, size_t msz) {
+    if (plen > 4096 || rlen > 4096 || dlen > MAX_NOTIFY)
+        return -1;
+    int rc = notes_reserve(q, dlen, msg, msz);
+    if (rc)
+        return rc;
+    return notes_commit(q, peer, plen, region, rlen, data, dlen, settled);
 }
 
 /* Unlink n (mutex held); prev is the note before it or NULL. */
@@ -372,6 +404,50 @@ static PyObject *Notes_put(Notes *q, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* reserve(size) -> None, or the refusal's message when the queue has no room for a note of size
+ * bytes (then nothing is held). The room is held until commit() or cancel(). */
+static PyObject *Notes_reserve(Notes *q, PyObject *arg) {
+    Py_ssize_t size = PyLong_AsSsize_t(arg);
+    if (!notes_ready(q) || (size == -1 && PyErr_Occurred()))
+        return NULL;
+    if (size < 0 || size > MAX_NOTIFY) {
+        PyErr_SetString(PyExc_ValueError, "notification too large for the queue");
+        return NULL;
+    }
+    char msg[512];
+    if (notes_reserve(q, (size_t)size, msg, sizeof msg))
+        return PyUnicode_FromString(msg);
+    Py_RETURN_NONE;
+}
+
+/* commit(peer, region, data, settled): queue a note into the room reserve(len(data)) held. */
+static PyObject *Notes_commit(Notes *q, PyObject *args) {
+    const char *peer, *region;
+    Py_ssize_t plen, rlen;
+    Py_buffer data;
+    int settled;
+    if (!notes_ready(q) || !PyArg_ParseTuple(args, "s#s#y*p", &peer, &plen, &region, &rlen, &data, &settled))
+        return NULL;
+    int rc = notes_commit(q, peer, (size_t)plen, region, (size_t)rlen, data.buf, (size_t)data.len, settled);
+    PyBuffer_Release(&data);
+    if (rc)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* cancel(size): give back the room reserve(size) held. */
+static PyObject *Notes_cancel(Notes *q, PyObject *arg) {
+    Py_ssize_t size = PyLong_AsSsize_t(arg);
+    if (!notes_ready(q) || (size == -1 && PyErr_Occurred()))
+        return NULL;
+    if (size < 0 || size > MAX_NOTIFY) {
+        PyErr_SetString(PyExc_ValueError, "no reservation of that size");
+        return NULL;
+    }
+    notes_cancel(q, (size_t)size);
+    Py_RETURN_NONE;
+}
+
 /* get(timeout) -> (peer, region, data), or None at the timeout. */
 static PyObject *Notes_get(Notes *q, PyObject *timeout) {
     if (!notes_ready(q))
@@ -501,6 +577,11 @@ static void Notes_dealloc(Notes *self) {
 static PyMethodDef Notes_methods[] = {
     {"put", (PyCFunction)Notes_put, METH_VARARGS,
      "put(peer, region, data, settled) -> None | str: queue a note, or the refusal's message when full"},
+    {"reserve", (PyCFunction)Notes_reserve, METH_O,
+     "reserve(size) -> None | str: hold room for one note, or the refusal's message when full"},
+    {"commit", (PyCFunction)Notes_commit, METH_VARARGS,
+     "commit(peer, region, data, settled): queue a note into the room reserve(len(data)) held"},
+    {"cancel", (PyCFunction)Notes_cancel, METH_O, "cancel(size): give back the room reserve(size) held"},
     {"get", (PyCFunction)Notes_get, METH_O, "get(timeout) -> (peer, region, data) | None: take the head"},
     {"dispatch", (PyCFunction)Notes_dispatch, METH_O,
      "dispatch(timeout) -> (seq, (peer, region, data)) | None: the next note whose callbacks are to run"},
@@ -1172,6 +1253,104 @@ static int do_notify(Ctx *x, uint64_t req_id, uint32_t rlen, uint64_t dlen, doub
     return reply(x, ST_OK, 0, req_id, NULL, 0, end);
 }
 
+/* The notification checks of note_admit, in server.py's order: over the node's max_notify_bytes,
+ * over the connection's notify_rate, then room in the queue (held: notes_reserve). 0 with the room
+ * held, else the refusal's code with msg set (nothing held). */
+static int note_admit(Ctx *x, uint64_t dlen, char *msg, size_t msz) {
+    Port *p = x->p;
+    double now = mono();
+    x->tokens += (now - x->stamp) * p->notify_rate;
+    if (x->tokens > p->notify_rate)
+        x->tokens = p->notify_rate;
+    x->stamp = now;
+    if (dlen > p->max_note) {
+        snprintf(msg, msz, "notification of %llu bytes exceeds this node's limit of %llu (limits.max_notify_bytes)",
+                 (unsigned long long)dlen, (unsigned long long)p->max_note);
+        return E_LIMIT;
+    }
+    if (x->tokens < 1) {
+        snprintf(msg, msz, "more than %.0f notifications a second on one connection (limits.notify_rate); retry later",
+                 p->notify_rate);
+        return E_BACKPRESSURE;
+    }
+    int code = notes_reserve(p->notes, (size_t)dlen, msg, msz);
+    if (!code)
+        x->tokens -= 1;
+    return code;
+}
+
+/* A WRITE frame that carries its notification (FLAG_NOTE, wire.py): after the header the note's
+ * length (NOTE_LEN), then ``count`` region-name bytes and the note, then the ``n`` data bytes.
+ * Both note lengths are checked before anything after the header is read (the name's by
+ * parse_req), so a hostile length closes the connection and nothing is allocated for it. Then,
+ * before a byte of data lands: the region is admitted as for a WRITE, and the note is admitted
+ * (note_admit: limits, rate, room in the queue, which stays held). Any refusal drains the data
+ * and answers it: the region is untouched and no note is queued, so the sender may retry the
+ * whole request. Else the data lands, the note goes into the held room (after its data, and
+ * before the reply), and ONE reply answers both. A deadline passing mid-payload gives the room
+ * back and answers as for a WRITE (the range is partly written; no note). The sender is the
+ * node id the connection's HELLO and authentication proved. */
+static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint64_t epoch, uint64_t off,
+                         uint64_t n, uint32_t rlen, double end) {
+    Port *p = x->p;
+    if (!p->notes)
+        return fail(x, END_PROTOCOL, "notification frame, but this port delivers none");
+    unsigned char ext[NOTE_LEN_SIZE];
+    int r = recv_exact(x->fd, ext, NOTE_LEN_SIZE, end + p->grace);
+    if (r)
+        return io_end(x, r, "tcp notification");
+    uint64_t dlen = get_be64(ext);
+    if (dlen > MAX_NOTIFY)
+        return fail(x, END_PROTOCOL, "notification of %llu bytes (the limit is %d)", (unsigned long long)dlen,
+                    MAX_NOTIFY);
+    size_t total = (size_t)rlen + (size_t)dlen; /* rlen <= MAX_NOTE_REGION (parse_req): at most 1 KiB + 64 KiB */
+    unsigned char *buf = malloc(total + 1);
+    if (!buf)
+        return fail(x, END_OS, "out of memory for a notification");
+    r = recv_exact(x->fd, buf, total, end + p->grace);
+    if (r) {
+        free(buf);
+        return io_end(x, r, "tcp notification");
+    }
+    char msg[MSG_CAP];
+    Entry *e;
+    int code = admit(p, x->c, rid, token, epoch, off, n, ACC_W, end, 1, &e, msg, sizeof msg);
+    if (!code) {
+        code = note_admit(x, dlen, msg, sizeof msg);
+        if (code) {
+            release(p, x->c, e);
+            e = NULL;
+        }
+    }
+    if (code) {
+        free(buf);
+        r = drain(x->fd, n, end + p->grace);
+        if (r)
+            return io_end(x, r, "tcp payload");
+        return refuse(x, req_id, code, msg, end);
+    }
+    long long pos = recv_region(x, e, off, n, end);
+    release(p, x->c, e);
+    if (pos < 0 || (uint64_t)pos < n) {
+        notes_cancel(p->notes, (size_t)dlen);
+        free(buf);
+        if (pos < 0)
+            return io_end(x, (int)pos, "tcp payload");
+        r = drain(x->fd, n - (uint64_t)pos, end + p->grace);
+        if (r)
+            return io_end(x, r, "tcp payload");
+        snprintf(msg, sizeof msg,
+                 "deadline passed after %lld of %llu bytes; the range is partly written and the notification "
+                 "was not delivered", pos, (unsigned long long)n);
+        return refuse(x, req_id, E_TIMEOUT, msg, end);
+    }
+    int rc = notes_commit(p->notes, x->peer, x->plen, (const char *)buf, rlen, buf + rlen, (size_t)dlen, 0);
+    free(buf);
+    if (rc)
+        return fail(x, END_OS, "out of memory for a notification");
+    return reply(x, ST_OK, 0, req_id, NULL, 0, end);
+}
+
 /* Poll fd without sleeping for up to budget_ns (busypoll.py's rules: a bounded number of spinners):
  * 1 when it turned readable (or closed, or failed), 0 when it did not or nobody polled.
  *
@@ -1219,7 +1398,7 @@ static int spin_readable(int fd, long long budget_ns, double *quiet_until) {
 
 /* A request header (wire.py REQ), decoded. */
 typedef struct {
-    int op;
+    int op, flags;
     uint32_t count;
     uint64_t req_id, rid, token, epoch, off, n;
     double left; /* seconds it may take from now: to its deadline, at most max_request, at least 0 */
@@ -1235,6 +1414,7 @@ static int parse_req(const unsigned char *h, double now, double max_request, Req
         return END_PROTOCOL;
     }
     q->op = h[2];
+    q->flags = h[3];
     q->count = get_be32(h + 4);
     q->req_id = get_be64(h + 8);
     q->rid = get_be64(h + 16);
@@ -1248,6 +1428,20 @@ static int parse_req(const unsigned char *h, double now, double max_request, Req
     if (!isfinite(deadline) || deadline <= 0) {
         snprintf(why, wsz, "request deadline %g is not a finite positive time", deadline);
         return END_PROTOCOL;
+    }
+    if (q->flags & ~FLAG_NOTE) {
+        snprintf(why, wsz, "unknown request flags 0x%02x", q->flags);
+        return END_PROTOCOL;
+    }
+    if (q->flags & FLAG_NOTE) {
+        if (q->op != OP_WRITE) {
+            snprintf(why, wsz, "a notification rides only on a WRITE frame, not on op %d", q->op);
+            return END_PROTOCOL;
+        }
+        if (q->count > MAX_NOTE_REGION) {
+            snprintf(why, wsz, "notification region name of %u bytes (the limit is %d)", q->count, MAX_NOTE_REGION);
+            return END_PROTOCOL;
+        }
     }
     double left = deadline - now;
     if (left < 0)
@@ -1290,6 +1484,8 @@ static int one(Ctx *x, int first) {
     double end = mono() + q.left;
     switch (op) {
     case OP_WRITE:
+        if (q.flags & FLAG_NOTE)
+            return do_write_note(x, req_id, rid, token, epoch, off, n, count, end);
         return do_write(x, req_id, rid, token, epoch, off, n, end);
     case OP_READ:
         return do_read(x, req_id, rid, token, epoch, off, n, end);
@@ -1646,9 +1842,9 @@ static PyObject *parse_head(PyObject *m, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, why);
         return NULL;
     }
-    return Py_BuildValue("(iIKKKKKKd)", q.op, (unsigned int)q.count, (unsigned long long)q.req_id,
+    return Py_BuildValue("(iIKKKKKKdi)", q.op, (unsigned int)q.count, (unsigned long long)q.req_id,
                          (unsigned long long)q.rid, (unsigned long long)q.token, (unsigned long long)q.epoch,
-                         (unsigned long long)q.off, (unsigned long long)q.n, q.left);
+                         (unsigned long long)q.off, (unsigned long long)q.n, q.left, q.flags);
 }
 
 static PyMethodDef module_methods[] = {

@@ -36,12 +36,14 @@ import json
 import math
 import socket
 import struct
+import threading
 import time
 from array import array
 from typing import Any
 
 from mpcomm.auth import server_authenticate
-from mpcomm.errors import MpcommError, OutOfBoundsError, PeerConnectionError, ProtocolError, TransferTimeout
+from mpcomm.errors import (BackPressureError, LimitError, MpcommError, OutOfBoundsError, PeerConnectionError,
+                           ProtocolError, TransferTimeout)
 from mpcomm.peer import format_endpoint
 from mpcomm.transport_kit import recv_into_by, recv_some_by, sendmsg_by
 from mpcomm.wire import NOSIGNAL
@@ -69,27 +71,38 @@ def _timeval(seconds: float) -> bytes:
 
 
 
-def parse_head(head: Any, now: float, max_request: float) -> tuple[int, int, int, int, int, int, int, int, float]:
-    """A request header: (op, count, req_id, region_id, token, epoch, offset, length, seconds left).
+def parse_head(head: Any, now: float,
+               max_request: float) -> tuple[int, int, int, int, int, int, int, int, float, int]:
+    """A request header: (op, count, req_id, region_id, token, epoch, offset, length, seconds left, flags).
 
     The seconds left are the initiator's wall-clock deadline less ``now``, within
-    [0, ``max_request``]. ProtocolError for a bad magic or a deadline that is not a
-    finite positive time. The native loop's ``parse_head`` (_dataport.c) makes the
-    same decisions; tests/tcp/test_tcp_native_parser.py and the fuzz run hold them to it.
+    [0, ``max_request``]. ProtocolError for a bad magic, a deadline that is not a
+    finite positive time, a flag other than FLAG_NOTE, FLAG_NOTE on anything but a
+    WRITE, or a noting WRITE whose region name (``count``) is over MAX_NOTE_REGION.
+    The native loop's ``parse_head`` (_dataport.c) makes the same decisions;
+    tests/tcp/test_tcp_native_parser.py and the fuzz run hold them to it.
     """
-    magic, op, _flags, count, req_id, region_id, token, epoch, offset, length, deadline = wire.REQ.unpack(head)
+    magic, op, flags, count, req_id, region_id, token, epoch, offset, length, deadline = wire.REQ.unpack(head)
     if magic != wire.REQ_MAGIC:
         raise ProtocolError(f"bad request magic {bytes(magic)!r}")
     if not math.isfinite(deadline) or deadline <= 0:
         raise ProtocolError(f"request deadline {deadline!r} is not a finite positive time")
-    return op, count, req_id, region_id, token, epoch, offset, length, min(max(deadline - now, 0.0), max_request)
+    if flags & ~wire.FLAG_NOTE:
+        raise ProtocolError(f"unknown request flags {flags:#04x}")
+    if flags & wire.FLAG_NOTE:
+        if op != wire.OP_WRITE:
+            raise ProtocolError(f"a notification rides only on a WRITE frame, not on op {op}")
+        if count > wire.MAX_NOTE_REGION:
+            raise ProtocolError(f"notification region name of {count} bytes (the limit is {wire.MAX_NOTE_REGION})")
+    return (op, count, req_id, region_id, token, epoch, offset, length, min(max(deadline - now, 0.0), max_request),
+            flags)
 
 class _Closed(Exception):
     """The initiator closed the connection between requests."""
 
 
 #: The steps of the Python request path; a subclass overriding one is served in Python.
-_REQUEST_PATH = ("_one", "_write", "_read", "_batch", "_reply", "_refuse", "_drain", "_check", "_recv_region",
+_REQUEST_PATH = ("_one", "_write", "_write_note", "_note_admit", "_read", "_batch", "_reply", "_refuse", "_drain", "_check", "_recv_region",
                  "_send_region", "_batch_write", "_batch_read")
 
 
@@ -118,6 +131,13 @@ class Server:
         native = getattr(transport, "dataport", None)
         stock = all(getattr(type(self), m) is getattr(Server, m) for m in _REQUEST_PATH)
         self.native = native if self.plain and stock else None
+        #: Where notifications carried by noting WRITE frames go (the engine's queue), or None.
+        self.notes = getattr(ctx, "notifications", None)
+        lim = ctx.config.limits
+        self.max_note = min(int(lim.max_notify_bytes), wire.MAX_NOTIFY)
+        self.notify_rate = float(lim.notify_rate)
+        # Each connection runs on its own thread: its sender id and its notify_rate bucket.
+        self._conn = threading.local()
 
     # -- one connection --------------------------------------------------------------
 
@@ -129,6 +149,7 @@ class Server:
                 sock = handshake(sock, self.tls, server_side=True, what=peer,
                                  deadline=time.monotonic() + self.handshake_time)  # type: ignore[assignment]
             who = self._hello(sock)
+            self._conn.who, self._conn.tokens, self._conn.stamp = who, self.notify_rate, time.monotonic()
             peer = f"{who} at {peer}"
             if self.native is not None:
                 self._serve_native(sock, peer, who)
@@ -196,11 +217,13 @@ class Server:
             raise _Closed()  # closed by the initiator, or idle for idle_timeout_ms (it dials again when needed)
         if got < wire.REQ.size:
             recv_into_by(sock, head[got:], time.monotonic() + self.handshake_time, "tcp request header")
-        op, count, req_id, region_id, token, epoch, offset, length, budget = parse_head(head, time.time(),
-                                                                                       self.max_request)
+        op, count, req_id, region_id, token, epoch, offset, length, budget, flags = parse_head(
+            head, time.time(), self.max_request)
         end = time.monotonic() + budget
         epoch_s = f"{epoch:016x}"
-        if op == wire.OP_WRITE:
+        if op == wire.OP_WRITE and flags & wire.FLAG_NOTE:
+            self._write_note(sock, req_id, region_id, token, epoch_s, offset, length, count, end)
+        elif op == wire.OP_WRITE:
             self._write(sock, req_id, region_id, token, epoch_s, offset, length, end)
         elif op == wire.OP_READ:
             self._read(sock, req_id, region_id, token, epoch_s, offset, length, end)
@@ -271,6 +294,74 @@ class Server:
                 f"deadline passed after {pos} of {length} bytes; the range is partly written"), end)
             return
         self._reply(sock, wire.ST_OK, req_id, 0, end=end)
+
+    def _write_note(self, sock: socket.socket, req_id: int, region_id: int, token: int, epoch: str, offset: int,
+                    length: int, name_len: int, end: float) -> None:
+        """A WRITE that carries its notification (wire.py FLAG_NOTE; _dataport.c do_write_note).
+
+        Both note lengths are checked before anything after them is read. The
+        region and the note (:meth:`_note_admit`: room in the queue, held) are
+        admitted before a payload byte lands; a refusal drains the payload, so
+        the region is untouched and no note is queued. Then the data lands, the
+        note is queued after it, and one reply answers both.
+        """
+        if self.notes is None:
+            raise ProtocolError("notification frame, but this port delivers none")
+        ext = bytearray(wire.NOTE_LEN.size)
+        recv_into_by(sock, memoryview(ext), end + self.grace, "tcp notification")
+        (note_len,) = wire.NOTE_LEN.unpack(ext)
+        if note_len > wire.MAX_NOTIFY:
+            raise ProtocolError(f"notification of {note_len} bytes (the limit is {wire.MAX_NOTIFY})")
+        raw = bytearray(name_len + note_len)
+        recv_into_by(sock, memoryview(raw), end + self.grace, "tcp notification")
+        try:
+            region = self._check(region_id, token, epoch, offset, length, end, "w")
+        except MpcommError as exc:
+            self._drain(sock, length, end + self.grace)
+            self._refuse(sock, req_id, exc, end)
+            return
+        try:
+            held = self._note_admit(note_len)
+        except MpcommError as exc:
+            region.release()
+            self._drain(sock, length, end + self.grace)
+            self._refuse(sock, req_id, exc, end)
+            return
+        try:
+            pos = self._recv_region(sock, region.slice(offset, length), end)
+        except BaseException:
+            self.notes.cancel(held)
+            raise
+        finally:
+            region.release()
+        if pos < length:
+            self.notes.cancel(held)
+            self._drain(sock, length - pos, end + self.grace)
+            self._refuse(sock, req_id, TransferTimeout(
+                f"deadline passed after {pos} of {length} bytes; the range is partly written and the "
+                "notification was not delivered"), end)
+            return
+        name = bytes(raw[:name_len]).decode("utf-8", "replace")
+        self.notes.commit(held, self._conn.who, name, bytes(raw[name_len:]))
+        self._reply(sock, wire.ST_OK, req_id, 0, end=end)
+
+    def _note_admit(self, note_len: int) -> Any:
+        """Admit a carried note, in _dataport.c note_admit's order: limits.max_notify_bytes
+        (LimitError), the connection's limits.notify_rate (BackPressureError), room in the queue
+        (BackPressureError). Returns the queue's reservation (the room, held)."""
+        c = self._conn
+        now = time.monotonic()
+        c.tokens = min(c.tokens + (now - c.stamp) * self.notify_rate, self.notify_rate)
+        c.stamp = now
+        if note_len > self.max_note:
+            raise LimitError(f"notification of {note_len} bytes exceeds this node's limit of {self.max_note} "
+                             "(limits.max_notify_bytes)")
+        if c.tokens < 1:
+            raise BackPressureError(f"more than {self.notify_rate:.0f} notifications a second on one connection "
+                                    "(limits.notify_rate); retry later")
+        held = self.notes.reserve(note_len)  # raises BackPressureError when the queue is full
+        c.tokens -= 1
+        return held
 
     def _recv_region(self, sock: socket.socket, dest: memoryview, end: float) -> int:
         """Receive into ``dest`` until full or ``end``; returns the bytes received."""

@@ -27,10 +27,14 @@ without the GIL),
   it; with ``transport.tls`` it runs TLS first (:mod:`.tls_stream`).
 * Abort is fenced per connection that carried the request (see
   :mod:`.client`): a timed-out request on a live target is confirmed.
-* Notifications: where the peer's data port is native (it advertises
-  ``notify``), :meth:`TcpTransport.notify` sends a NOTIFY frame on a data
-  connection, which the target queues without its GIL (``_dataport.c``); the
-  engine calls it after the request completed, for any transport's request.
+* Notifications: a write with one that goes as one frame carries it on that
+  WRITE frame (``FLAG_NOTE``, :meth:`TcpTransport.carries_notification`): the
+  target admits the region and holds room in its queue before a byte lands,
+  queues the note after the data and answers once. Other notifications (bare
+  ones, striped or staged writes', other transports'): where the peer's data
+  port is native (it advertises ``notify``), :meth:`TcpTransport.notify` sends
+  a NOTIFY frame on a data connection, which the target queues without its
+  GIL (``_dataport.c``); the engine calls it after the request completed.
   Elsewhere (TLS, copy mode, no compiler) the control channel carries them.
 
 Zero-copy mode moves payloads straight between sockets and registered
@@ -192,6 +196,10 @@ class TcpTransport(Transport):
         self._notes = self.dataport.notes if self.dataport is not None and serving.native is not None else None
         if self._notes is not None:
             info["notify"] = True
+        # Both servers take a WRITE that carries its notification (wire.py FLAG_NOTE): the native
+        # loop into the queue above, server.py into the engine's queue (ctx.notifications).
+        if self._notes is not None or self.ctx.notifications is not None:
+            info["write_note"] = True
         return info
 
     def notification_queue(self) -> Any:
@@ -282,17 +290,33 @@ class TcpTransport(Transport):
         if op.aborted:  # aborted while we posted: reach the pieces abort() could not see yet
             self.abort(op)
 
+    def carries_notification(self, op: Any) -> bool:
+        """A write the target's server takes as one WRITE frame carrying its note (wire.py FLAG_NOTE):
+        the peer advertises ``write_note`` and the request goes as one frame (not staged, not
+        striped, not empty). The target queues the note after the data, before its one reply."""
+        info = op.peer.transports.get(self.name) if op.peer is not None else None
+        return (bool(info and info.get("write_note")) and not self.closed and 0 < op.length
+                and (op.length < self._stripe_threshold or self._conns == 1) and op.local.kind == "host")
+
     def _post_one(self, op: Any, pool: Pool) -> None:
         """One frame for the whole request: what ``post`` does for one stripe, with no
-        :class:`~mpcomm.transport_kit.Pieces` between the piece and ``op`` (the piece reports it)."""
+        :class:`~mpcomm.transport_kit.Pieces` between the piece and ``op`` (the piece reports it).
+        A write carrying its notification (``op.notification``) has it between header and data."""
         read = op.kind == "read"
         length, remote = op.length, op.remote
         rid = next_id()
-        head = memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_READ if read else wire.OP_WRITE, 0, 0, rid,
+        note = op.notification
+        name = b"" if note is None else str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
+        head = memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_READ if read else wire.OP_WRITE,
+                                        0 if note is None else wire.FLAG_NOTE, len(name), rid,
                                         remote.region_id, remote.token, int(remote.epoch, 16), op.remote_offset,
                                         length, op.deadline_wall))
         part = op.local.view[op.local_offset : op.local_offset + length]
-        piece = Piece(rid, read, [head] if read else [head, part], [part] if read else [], _Reporter(op), 0, length)
+        views = [head] if read else [head, part]
+        if note is not None:
+            views[1:1] = [v for v in (memoryview(wire.NOTE_LEN.pack(len(note))), memoryview(name), memoryview(note))
+                          if v.nbytes]
+        piece = Piece(rid, read, views, [part] if read else [], _Reporter(op), 0, length)
         op.state = [piece]
         try:
             self._submit(pool, pool.pick(1)[0], piece, read or length <= self._inline)

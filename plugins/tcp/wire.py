@@ -14,12 +14,20 @@ that names its request id.
     HELLO  magic "MH" | version B | flags B | initiator node id 16s | target epoch 16s        (36 bytes)
     REQ    magic "MQ" | op B | flags B | count I | req_id Q | region_id Q | token Q | epoch Q
            | offset Q | length Q | deadline d (wall clock, time.time())                      (64 bytes)
-           op WRITE: then ``length`` payload bytes
+           op WRITE: then ``length`` payload bytes. With ``flags`` FLAG_NOTE (a notifying write,
+           advertised as ``"write_note"``): ``count`` is the bytes of the region name the note
+           names (at most MAX_NOTE_REGION), then NOTE_LEN (the note's bytes, at most MAX_NOTIFY),
+           the name (UTF-8), the note, and only then the ``length`` payload bytes. The target
+           checks the region and the note (limits.max_notify_bytes, notify_rate, room in its
+           notification queue, which it holds) before a payload byte lands: any refusal drains the
+           payload and answers ERR with the region untouched and no note queued. Else the payload
+           lands, the note is queued after it, and one OK answers both. A ``count`` or NOTE_LEN
+           over its limit closes the connection before anything after them is read
            op READ:  nothing
            op WRITEV/READV (one frame for ``count`` requests into one region): ``offset`` is 0,
            ``length`` the sum of the lengths; then ``count`` remote offsets and ``count`` lengths
            (int64 little-endian each); then, for WRITEV, the payloads one after the other
-           op NOTIFY (native data port only, advertised as ``"notify"``): ``count`` bytes of the
+           op NOTIFY (a bare notification; native data port only, advertised as ``"notify"``): ``count`` bytes of the
            region name (UTF-8, at most MAX_NOTE_REGION) then ``length`` notification bytes (at most
            MAX_NOTIFY; a larger ``count``/``length`` closes the connection); region_id, token,
            epoch and offset are 0. Queued in the target's notification queue; replied OK or ERR
@@ -51,7 +59,11 @@ RESP = struct.Struct("!2sBBIQQ")
 JSON_LEN = struct.Struct("!I")
 HELLO_MAGIC, REQ_MAGIC, RESP_MAGIC = b"MH", b"MQ", b"MR"
 OP_WRITE, OP_READ, OP_WRITEV, OP_READV, OP_NOTIFY = 1, 2, 3, 4, 5
-MAX_NOTE_REGION = 1024  # region-name bytes of a NOTIFY frame (_dataport.c)
+MAX_NOTE_REGION = 1024  # region-name bytes of a NOTIFY frame or a noting WRITE (_dataport.c)
+#: ``flags`` of a REQ: the only bit defined; any other bit set closes the connection.
+FLAG_NOTE = 0x01  # a WRITE that carries its notification (NOTE_LEN, name and note follow the header)
+NOTE_LEN = struct.Struct("!Q")
+MAX_NOTIFY = 64 << 10  # the largest note any node takes (mpcomm.engine.notify.MAX_NOTIFY, _dataport.c)
 ST_OK, ST_ERR, ST_PARTIAL = 0, 1, 2
 MAX_ERROR_PAYLOAD = 64 << 10
 LITTLE = sys.byteorder == "little"

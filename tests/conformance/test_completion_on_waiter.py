@@ -23,6 +23,9 @@ CASES = [
     pytest.param("shm", "alloc", 1 << 20, {"plugins": {"shm": {"inline_threshold": 16 << 10}}}, id="shm-posted-memfd"),
     pytest.param("shm", "buf", 1 << 20, {"plugins": {"shm": {"inline_threshold": 16 << 10}}}, id="shm-posted-cma"),
     pytest.param("tcp", "buf", 0, None, id="tcp"),
+    # A notifying write: the note rides on the WRITE frame (Transport.carries_notification), so
+    # no notify worker runs for it.
+    pytest.param("tcp", "buf", 0, {"notify": True}, id="tcp-notify"),
     # A striped request (two frames on two connections) and a batch of several frames.
     pytest.param("tcp", "buf", 256 << 10,
                  {"plugins": {"tcp": {"stripe_threshold": 128 << 10, "connections": 2, "max_batch": 4}}},
@@ -40,6 +43,8 @@ def test_the_outcome_reaches_the_waiter_with_no_other_python_thread(transport, r
     if config is not None:
         config = dict(config)
         env.update(config.pop("env", {}))
+        if config.pop("notify", False):
+            args.append("--notify")
         if config:
             args.append(json.dumps(config))
     p = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)

@@ -12,8 +12,8 @@ and Python bound lanes (tests/core/test_fastlane.py), the copy loops (tests/shm/
 tests/regressions/test_native_path.py), the differential lane test over shm and tcp
 (tests/core/test_lane_agreement.py) and tcp's native data port (tests/tcp/test_tcp_native_port.py:
 its in-process table and server tests; the in-process notification tests of
-tests/tcp/test_tcp_notify_native.py; the targets it starts as subprocesses load the installed
-build). Bounded at about a minute here; skipped, saying why, without
+tests/tcp/test_tcp_notify_native.py and of tests/tcp/test_tcp_write_note.py, noting WRITE frames
+included; the targets it starts as subprocesses load the installed build). Bounded at about a minute here; skipped, saying why, without
 gcc's libasan.
 
 Then atheris runs over the same build for a fixed number of seconds each
@@ -80,6 +80,9 @@ TESTS = [
     "tests/tcp/test_tcp_notify_native.py::test_the_control_channel_and_the_data_port_fill_one_queue",
     "tests/tcp/test_tcp_notify_native.py::test_generated_notify_frames_get_an_answer_or_a_closed_connection",
     "tests/tcp/test_tcp_native_parser.py",
+    "tests/tcp/test_tcp_write_note.py::test_the_native_queue_holds_room_for_a_note_whose_data_lands_first",
+    "tests/tcp/test_tcp_write_note.py::test_the_note_is_queued_after_its_data_in_this_process",
+    "tests/tcp/test_tcp_write_note.py::test_generated_noting_frames_get_an_answer_or_a_closed_connection",
     "tests/tcp/test_tcp_native_messages.py",
     "tests/tcp/test_tcp_busypoll.py",  # tcp's busy-poll module and its one argument parser
 ]

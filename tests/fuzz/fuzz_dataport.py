@@ -16,8 +16,11 @@ can name that engine's regions: a header whose region_id is 0, 1 or 2 names the 
 region's token and an epoch of 0 the engine's epoch (any other value is sent as it is; a
 region_id that happens to be a real id of either engine gets its top bit set, so it is unknown
 to both). Headers are found by walking the stream as the wire defines it (wire.py): a WRITE
-carries ``length`` payload bytes, a batch ``16 * count`` descriptor bytes and, for WRITEV,
+carries ``length`` payload bytes (a noting WRITE, flag FLAG_NOTE, first NOTE_LEN, ``count``
+name bytes and the note), a batch ``16 * count`` descriptor bytes and, for WRITEV,
 ``length`` payload bytes; past the first frame a server refuses to parse, nothing is read.
+The notes a stream's noting WRITEs delivered must be the same on both sides too (sender,
+region name, bytes, order); both queues are emptied after each input.
 The Python server's code is instrumented, so its branches (the same decisions the C loop makes)
 guide the search.
 
@@ -96,6 +99,16 @@ class _Side:
         self.epoch = info.epoch
         self.port = int(info.transports["tcp"]["port"])
 
+    def notes(self) -> list[tuple[str, str, bytes]]:
+        """Every note queued so far, in order (the queue is empty after)."""
+        out = []
+        while True:
+            try:
+                n = self.engine.wait_notification(0)
+            except TimeoutError:
+                return out
+            out.append((n.peer, n.region, n.data))
+
     def exchange(self, stream: bytes) -> bytes:
         """Send ``stream`` on a fresh authenticated connection; every byte the server sends back."""
         s = socket.create_connection(("127.0.0.1", self.port), timeout=20)
@@ -129,10 +142,15 @@ def headers(stream: bytes) -> list[int]:
     """Where the stream's request headers start, walking it as the wire defines (module docstring)."""
     at, pos = [], 0
     while pos + wire.REQ.size <= len(stream):
-        _magic, op, _flags, count, _req_id, _rid, _token, _epoch, _off, n, _dl = wire.REQ.unpack_from(stream, pos)
+        _magic, op, flags, count, _req_id, _rid, _token, _epoch, _off, n, _dl = wire.REQ.unpack_from(stream, pos)
         at.append(pos)
         pos += wire.REQ.size
-        if op == wire.OP_WRITE:
+        if op == wire.OP_WRITE and flags & wire.FLAG_NOTE:
+            if pos + wire.NOTE_LEN.size > len(stream):
+                break
+            (note_len,) = wire.NOTE_LEN.unpack_from(stream, pos)
+            pos += wire.NOTE_LEN.size + count + note_len + n
+        elif op == wire.OP_WRITE:
             pos += n
         elif op in (wire.OP_WRITEV, wire.OP_READV):
             pos += 16 * count + (n if op == wire.OP_WRITEV else 0)
@@ -196,6 +214,8 @@ def fuzz_frames(data: bytes) -> None:
     assert got_n == got_p, f"the servers answered differently:\nnative {got_n[:400]!r}\npython {got_p[:400]!r}"
     for rn, rp in zip(native.regions, python.regions):
         assert bytes(rn.view) == bytes(rp.view), f"region {rn.name!r} differs after the same stream"
+    notes_n, notes_p = native.notes(), python.notes()
+    assert notes_n == notes_p, f"the servers queued different notes:\nnative {notes_n!r}\npython {notes_p!r}"
 
 
 # -- table --------------------------------------------------------------------------------------

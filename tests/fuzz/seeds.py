@@ -23,9 +23,23 @@ EDGES = [0, 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, I63, 1 << 63, U64
 FAR, RW, RO, WO = 1e12, 0, 1, 2
 
 
+NOTE_LEN = struct.Struct("!Q")  # wire.NOTE_LEN
+FLAG_NOTE, MAX_NOTIFY = 1, 64 << 10
+U32 = (1 << 32) - 1
+
+
 def req(op: int, rid: int = RW, off: int = 0, n: int = 0, *, count: int = 0, token: int = 0, epoch: int = 0,
-        deadline: float = FAR, req_id: int = 1, magic: bytes = b"MQ") -> bytes:
-    return REQ.pack(magic, op, 0, count, req_id, rid, token, epoch, off, n, deadline)
+        deadline: float = FAR, req_id: int = 1, magic: bytes = b"MQ", flags: int = 0) -> bytes:
+    return REQ.pack(magic, op, flags, count, req_id, rid, token, epoch, off, n, deadline)
+
+
+def noting(rid: int = RW, off: int = 0, data: bytes = b"", note: bytes = b"note", name: bytes = b"rw", *,
+           count: int | None = None, note_len: int | None = None, deadline: float = FAR, req_id: int = 1,
+           flags: int = FLAG_NOTE, op: int = OP_WRITE) -> bytes:
+    """A WRITE carrying its note (wire.py FLAG_NOTE): header, NOTE_LEN, name, note, data."""
+    return (req(op, rid, off, len(data), count=len(name) if count is None else count, deadline=deadline,
+                req_id=req_id, flags=flags)
+            + NOTE_LEN.pack(len(note) if note_len is None else note_len) + name + note + data)
 
 
 def batch(op: int, offs: list[int], lens: list[int], *, rid: int = RW, total: int | None = None,
@@ -82,6 +96,31 @@ def frames() -> dict[str, bytes]:
                       + req(OP_READ, RW, 0, 8, token=5, req_id=5) + req(OP_READ, RW, 255, 2, req_id=6)),
         "pipelined_then_garbage": req(OP_READ, RW, 0, 4) + req(OP_READ, RW, 4, 4, req_id=2) + b"MQ\x07garbage",
     }
+    s.update({
+        "note_write": noting(RW, 16, b"abcdefgh", b"hello"),
+        "note_write_empty": noting(RW, 0, b"e", b"", b""),
+        "note_write_no_data": noting(RW, 0, b"", b"only-a-note"),
+        "note_write_wo": noting(WO, 0, b"w" * 64, b"to-wo", b"wo"),
+        "note_write_ro_denied": noting(RO, 0, b"x" * 8, b"never"),
+        "note_write_out_of_bounds": noting(RW, 250, b"y" * 8, b"never"),
+        "note_write_unknown_region": noting(7, 0, b"u" * 8, b"never"),
+        "note_write_late": noting(RW, 0, b"l" * 8, b"late", deadline=1.0),
+        "note_write_name_1024": noting(RW, 0, b"n", b"x", b"r" * 1024),
+        "note_write_name_1025": noting(RW, 0, b"n", b"x", b"r" * 1025),
+        "note_write_name_u32": noting(RW, 0, b"n" * 64, b"x", count=U32),
+        "note_write_len_max": noting(RW, 0, b"m", b"M" * MAX_NOTIFY),
+        "note_write_len_max_plus_1": noting(RW, 0, b"m" * 64, b"M" * 64, note_len=MAX_NOTIFY + 1),
+        "note_write_len_u32": noting(RW, 0, b"m" * 64, b"M" * 64, note_len=U32),
+        "note_write_len_u64": noting(RW, 0, b"m" * 64, b"M" * 64, note_len=U64),
+        "note_write_cut_in_note": noting(RW, 0, b"c" * 8, b"cut", note_len=100)[: REQ.size + 8 + 2 + 3],
+        "note_flag_on_read": noting(RW, 0, b"", b"x", op=OP_READ),
+        "note_flag_on_writev": req(OP_WRITEV, count=1, n=8, flags=FLAG_NOTE) + bytes(16),
+        "unknown_flag": req(OP_READ, RW, 0, 8, flags=2),
+        "unknown_flag_high": noting(RW, 0, b"h", b"x", flags=FLAG_NOTE | 0x80),
+        "note_pipelined": (noting(RW, 0, b"1111", b"first", req_id=1) + req(OP_READ, RW, 0, 4, req_id=2)
+                           + noting(RW, 4, b"2222", b"second", b"", req_id=3)
+                           + noting(RO, 0, b"3333", b"refused", req_id=4) + req(OP_READ, RW, 0, 8, req_id=5)),
+    })
     # More pieces than one sendmsg takes (IOV_MAX 1024): the native reply goes out in several calls.
     s["readv_past_iov_max"] = batch(OP_READV, [i % 256 for i in range(1100)], [i % 2 for i in range(1100)])
     s["writev_past_iov_max"] = batch(OP_WRITEV, [i % 64 for i in range(1030)], [1] * 1030)

@@ -24,7 +24,8 @@ NOW, MAX_REQUEST = 1.7e9, 600.0
 
 
 def python_head(head: bytes) -> tuple[Any, ...] | None:
-    """server.py's header rule (parse_head, what _one calls) on ``head``: (op, count, req_id, region_id, token, epoch, offset, length, budget)."""
+    """server.py's header rule (parse_head, what _one calls) on ``head``: (op, count, req_id, region_id, token, epoch, offset, length, budget,
+    flags)"""
     try:
         return server.parse_head(head, NOW, MAX_REQUEST)
     except ProtocolError:
@@ -55,10 +56,29 @@ def test_the_native_header_parser_reads_what_server_py_reads(magic: bytes, op: i
 
 def test_a_header_of_another_size_is_refused() -> None:
     head = wire.REQ.pack(b"MQ", wire.OP_READ, 0, 0, 1, 2, 3, 4, 5, 6, 1e12)
-    assert native_head(head) == (wire.OP_READ, 0, 1, 2, 3, 4, 5, 6, MAX_REQUEST)
+    assert native_head(head) == (wire.OP_READ, 0, 1, 2, 3, 4, 5, 6, MAX_REQUEST, 0)
     for bad in (head[:-1], head + b"\0", b""):
         with pytest.raises(ValueError, match="64 bytes"):
             dataport.load().parse_head(bad, NOW, MAX_REQUEST)
     nan = head[:56] + struct.pack("!d", math.nan)
     with pytest.raises(ValueError, match="not a finite positive time"):
         dataport.load().parse_head(nan, NOW, MAX_REQUEST)
+
+
+@settings(max_examples=400, deadline=None)
+@given(op=st.sampled_from([wire.OP_WRITE, wire.OP_READ, wire.OP_WRITEV, wire.OP_READV, wire.OP_NOTIFY, 0, 255]),
+       flags=st.one_of(st.sampled_from([0, wire.FLAG_NOTE, 2, 3, 0x80, 0x81, 0xFF]), st.integers(0, 255)),
+       count=st.one_of(st.sampled_from([0, 1, wire.MAX_NOTE_REGION - 1, wire.MAX_NOTE_REGION,
+                                        wire.MAX_NOTE_REGION + 1, (1 << 31), 0xFFFFFFFF]),
+                       st.integers(0, 0xFFFFFFFF)),
+       n=st.sampled_from(EDGES))
+def test_the_note_flag_is_decided_alike(op: int, flags: int, count: int, n: int) -> None:
+    """A noting WRITE (wire.FLAG_NOTE): the flag only on a WRITE, no other flag bit, the region
+    name (``count``) at most MAX_NOTE_REGION; the rest of the frame is the same rule."""
+    head = wire.REQ.pack(b"MQ", op, flags, count, 1, 2, 3, 4, 5, n, 1e12)
+    python = python_head(head)
+    assert native_head(head) == python
+    ok = flags == 0 or (flags == wire.FLAG_NOTE and op == wire.OP_WRITE and count <= wire.MAX_NOTE_REGION)
+    assert (python is not None) == ok
+    if ok:
+        assert python is not None and python[-1] == flags

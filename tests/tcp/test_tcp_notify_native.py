@@ -166,7 +166,8 @@ def test_a_full_queue_is_a_retryable_back_pressure_error_and_draining_makes_room
     with pytest.raises(BackPressureError, match="max_queued_notifications=2") as err:
         ini.write(b"y" * 64, remote, 0, notify=b"c").result(5)
     assert err.value.retryable
-    assert bytes(buf[:64]) == b"y" * 64  # the data landed; only the notification was refused
+    # The note rode on the WRITE frame (wire.py FLAG_NOTE): refused before a byte of its data landed.
+    assert bytes(buf[:64]) == b"x" * 64
     assert [tgt.wait_notification(1).data for _ in range(2)] == [b"a", b"b"]
     ini.notify(remote, b"d")
     assert tgt.wait_notification(1).data == b"d"

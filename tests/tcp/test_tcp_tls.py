@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import ipaddress
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,13 @@ def test_data_moves_over_tls(spawn: Any, make_engine: Any, tmp_path: Path) -> No
     ts = [ini.write(src, remote, i * 4096, 4096, local_offset=i * 4096) for i in range(200)]  # pipelined
     for t in ts:
         t.result(10)
+    # A notifying write: server.py takes the note on the TLS data connection's WRITE frame.
+    assert target.tcp.get("write_note") is True
+    h = ini.write(src, remote, 0, 4096, notify=b"over-tls")
+    h.result(10)
+    assert h.transport == "tcp"
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("mpcomm-notify_")]  # no notify worker
+    assert json.loads(target.cmd("notes"))[-1]["data"] == "over-tls"
 
 
 def test_plain_tcp_and_foreign_certificates_are_refused_on_the_data_port(spawn: Any, make_engine: Any,
