@@ -216,7 +216,7 @@ class Planning:
         Nothing here raises before the scan has passed; after it, the checks run in the order the
         loop runs them for request 0, which is what the loop would raise first: the same errors.
         """
-        if not requests:
+        if len(requests) == 0:
             return None
         first = requests[0]
         if type(first) is not Request:

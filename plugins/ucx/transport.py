@@ -1214,6 +1214,7 @@ class UcxTransport(Transport):
                            group.lengths, self._chunk, self._inline_threshold) if call is not None else None
                 if got is not None:
                     self.hot_groups += 1
+                    p.attached.move_to_end(att.key)
                     failed, fl = got
                     if not isinstance(fl, int):  # the flush is in flight: the progress side finishes it
                         w = _Work(group, True, att, self._memh.get(local.id))
@@ -1227,7 +1228,6 @@ class UcxTransport(Transport):
                         p.works.add(w)
                         self._activate(w)
                         return
-                    p.attached.move_to_end(att.key)
                     if self._active:
                         self._progressed()  # our progress calls may have completed handed-off work
             if got is not None:
