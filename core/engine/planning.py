@@ -11,6 +11,7 @@ from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request
 from ..transport import OperationGroup, int64_array
+from . import checks
 from .notify import MAX_NOTIFY
 
 if TYPE_CHECKING:
@@ -130,6 +131,9 @@ class Planning:
         Every request is checked before anything is held: access once per group,
         bounds vectorised per group.
         """
+        plan = self._plan_uniform(requests, timeout, route)
+        if plan is not None:
+            return plan
         plan = Plan(requests)
         groups: dict[tuple[Any, ...], tuple[list[int], list[int], list[int], list[int]]] = {}
         locals_ = plan.locals
@@ -204,6 +208,49 @@ class Planning:
                 plan.groups.append(spec)
         return plan
 
+    def _plan_uniform(self, requests: Sequence[Request], timeout: float | None, route: Any) -> Plan | None:
+        """The usual batch in one scan: None unless every request is a plain :class:`Request` with
+        the very same local buffer, remote descriptor, op, timeout and route objects, a length, and
+        no notify (then the loop of :meth:`_plan` plans it, and raises what is wrong).
+
+        Nothing here raises before the scan has passed; after it, the checks run in the order the
+        loop runs them for request 0, which is what the loop would raise first: the same errors.
+        """
+        if len(requests) == 0:
+            return None
+        first = requests[0]
+        if type(first) is not Request:
+            return None
+        obj, op, remote, tmo, r = first.local, first.op, first.remote, first.timeout, first.route
+        lo: list[Any] = []
+        ro: list[Any] = []
+        ln: list[Any] = []
+        add_lo, add_ro, add_ln = lo.append, ro.append, ln.append
+        for req in requests:
+            if (type(req) is not Request or req.local is not obj or req.remote is not remote or req.op is not op
+                    or req.timeout is not tmo or req.route is not r or req.notify is not None):
+                return None
+            add_lo(req.local_offset)
+            add_ro(req.remote_offset)
+            add_ln(req.length)
+        if None in ln:
+            return None  # a length from the buffer's size: the loop works it out per request
+        got = self._local(obj, "ephemeral-0")
+        plan = Plan(requests)
+        plan.locals[id(obj)] = got
+        local, ephemeral = got
+        if r is None:
+            r = route
+        hint = None if r is None else self._hint(r, first)
+        self._check_access(op, local, remote, first)
+        spec = GroupSpec(op, local, remote, int64_array(lo, None, "local_offsets"),
+                         int64_array(ro, None, "remote_offsets"), int64_array(ln, None, "lengths"),
+                         self._timeout(tmo if tmo is not None else timeout), ephemeral, 0)
+        spec.hint = hint
+        self._check_spec(spec, None, requests)
+        plan.groups.append(spec)
+        return plan
+
     def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
                route: Any = None) -> Batch:
         """Group the requests into vectorised parts and post (or stage) them."""
@@ -242,9 +289,11 @@ class Planning:
 
     def _check_spec(self, spec: GroupSpec, index: list[int] | None = None,
                     requests: Sequence[Request] | None = None) -> None:
-        g = OperationGroup(spec.kind, spec.local, spec.remote, spec.local_offsets, spec.remote_offsets,
-                           spec.lengths, 0.0, 0.0, copy=False)
-        self._check_group(g, index, requests)
+        lo, ro, ln = spec.local_offsets, spec.remote_offsets, spec.lengths
+        if checks.first_bad(lo, ro, ln, spec.local.size, spec.remote.size) < 0:
+            return  # the usual answer, without a group built for it
+        g = OperationGroup(spec.kind, spec.local, spec.remote, lo, ro, ln, 0.0, 0.0, copy=False)
+        self._check_group(g, index, requests)  # names the first bad request
 
     def _start_plan(self, plan: Plan, cq: Any, post: bool) -> Batch:
         batch = Batch(plan.count, _dispatch=self._dispatch_for(cq))

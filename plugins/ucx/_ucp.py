@@ -568,6 +568,52 @@ class Endpoint:
         run.keep = keep  # type: ignore[attr-defined]
         return run
 
+    def rma_group_caller(self, write: bool, rkey: "RemoteKey", memh: MemHandle | None = None):
+        """:meth:`rma_group` and the flush that completes it, bound to this endpoint, ``rkey`` and
+        ``memh``, in one call into the helper's extension module; None without that module.
+
+        ``call(lbase, lsize, loffs, rbase, rsize, roffs, lens, merge, limit)`` takes the int64
+        arrays of a group (read once each and every piece checked against ``lsize`` and
+        ``rsize`` where it is issued, as :meth:`rma_group`) and returns None when it declined
+        (no piece, or more than ``limit`` bytes in all: nothing was issued), else
+        ``(failed, flush)``: ``failed`` maps each refused index to its status, ``flush`` is 0
+        when every issued piece is complete, a negative status, or the flush :class:`Request`
+        still in flight. The same promises as :meth:`rma_caller` (under the caller's lock, not
+        after this endpoint or ``rkey`` is closed).
+        """
+        nat = _native_module()
+        if nat is None or self._h is None or rkey._h is None:
+            return None
+        mod, RmaCall = nat
+        p = self._params.get(("many", memh))
+        if p is None:
+            p = self._params[("many", memh)] = _req_param(memh)
+            p.op_attr_mask |= _OP_ATTR_FIELD_FLAGS
+            p.flags = _OP_ATTR_FLAG_MULTI_SEND
+        fns = _fn_pointers(self._lib)
+        call = RmaCall(fns[0] if write else fns[1], fns[4], fns[2], fns[3], fns[5], self._h.value,
+                       self.worker._h.value, rkey._h.value, C.addressof(p), C.addressof(self._flush_param),
+                       int(write), None)
+        at, many, worker, h = C.addressof(call), mod.rma_group, self.worker, self._h
+        keep = (call, p, rkey)
+
+        def run(lbase: int, lsize: int, loffs, rbase: int, rsize: int, roffs, lens, merge: int, limit: int):
+            if self._h is not h:
+                return {}, UCS_ERR_CANCELED  # closed since it was bound: nothing was issued
+            if self.error_status is not None:
+                return {}, self.error_status  # the peer failed: nothing was issued
+            got = many(at, loffs, roffs, lens, lbase, lsize, rbase, rsize, merge, limit)
+            if got is None:
+                return None
+            refused, fl, statuses = got
+            failed = {i: st - 256 if st > 127 else st for i, st in enumerate(statuses) if st} if refused else {}
+            if fl > 0:
+                fl = Request(worker, call.pending, "ucp_ep_flush_nbx")
+            return failed, fl
+
+        run.keep = keep  # type: ignore[attr-defined]
+        return run
+
     def rma_lane(self, write: bool, rkey: "RemoteKey", memh: MemHandle | None, gates: tuple, local: tuple,
                  remote: tuple, limit: int, active: set, signal, on_pending):
         """A bound lane: ``move(lo, ro, n) -> bool`` for small requests, issued without any lock.

@@ -17,7 +17,7 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 
-#define MP_ABI 7
+#define MP_ABI 8
 
 int mpcomm_ucx_abi(void) { return MP_ABI; }
 
@@ -443,6 +443,107 @@ static PyObject *py_rma_one(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLongLong((long long)r);
 }
 
+/* One int64 array argument: a 1-d, C-contiguous buffer of 8-byte signed integers ("q", or "l"
+   where long is 8 bytes). Held (exported) until released, so an array('q') cannot be resized
+   under the call; its values are read once each, by mpcomm_ucx_rma_many, and checked there. */
+static int mp_int64_buffer(PyObject *o, Py_buffer *b) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = b->format;
+    if (f != NULL && (*f == '@' || *f == '='))
+        f++;
+    if (b->ndim != 1 || b->itemsize != 8 || f == NULL || !((f[0] == 'q' || f[0] == 'l') && f[1] == 0)) {
+        PyBuffer_Release(b);
+        PyErr_SetString(PyExc_TypeError, "rma_group: offsets and lengths must be int64 arrays");
+        return -1;
+    }
+    return 0;
+}
+
+/* rma_group(call, loffs, roffs, lens, lbase, lsize, rbase, rsize, merge, limit)
+ *   -> None when declined (no piece, or more than `limit` bytes in all: nothing issued), else
+ *      (refused, flush, statuses): mpcomm_ucx_rma_many over the three arrays (each piece checked
+ *      with mp_fits where it is issued), then the endpoint flush that completes them (puts and
+ *      gets alike: the pieces' own requests are released unwatched), settled as in rma_one:
+ *      flush is 0 done, a negative status, or 2 with call->pending the flush still in flight.
+ *      statuses: bytes of one signed status per piece when some were refused, else None. */
+static PyObject *py_rma_group(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "rma_group(call, loffs, roffs, lens, lbase, lsize, rbase, rsize, merge, limit) takes 10 arguments");
+        return NULL;
+    }
+    struct mp_rma_call *c = PyLong_AsVoidPtr(args[0]);
+    long long lbase = PyLong_AsLongLong(args[4]), lsize = PyLong_AsLongLong(args[5]);
+    long long rbase = PyLong_AsLongLong(args[6]), rsize = PyLong_AsLongLong(args[7]);
+    long long merge = PyLong_AsLongLong(args[8]), limit = PyLong_AsLongLong(args[9]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (c == NULL) {
+        PyErr_SetString(PyExc_ValueError, "rma_group: no call");
+        return NULL;
+    }
+    Py_buffer bl, br, bn;
+    if (mp_int64_buffer(args[1], &bl) < 0)
+        return NULL;
+    if (mp_int64_buffer(args[2], &br) < 0) {
+        PyBuffer_Release(&bl);
+        return NULL;
+    }
+    if (mp_int64_buffer(args[3], &bn) < 0) {
+        PyBuffer_Release(&bl);
+        PyBuffer_Release(&br);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t n = bn.len / 8;
+    if (bl.len != bn.len || br.len != bn.len) {
+        PyErr_SetString(PyExc_ValueError, "rma_group: offsets and lengths differ in length");
+        goto out;
+    }
+    const int64_t *len = bn.buf;
+    /* The total decides only where the group is issued (here, or by the progress side); each
+       piece is checked again where it is issued. Unsigned: no overflow for any int64 values. */
+    uint64_t total = 0;
+    int over = n == 0 || limit < 0;
+    for (Py_ssize_t i = 0; i < n && !over; i++) {
+        if (len[i] < 0 || (uint64_t)len[i] > (uint64_t)limit - total)
+            over = 1;
+        else
+            total += (uint64_t)len[i];
+    }
+    if (over) {
+        res = Py_None;
+        Py_INCREF(res);
+        goto out;
+    }
+    int8_t small[256];
+    int8_t *status = n <= 256 ? small : PyMem_Malloc((size_t)n);
+    if (status == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    int64_t refused, fl;
+    c->pending = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    refused = mpcomm_ucx_rma_many(c->fn, c->rfree, c->progress, c->ep, c->worker, bl.buf, lbase, lsize, br.buf, rbase,
+                                  rsize, len, n, c->rkey, c->param, status, merge);
+    fl = settle(c->flush(c->ep, c->fparam), 2, c->check, c->rfree, c->progress, c->worker, &c->pending);
+    Py_END_ALLOW_THREADS
+    if (refused)
+        res = Py_BuildValue("LLy#", (long long)refused, (long long)fl, (const char *)status, (Py_ssize_t)n);
+    else
+        res = Py_BuildValue("LLO", (long long)refused, (long long)fl, Py_None);
+    if (status != small)
+        PyMem_Free(status);
+out:
+    PyBuffer_Release(&bl);
+    PyBuffer_Release(&br);
+    PyBuffer_Release(&bn);
+    return res;
+}
+
 /* A bound lane: one (endpoint, rkey, local region, remote attachment, direction) whose
  * small requests are issued without the transport's lock. What the lock used to
  * guarantee -- that the endpoint, the rkey and the attachment stay valid while a put is
@@ -540,6 +641,8 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static PyMethodDef mp_methods[] = {
     {"rma_one", (PyCFunction)(void (*)(void))py_rma_one, METH_FASTCALL, "one put (+ flush) or get, settled locally"},
+    {"rma_group", (PyCFunction)(void (*)(void))py_rma_group, METH_FASTCALL,
+     "a group's puts or gets (each piece checked) and the flush that completes them, settled locally"},
     {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound lane's move callable"},
     {NULL, NULL, 0, NULL},
 };

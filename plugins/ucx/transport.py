@@ -227,7 +227,7 @@ class _Attach:
         #: the write; its flush covers these). A revocation waits for them as for ``works``.
         self.orphans: list[Any] = []
         #: (write, local region id) -> (endpoint, rkey, packed call): post()'s hot path (bounded).
-        self.calls: dict[tuple[bool, int], tuple[Any, Any, Any]] = {}
+        self.calls: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
         #: The gate of the bound lanes made while it is usable as it is (shut on any change).
         self.gate: Any = None
         #: (write, local region id, local address, size) -> (endpoint gate, attachment gate, move).
@@ -360,6 +360,7 @@ class UcxTransport(Transport):
         self._closed = False
         self.wakeups = 0  # Python-thread sleeps that ended (observability; tests check it stays event-driven)
         self.waiter_reports = 0  # requests a result() waiter reported itself (drive; observability)
+        self.hot_groups = 0  # groups post_many issued in one native call (its hot path; observability)
 
     # -- availability ---------------------------------------------------------
 
@@ -1192,8 +1193,67 @@ class UcxTransport(Transport):
                     self._drained.notify_all()
 
     def post_many(self, group: Any) -> None:
-        """N puts or gets and one flush; each index reported (see the module docstring)."""
+        """N puts or gets and one flush; each index reported (see the module docstring).
+
+        The hot path of :meth:`post`, for a group: to a region attached for this very descriptor
+        on the peer's live endpoint, at most ``inline_threshold`` bytes in all, it goes in one
+        native call (:meth:`Endpoint.rma_group_caller`: every piece checked where it is issued,
+        then the flush) under the lock, and is reported here when the flush completed at once.
+        A flush still in flight is handed to the progress side as the general path does;
+        everything else takes the general path."""
+        r = group.remote
+        peer = self._by_info.get(id(group.peer))
+        if peer is not None and peer[0] is group.peer and group.abort_exc is None:
+            p = peer[1]
+            with self._lock:
+                att = p.attached.get((r.region_id, r.epoch, r.token))
+                ep = self._hot_ep(p, att, r, 0, 0) if att is not None else None
+                call = self._packed_group(att, ep, group.kind == "write", group.local.id) if ep is not None else None
+                local = group.local
+                got = call(local.address, local.size, group.local_offsets, att.base, att.size, group.remote_offsets,
+                           group.lengths, self._chunk, self._inline_threshold) if call is not None else None
+                if got is not None:
+                    self.hot_groups += 1
+                    p.attached.move_to_end(att.key)
+                    failed, fl = got
+                    if not isinstance(fl, int):  # the flush is in flight: the progress side finishes it
+                        w = _Work(group, True, att, self._memh.get(local.id))
+                        w.count = group.count
+                        w.items = [(0, 0, 0, 0)]
+                        w.next = 1
+                        w.flush = fl
+                        for i, st in failed.items():
+                            w.failed[i] = map_status(st, r, group.kind, "request refused")
+                        att.works.add(w)
+                        p.works.add(w)
+                        self._activate(w)
+                        return
+                    if self._active:
+                        self._progressed()  # our progress calls may have completed handed-off work
+            if got is not None:
+                if fl != 0:  # no index is known to have landed in full
+                    group.fail(map_status(fl, r, group.kind, "flush failed"))
+                    return
+                if failed:
+                    by_status: dict[int, list[int]] = {}
+                    for i, st in failed.items():
+                        by_status.setdefault(st, []).append(i)
+                    for st, idx in by_status.items():
+                        group.fail(map_status(st, r, group.kind, "request refused"), idx)
+                group.complete()  # the bytes landed before any revocation could be processed
+                return
         self._post(group, True)
+
+    def _packed_group(self, att: _Attach, ep: Any, write: bool, local_id: int) -> Any:
+        """The group call of :meth:`Endpoint.rma_group_caller` for ``att`` (lock held), kept with
+        :meth:`_packed`'s calls; None without the helper's extension module."""
+        key = ("many", write, local_id)
+        c = att.calls.get(key)
+        if c is None or c[0] is not ep or c[1] is not att.rkey:
+            if len(att.calls) >= 16:
+                att.calls.clear()  # bounded: the pairs in use pack again
+            c = att.calls[key] = (ep, att.rkey, ep.rma_group_caller(write, att.rkey, self._memh.get(local_id)))
+        return c[2]
 
     def _post(self, op: Any, group: bool) -> None:
         r = op.remote
@@ -1252,10 +1312,9 @@ class UcxTransport(Transport):
             exc = self._check(w, att)
             if exc is not None:
                 return exc
-            if not w.group:
-                if att.ok_remote is not None:
-                    self._shut_lane(att)  # the lanes were bound to the descriptor checked before
-                att.ok_remote = r  # this descriptor matches the target's word; bounds per request below
+            if att.ok_remote is not None:
+                self._shut_lane(att)  # the lanes were bound to the descriptor checked before
+            att.ok_remote = r  # this descriptor matches the target's word; bounds per request below
         elif w.group:
             offs, lens = op.remote_offsets, op.lengths
             if op.count and (min(offs) < 0 or max(map(operator.add, offs, lens)) > att.size):

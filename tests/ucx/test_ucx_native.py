@@ -98,6 +98,43 @@ def test_adjacent_batch_lands_whole_through_real_ucx() -> None:
         target.close(timeout=5)
 
 
+def test_a_group_to_an_attached_region_goes_in_one_native_call_and_lands() -> None:
+    """post_many's hot path: once the region is attached, each write_many/submit group is issued
+    and flushed in one native call (and, on a local-copy lane, reported inside it), byte for byte."""
+    import mpcomm
+    from mpcomm.plugins.ucx.transport import UcxTransport
+
+    avail = UcxTransport.availability()
+    if not avail:
+        pytest.skip(f"ucx transport unavailable: {avail.reason}")
+    if _native.module() is None:
+        pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
+    target = mpcomm.Engine(transports=["ucx"])
+    ini = mpcomm.Engine(transports=["ucx"])
+    try:
+        kv = target.allocate(1 << 20, name="kv")
+        remote = ini.open(target.address, "kv")
+        src = ini.allocate(1 << 20, name="src")
+        t = ini.transports["ucx"]
+        n, size = 64, 4096
+        lo = [i * size for i in range(n)]
+        ini.write_many(src, remote, lo, lo, [size] * n).result(10)  # attaches the region
+        before = t.hot_groups
+        for k in range(3):
+            src.view[: n * size] = bytes([k + 1]) * (n * size)
+            ro = [8192 + i * (size + 8) for i in range(n)]  # gaps: one put per piece
+            assert ini.write_many(src, remote, lo, ro, [size] * n).result(10) == n * size
+            assert all(bytes(kv.view[r:r + size]) == bytes([k + 1]) * size for r in ro)
+            reqs = [mpcomm.Request("read", src, remote, r, size, local_offset=(512 << 10) + i * size)
+                    for i, r in enumerate(ro)]
+            assert ini.submit(reqs).result(10) == n * size
+            assert bytes(src.view[512 << 10:(512 << 10) + n * size]) == bytes([k + 1]) * (n * size)
+        assert t.hot_groups - before == 6
+    finally:
+        ini.close(timeout=5)
+        target.close(timeout=5)
+
+
 CHECK_BYTE = C.CFUNCTYPE(C.c_uint8, C.c_void_p)  # ucs_status_t is one byte; -3 travels as 0xfd
 FLUSH = C.CFUNCTYPE(C.c_void_p, C.c_void_p, C.c_void_p)
 
@@ -200,3 +237,73 @@ def test_a_piece_outside_its_region_is_never_issued(lib: Any) -> None:
     # adjacent pieces whose second does not fit are not merged into the first
     calls, status, refused = _run(lib, [0, 10], [0, 10], [10, 91], merge=1 << 20, lsize=100, rsize=200)
     assert calls == [(1000, 10, 5000)] and status == [0, -19] and refused == 1
+
+
+class _StandInGroup:
+    """mod.rma_group (post_many's hot path) over stand-in UCX functions: what it issued and flushed."""
+
+    def __init__(self, flush_status: int = 0) -> None:
+        mod = _native.module()
+        if mod is None:
+            pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
+        self.mod = mod
+        self.issued: list[tuple[int, int, int]] = []
+        self.flushes = 0
+
+        def flush(ep: int, p: int) -> int:
+            self.flushes += 1
+            return 0x2000  # a request: flush_status decides whether it is done
+
+        self.keep = (RMA(lambda ep, la, n, ra, rk, p: self.issued.append((la, n, ra)) or 0),
+                     CHECK_BYTE(lambda r: flush_status & 0xFF), FREE(lambda r: None), PROGRESS(lambda w: 0),
+                     FLUSH(flush))
+        call = self.call = _native.RmaCall()
+        call.fn, call.check, call.rfree, call.progress, call.flush = (C.cast(k, C.c_void_p).value for k in self.keep)
+        call.write = 1
+
+    def __call__(self, lo: Any, ro: Any, ln: Any, *, lsize: int = 100, rsize: int = 100, merge: int = 1 << 20,
+                 limit: int = 1 << 20) -> Any:
+        return self.mod.rma_group(C.addressof(self.call), lo, ro, ln, 1000, lsize, 5000, rsize, merge, limit)
+
+
+def test_the_group_call_checks_every_piece_where_it_issues_it_then_flushes_once() -> None:
+    """post_many's one native call: pieces outside either region are never issued (their statuses
+    come back as UCS_ERR_OUT_OF_RANGE), the rest are merged and issued, then one flush settles them."""
+    g = _StandInGroup()
+    top = (1 << 63) - 1
+    got = g(array("q", [0, 10, top, 20, 0]), array("q", [0, 10, 0, 20, 95]), array("q", [10, 10, 8, 10, 10]))
+    assert g.issued == [(1000, 20, 5000), (1020, 10, 5020)] and g.flushes == 1
+    refused, flush, statuses = got
+    assert refused == 2 and flush == 0
+    assert [s - 256 if s > 127 else s for s in statuses] == [0, 0, -19, 0, -19]
+    assert g(array("q", [0]), array("q", [0]), array("q", [10])) == (0, 0, None)  # nothing refused: no statuses
+
+
+def test_the_group_call_leaves_a_flush_in_flight_to_the_caller() -> None:
+    g = _StandInGroup(flush_status=1)  # UCS_INPROGRESS after local progress
+    assert g(array("q", [0]), array("q", [0]), array("q", [10])) == (0, 2, None)
+    assert g.call.pending == 0x2000
+    failed = _StandInGroup(flush_status=ERR_IO)
+    assert failed(array("q", [0]), array("q", [0]), array("q", [10])) == (0, ERR_IO, None)
+
+
+def test_the_group_call_declines_what_it_would_not_finish_here_before_issuing_anything() -> None:
+    g = _StandInGroup()
+    empty = array("q")
+    assert g(empty, empty, empty) is None
+    assert g(array("q", [0, 10]), array("q", [0, 10]), array("q", [10, 10]), limit=19) is None
+    # lengths whose sum wraps int64 are over any limit, not a small total
+    assert g(array("q", [0, 0]), array("q", [0, 0]), array("q", [(1 << 63) - 1, 2]), limit=(1 << 63) - 1) is None
+    assert g.issued == [] and g.flushes == 0
+    assert g(array("q", [0, 10]), array("q", [0, 10]), array("q", [10, 10]), limit=20) == (0, 0, None)
+
+
+def test_the_group_call_takes_only_int64_arrays_of_one_length() -> None:
+    g = _StandInGroup()
+    with pytest.raises(TypeError):
+        g(array("i", [0]), array("q", [0]), array("q", [10]))
+    with pytest.raises(TypeError):
+        g([0], array("q", [0]), array("q", [10]))
+    with pytest.raises(ValueError):
+        g(array("q", [0, 10]), array("q", [0]), array("q", [10]))
+    assert g.issued == [] and g.flushes == 0
