@@ -468,6 +468,8 @@ class OperationGroup:
         self.local = local
         self.remote = remote
         self.lengths = int64_array(lengths, None, "lengths", copy)
+        #: Whether ``lengths`` is this group's own array (False: a prepared batch's, shared by its postings).
+        self.owns_lengths = copy
         self.count = len(self.lengths)
         self.local_offsets = int64_array(local_offsets, self.count, "local_offsets", copy)
         self.remote_offsets = int64_array(remote_offsets, self.count, "remote_offsets", copy)
@@ -493,6 +495,18 @@ class OperationGroup:
 
     def __repr__(self) -> str:
         return f"<OperationGroup {self.kind} x{self.count} -> {self.remote.name} left={self.left}>"
+
+    def drop(self, i: int) -> None:
+        """Request ``i`` moves nothing (its length becomes 0); the caller holds :attr:`lock`.
+
+        A group of a prepared batch shares that batch's arrays with every other
+        posting of it, so it takes its own copy first: cancelling a request of
+        one posting must not empty that request in every later one.
+        """
+        if not self.owns_lengths:
+            self.lengths = array("q", self.lengths)
+            self.owns_lengths = True
+        self.lengths[i] = 0
 
     @property
     def done(self) -> bool:

@@ -40,7 +40,7 @@ class Cancelling:
         with group.lock:
             if group.stage != WAITING or group.status[i] != 0:
                 return
-            group.lengths[i] = 0
+            group.drop(i)
             group.status[i] = 2
             err = CancelledError()
             group.errors[i] = err

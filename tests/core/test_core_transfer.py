@@ -454,3 +454,24 @@ def test_a_finished_request_is_freed_without_the_cyclic_gc(kv: Any) -> None:
         assert sum(r() is not None for r in refs) <= 2 and len(left) <= 2, (len(left), sum(r() is not None for r in refs))
     finally:
         gc.enable()
+
+
+def test_dropping_a_request_of_a_prepared_posting_leaves_the_batchs_arrays_alone(kv: Any) -> None:
+    """A prepared batch's groups share its checked arrays (``copy=False``); cancelling one
+    request of one posting (``OperationGroup.drop``) must not empty it in every later one."""
+    from array import array
+
+    from mpcomm.transport import OperationGroup
+
+    _, initiator, _, remote = kv
+    local = initiator.register(bytearray(64), name="src")
+    offsets, lengths = array("q", [0, 8, 16]), array("q", [8, 8, 8])
+    now = time.monotonic()
+    shared = OperationGroup("write", local, remote, offsets, offsets, lengths, now + 5, time.time() + 5, copy=False)
+    with shared.lock:
+        shared.drop(1)
+    assert list(shared.lengths) == [8, 0, 8] and list(lengths) == [8, 8, 8]
+    own = OperationGroup("write", local, remote, offsets, offsets, lengths, now + 5, time.time() + 5)
+    with own.lock:
+        own.drop(0)
+    assert list(own.lengths) == [0, 8, 8] and list(lengths) == [8, 8, 8]
