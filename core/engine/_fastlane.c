@@ -238,7 +238,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_RETURN_NONE;
     }
 
-    PyObject *nobj = PyLong_FromLongLong(n);
+    /* The caller's exact int when it gave one (no new int object per request). */
+    PyObject *nobj = length != Py_None ? Py_NewRef(length) : PyLong_FromLongLong(n);
     if (nobj == NULL)
         goto release_fail;
     PyObject *margs[3] = {args[0], args[1], nobj};
