@@ -1193,6 +1193,7 @@ class ShmTransport(Transport):
         if side == "local":
             raise OutOfBoundsError(f"request {bad} of the batch, [{lo[bad]}, {lo[bad] + ln[bad]}), is outside the "
                                    f"local region {g.local.name!r} of {g.local.size} bytes", region=g.local.name)
+        g.total = total  # summed by the check: the engine need not sum the lengths again
         err = m.enter()
         if err is not None:
             raise _again(err, r)
