@@ -16,7 +16,7 @@
  * the five attributes Landed.__init__ sets (core/transfer.py, see landed());
  * each of those places names this file, and the tests compare the two lanes.
  */
-#define MP_ABI 2
+#define MP_ABI 3
 
 int mpcomm_fastlane_abi(void) { return MP_ABI; }
 
@@ -24,6 +24,7 @@ int mpcomm_fastlane_abi(void) { return MP_ABI; }
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <structmember.h> /* T_OBJECT_EX: the slots of Request.FIELDS */
 #include <time.h>
 
 /* What lane(...) binds, in this order (a tuple: the callable's self). No name of a Python
@@ -237,7 +238,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_RETURN_NONE;
     }
 
-    PyObject *nobj = PyLong_FromLongLong(n);
+    /* The caller's exact int when it gave one (no new int object per request). */
+    PyObject *nobj = length != Py_None ? Py_NewRef(length) : PyLong_FromLongLong(n);
     if (nobj == NULL)
         goto release_fail;
     PyObject *margs[3] = {args[0], args[1], nobj};
@@ -391,7 +393,109 @@ static PyObject *py_first_bad(PyObject *self, PyObject *const *args, Py_ssize_t 
     return res;
 }
 
+/* scan(requests, type, fields, lo, ro, ln) -> j: how many leading requests of a batch
+ * (a list or tuple) are one vectorised group as planning.py's loop groups them, read
+ * through their slots, with their offsets and lengths copied into the engine's arrays
+ * lo, ro, ln (array('q') of at least len(requests) entries each).
+ *
+ * A request counts while it is exactly `type` (Request) and its op, local, remote,
+ * timeout and route are the very objects of the first request's, its notify is None and
+ * its three integers are exact ints in int64 (negative ones too: the bounds are checked
+ * next, by first_bad, over these arrays). Anything else ends the run, and planning.py's
+ * loop plans the batch instead, deciding as it always does; this only spares it the
+ * Python work per request where that loop would make one group of them all. `fields`
+ * is Request.FIELDS: the slot descriptors of op, local, remote, remote_offset, length,
+ * local_offset, notify, timeout and route, in that order (no attribute name here). */
+enum { R_OP, R_LOCAL, R_REMOTE, R_RO, R_LEN, R_LO, R_NOTIFY, R_TIMEOUT, R_ROUTE, R_COUNT };
+
+static int int64_out(PyObject *o, Py_ssize_t n, Py_buffer *b) {
+    if (PyObject_GetBuffer(o, b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return -1;
+    if (b->itemsize != 8 || b->format == NULL || strcmp(b->format, "q") != 0 || b->len / 8 < n) {
+        PyBuffer_Release(b);
+        PyErr_SetString(PyExc_TypeError, "scan takes writable array('q') buffers of len(requests) entries");
+        return -1;
+    }
+    return 0;
+}
+
+/* An exact int in int64 into *v: 1; anything else: 0 (no error set). */
+static int exact_i64(PyObject *o, long long *v) {
+    if (o == NULL || !PyLong_CheckExact(o))
+        return 0;
+    int overflow = 0;
+    *v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (*v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6 || !PyType_Check(args[1]) || !PyTuple_CheckExact(args[2])
+        || PyTuple_GET_SIZE(args[2]) != R_COUNT) {
+        PyErr_SetString(PyExc_TypeError, "scan(requests, type, fields, lo, ro, ln)");
+        return NULL;
+    }
+    PyTypeObject *tp = (PyTypeObject *)args[1];
+    Py_ssize_t off[R_COUNT];
+    for (int f = 0; f < R_COUNT; f++) {
+        PyObject *d = PyTuple_GET_ITEM(args[2], f);
+        if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || PyDescr_TYPE(d) != tp
+            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+            PyErr_SetString(PyExc_TypeError, "scan takes the type's slot descriptors");
+            return NULL;
+        }
+        off[f] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    PyObject *seq = args[0];
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq))
+        return PyLong_FromLong(0);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq); /* no Python code runs below: the list stays put */
+    Py_buffer b[3];
+    int got = 0;
+    for (; got < 3; got++)
+        if (int64_out(args[3 + got], n, &b[got]) < 0) {
+            while (got-- > 0)
+                PyBuffer_Release(&b[got]);
+            return NULL;
+        }
+    long long *lo = b[0].buf, *ro = b[1].buf, *ln = b[2].buf;
+    PyObject *first[R_COUNT] = {NULL};
+    Py_ssize_t j = 0;
+    for (; j < n; j++) {
+        PyObject *r = items[j];
+        if (!Py_IS_TYPE(r, tp))
+            break;
+        PyObject *v[R_COUNT];
+        for (int f = 0; f < R_COUNT; f++)
+            v[f] = *(PyObject **)((char *)r + off[f]); /* borrowed; NULL: an unset slot */
+        if (j == 0)
+            for (int f = 0; f < R_COUNT; f++)
+                first[f] = v[f];
+        if (v[R_OP] == NULL || v[R_LOCAL] == NULL || v[R_REMOTE] == NULL || v[R_TIMEOUT] == NULL
+            || v[R_ROUTE] == NULL || v[R_OP] != first[R_OP] || v[R_LOCAL] != first[R_LOCAL]
+            || v[R_REMOTE] != first[R_REMOTE] || v[R_TIMEOUT] != first[R_TIMEOUT]
+            || v[R_ROUTE] != first[R_ROUTE] || v[R_NOTIFY] != Py_None)
+            break;
+        long long a, c, k;
+        if (!exact_i64(v[R_LO], &a) || !exact_i64(v[R_RO], &c) || !exact_i64(v[R_LEN], &k))
+            break;
+        lo[j] = a;
+        ro[j] = c;
+        ln[j] = k;
+    }
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&b[i]);
+    return PyLong_FromSsize_t(j);
+}
+
 static PyMethodDef mp_methods[] = {
+    {"scan", (PyCFunction)(void (*)(void))py_scan, METH_FASTCALL,
+     "the leading requests of a batch that form one group, their integers copied"},
     {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound pair's run callable"},
     {"first_bad", (PyCFunction)(void (*)(void))py_first_bad, METH_FASTCALL,
      "checks.first_bad over three array('q') buffers"},

@@ -23,7 +23,7 @@ from ..memory import LEASE_PROBES
 
 log = logging.getLogger("mpcomm.engine")
 
-ABI = 2  # 2: what the lane reads comes as probes and descriptors, not attribute names
+ABI = 3  # 3: scan (planning); 2: what the lane reads comes as probes and descriptors, not attribute names
 MODULE = "mpcomm.engine._mpcomm_fastlane"
 
 _lock = threading.Lock()

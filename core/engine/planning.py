@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,7 @@ from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request
 from ..transport import OperationGroup, int64_array
-from . import checks
+from . import fastlane
 from .notify import MAX_NOTIFY
 
 if TYPE_CHECKING:
@@ -39,6 +40,10 @@ class GroupSpec:
         self.ephemeral = ephemeral
         self.start = start
         self.hint: tuple[str, ...] | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.lengths)
 
 
 class Plan:
@@ -77,6 +82,29 @@ class PreparedBatch:
         if p.closed:
             raise EngineClosedError("the engine is closed")
         return p._start_plan(self._plan, completion_queue, True)
+
+
+_ZERO = array("q", (0,))
+#: _fastlane.c's scan (None: not tried yet, False: that module is not in use).
+_scan: Any = None
+
+
+def _one_group(requests: Sequence[Request]) -> tuple[Any, Any, Any] | None:
+    """The engine's (local offsets, remote offsets, lengths) arrays of a batch that is one
+    group, filled by ``_fastlane.c``'s scan in one pass over the requests' slots, or None:
+    the loop of :meth:`Planning._plan` plans it (or the module is not in use)."""
+    global _scan
+    scan = _scan
+    if scan is None:
+        mod = fastlane.module()
+        scan = _scan = getattr(mod, "scan", False) if mod is not None else False
+    n = len(requests)
+    if not scan or not n:
+        return None
+    lo, ro, ln = _ZERO * n, _ZERO * n, _ZERO * n
+    if scan(requests, Request, Request.FIELDS, lo, ro, ln) != n:  # type: ignore[attr-defined]
+        return None
+    return lo, ro, ln
 
 
 def runs(idx: list[int]) -> list[tuple[int, int]]:
@@ -131,9 +159,9 @@ class Planning:
         Every request is checked before anything is held: access once per group,
         bounds vectorised per group.
         """
-        plan = self._plan_uniform(requests, timeout, route)
-        if plan is not None:
-            return plan
+        cols = _one_group(requests)
+        if cols is not None:
+            return self._plan_one(requests, timeout, route, cols)
         plan = Plan(requests)
         groups: dict[tuple[Any, ...], tuple[list[int], list[int], list[int], list[int]]] = {}
         locals_ = plan.locals
@@ -199,57 +227,38 @@ class Planning:
             # A group covers consecutive indices only; runs keep the index mapping exact.
             for s0, s1 in runs(idx):
                 whole = s1 - s0 == len(idx)  # the usual case: no slice to copy first
-                spec = GroupSpec(key[0], local, req.remote,
-                                 int64_array(lo if whole else lo[s0:s1], None, "local_offsets"),
-                                 int64_array(ro if whole else ro[s0:s1], None, "remote_offsets"),
-                                 int64_array(ln if whole else ln[s0:s1], None, "lengths"), t, ephemeral, idx[s0])
-                spec.hint = key[-1]
-                self._check_spec(spec, idx[s0:s1], requests)
-                plan.groups.append(spec)
+                self._add_spec(plan, key[0], local, req.remote,
+                               int64_array(lo if whole else lo[s0:s1], None, "local_offsets"),
+                               int64_array(ro if whole else ro[s0:s1], None, "remote_offsets"),
+                               int64_array(ln if whole else ln[s0:s1], None, "lengths"), t, ephemeral, idx[s0],
+                               key[-1], idx[s0:s1])
         return plan
 
-    def _plan_uniform(self, requests: Sequence[Request], timeout: float | None, route: Any) -> Plan | None:
-        """The usual batch in one scan: None unless every request is a plain :class:`Request` with
-        the very same local buffer, remote descriptor, op, timeout and route objects, a length, and
-        no notify (then the loop of :meth:`_plan` plans it, and raises what is wrong).
-
-        Nothing here raises before the scan has passed; after it, the checks run in the order the
-        loop runs them for request 0, which is what the loop would raise first: the same errors.
-        """
-        if len(requests) == 0:
-            return None
-        first = requests[0]
-        if type(first) is not Request:
-            return None
-        obj, op, remote, tmo, r = first.local, first.op, first.remote, first.timeout, first.route
-        lo: list[Any] = []
-        ro: list[Any] = []
-        ln: list[Any] = []
-        add_lo, add_ro, add_ln = lo.append, ro.append, ln.append
-        for req in requests:
-            if (type(req) is not Request or req.local is not obj or req.remote is not remote or req.op is not op
-                    or req.timeout is not tmo or req.route is not r or req.notify is not None):
-                return None
-            add_lo(req.local_offset)
-            add_ro(req.remote_offset)
-            add_ln(req.length)
-        if None in ln:
-            return None  # a length from the buffer's size: the loop works it out per request
-        got = self._local(obj, "ephemeral-0")
+    def _plan_one(self, requests: Sequence[Request], timeout: float | None, route: Any,
+                  cols: tuple[Any, Any, Any]) -> Plan:
+        """:meth:`_plan` of a batch the scan found to be one group: the checks the loop makes on a
+        group, in its order, on the first request (the others are the same objects)."""
         plan = Plan(requests)
-        plan.locals[id(obj)] = got
-        local, ephemeral = got
+        req = requests[0]
+        local, ephemeral = plan.locals[id(req.local)] = self._local(req.local, "ephemeral-0")
+        r = req.route
         if r is None:
             r = route
-        hint = None if r is None else self._hint(r, first)
-        self._check_access(op, local, remote, first)
-        spec = GroupSpec(op, local, remote, int64_array(lo, None, "local_offsets"),
-                         int64_array(ro, None, "remote_offsets"), int64_array(ln, None, "lengths"),
-                         self._timeout(tmo if tmo is not None else timeout), ephemeral, 0)
-        spec.hint = hint
-        self._check_spec(spec, None, requests)
-        plan.groups.append(spec)
+        hint = None if r is None else self._hint(r, req)
+        self._check_access(req.op, local, req.remote, req)
+        t = self._timeout(req.timeout if req.timeout is not None else timeout)
+        lo, ro, ln = cols
+        self._add_spec(plan, req.op, local, req.remote, lo, ro, ln, t, ephemeral, 0, hint, None)
         return plan
+
+    def _add_spec(self, plan: Plan, kind: str, local: Region, remote: RemoteRegion, lo: Any, ro: Any, ln: Any,
+                  t: float, ephemeral: bool, start: int, hint: Any, index: list[int] | None) -> None:
+        """One checked group of ``plan`` (its arrays the engine's own); ``index`` maps its entries
+        to request indices for the error message (None: entry ``i`` is request ``i``)."""
+        spec = GroupSpec(kind, local, remote, lo, ro, ln, t, ephemeral, start)
+        spec.hint = hint
+        self._check_spec(spec, index, plan.requests)
+        plan.groups.append(spec)
 
     def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
                route: Any = None) -> Batch:
@@ -289,11 +298,9 @@ class Planning:
 
     def _check_spec(self, spec: GroupSpec, index: list[int] | None = None,
                     requests: Sequence[Request] | None = None) -> None:
-        lo, ro, ln = spec.local_offsets, spec.remote_offsets, spec.lengths
-        if checks.first_bad(lo, ro, ln, spec.local.size, spec.remote.size) < 0:
-            return  # the usual answer, without a group built for it
-        g = OperationGroup(spec.kind, spec.local, spec.remote, lo, ro, ln, 0.0, 0.0, copy=False)
-        self._check_group(g, index, requests)  # names the first bad request
+        # The spec has what the group check reads (its arrays, regions and count), so no
+        # OperationGroup is built only to be checked.
+        self._check_group(spec, index, requests)  # type: ignore[arg-type]
 
     def _start_plan(self, plan: Plan, cq: Any, post: bool) -> Batch:
         batch = Batch(plan.count, _dispatch=self._dispatch_for(cq))

@@ -9,10 +9,14 @@
  * Liveness: `pidfd` (or -1) is a pidfd of the process owning the target memory.
  * A pidfd polls readable once that process has exited, so a copy that returns
  * 0 finished while the owner was alive; -ESRCH means the owner is gone and the
- * bytes (if any moved) will never be read.
+ * bytes (if any moved) will never be read. Where the owner handed its alive page
+ * (mp_alive_page below) with the region's memfd, the same answer comes from one
+ * word of shared memory instead of a poll (a system call of 0.2-0.6 us per copy).
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
@@ -20,21 +24,54 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
-#define MP_ABI 4
+#define MP_ABI 5
 #define MP_IOV 1024 /* IOV_MAX on Linux */
 
 int mp_abi(void) { return MP_ABI; }
+
+/* Owner liveness from shared memory (the owner's "alive page").
+ *
+ * The owner (the target process) makes one memfd page per process holding a robust,
+ * process-shared mutex that one of its threads locks and then holds for the life of the
+ * process (mp_alive_page). The mutex's futex word holds that thread's id. When the thread
+ * exits -- the process exits, is killed or execs -- the kernel walks its robust list and
+ * sets FUTEX_OWNER_DIED in the word, before the process counts as exited (before its pidfd
+ * polls readable). So "the word shows no FUTEX_OWNER_DIED after the copy" says what
+ * "the pidfd is not readable after the copy" says, without a system call.
+ *
+ * An initiator maps the page read-only (it is sealed against writes through new mappings,
+ * shrinking and growing) and files it under the pidfd of that owner (mp_watch, once per
+ * attach, after checking the holder is a thread of that pid); mp_alive(pidfd) then reads
+ * the word. A pidfd with no page filed (no page handed, another pid namespace, a CMA
+ * mapping, a descriptor past MP_WATCH) is polled as before. Filing and unfiling happen
+ * while no copy uses that pidfd (at attach, and at release with nothing in flight). */
+#define MP_WATCH 4096
+static int *watched[MP_WATCH]; /* pidfd -> the owner's futex word, read-only mapping; NULL: poll */
+
+/* 0: the word's holder lives, -ESRCH: it died (or the word holds no holder). */
+static int word_alive(const int *w) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the copy's stores and loads before the look */
+    int v = __atomic_load_n(w, __ATOMIC_SEQ_CST);
+    return (v & FUTEX_OWNER_DIED) || (v & FUTEX_TID_MASK) == 0 ? -ESRCH : 0;
+}
 
 /* 0: alive (or unknown, pidfd < 0), -ESRCH: exited, -errno: poll failed. */
 int mp_alive(int pidfd) {
     if (pidfd < 0)
         return 0;
+    if (pidfd < MP_WATCH) {
+        const int *w = __atomic_load_n(&watched[pidfd], __ATOMIC_ACQUIRE);
+        if (w != NULL)
+            return word_alive(w);
+    }
     struct pollfd p = {pidfd, POLLIN, 0};
     int r;
     do {
@@ -43,6 +80,141 @@ int mp_alive(int pidfd) {
     if (r < 0)
         return -errno;
     return r == 0 ? 0 : -ESRCH;
+}
+
+/* File the alive page `fd` (an owner's, received with its region) under `pidfd`, a pidfd of
+ * process `pid`: 1 filed; 0 not usable (not sealed, too short, its holder not a live thread
+ * of `pid` as seen here): the pidfd stays polled; -errno on a failed mmap. `fd` stays the
+ * caller's to close. */
+int64_t mp_watch(int pidfd, int fd, int64_t pid) {
+    if (pidfd < 0 || pidfd >= MP_WATCH || fd < 0 || pid <= 0 || __atomic_load_n(&watched[pidfd], __ATOMIC_ACQUIRE))
+        return 0;
+    int seals = fcntl(fd, F_GET_SEALS);
+    int need = F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;
+    struct stat st;
+    if (seals < 0 || (seals & need) != need || fstat(fd, &st) != 0 || st.st_size < 4096)
+        return 0;
+    int *w = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+    if (w == MAP_FAILED)
+        return -errno;
+    int tid = __atomic_load_n(w, __ATOMIC_SEQ_CST) & FUTEX_TID_MASK;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%lld/task/%d", (long long)pid, tid);
+    if (word_alive(w) != 0 || access(path, F_OK) != 0) {
+        munmap(w, 4096);
+        return 0;
+    }
+    __atomic_store_n(&watched[pidfd], w, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* Unfile `pidfd` (before it is closed): its copies are over. */
+int64_t mp_unwatch(int pidfd) {
+    if (pidfd < 0 || pidfd >= MP_WATCH)
+        return 0;
+    int *w = __atomic_exchange_n(&watched[pidfd], NULL, __ATOMIC_ACQ_REL);
+    if (w != NULL)
+        munmap(w, 4096);
+    return w != NULL;
+}
+
+/* The owner's side: this process's alive page (made once; a fork child makes its own). */
+static struct {
+    pthread_mutex_t lock;
+    int fd;
+    int ready; /* futex word: the holder locked the mutex */
+    int never; /* the holder waits on it for ever */
+} P = {PTHREAD_MUTEX_INITIALIZER, -1, 0, 0};
+
+static void *alive_holder(void *m) {
+    int r = pthread_mutex_lock(m);
+    __atomic_store_n(&P.ready, r == 0 ? 1 : -1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, &P.ready, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    for (;;)
+        syscall(SYS_futex, &P.never, FUTEX_WAIT_PRIVATE, 0, NULL, NULL, 0);
+    return NULL;
+}
+
+static void alive_prepare(void) { pthread_mutex_lock(&P.lock); }
+static void alive_parent(void) { pthread_mutex_unlock(&P.lock); }
+static void alive_child(void) {
+    P.fd = -1; /* the parent's page names the parent's thread; this process has none yet */
+    P.ready = 0;
+    pthread_mutex_unlock(&P.lock);
+}
+
+static int64_t alive_make(void) {
+    static int atfork = 0;
+    if (!atfork) {
+        if (pthread_atfork(alive_prepare, alive_parent, alive_child) != 0)
+            return -EAGAIN;
+        atfork = 1;
+    }
+    int fd = memfd_create("mpcomm-shm-alive", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0)
+        return -errno;
+    pthread_mutex_t *m = MAP_FAILED;
+    pthread_mutexattr_t a;
+    int err = 0, attr = 0;
+    if (ftruncate(fd, 4096) != 0 || (m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
+        err = errno;
+    if (!err && ((err = pthread_mutexattr_init(&a)) == 0)) {
+        attr = 1;
+        if ((err = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED)) == 0
+            && (err = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST)) == 0)
+            err = pthread_mutex_init(m, &a);
+    }
+    if (attr)
+        pthread_mutexattr_destroy(&a);
+    if (!err) {
+        pthread_attr_t ta;
+        sigset_t all, old;
+        pthread_t t;
+        if ((err = pthread_attr_init(&ta)) == 0) {
+            pthread_attr_setdetachstate(&ta, PTHREAD_CREATE_DETACHED);
+            pthread_attr_setstacksize(&ta, 64 << 10);
+            sigfillset(&all);
+            pthread_sigmask(SIG_SETMASK, &all, &old); /* signals stay with the process's own threads */
+            err = pthread_create(&t, &ta, alive_holder, m);
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            pthread_attr_destroy(&ta);
+        }
+        /* The mapping stays: the holder's robust list points into it for the life of the process. */
+        if (!err) {
+            int r;
+            while ((r = __atomic_load_n(&P.ready, __ATOMIC_SEQ_CST)) == 0)
+                syscall(SYS_futex, &P.ready, FUTEX_WAIT_PRIVATE, 0, NULL, NULL, 0);
+            if (r < 0)
+                err = EAGAIN;
+        } else {
+            munmap(m, 4096);
+        }
+    } else if (m != MAP_FAILED) {
+        munmap(m, 4096);
+    }
+    if (!err && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0)
+        err = errno;
+    if (err) {
+        close(fd);
+        return -err;
+    }
+    return fd;
+}
+
+/* This process's alive page: its fd (kept open for the life of the process; send it, never
+ * close it), or -errno where it cannot be made. */
+int64_t mp_alive_page(void) {
+    pthread_mutex_lock(&P.lock);
+    if (P.fd < 0) {
+        int64_t r = alive_make();
+        if (r >= 0)
+            P.fd = (int)r;
+        pthread_mutex_unlock(&P.lock);
+        return r;
+    }
+    int64_t fd = P.fd;
+    pthread_mutex_unlock(&P.lock);
+    return fd;
 }
 
 /* A second copier for large contiguous copies.
@@ -763,7 +935,57 @@ static PyObject *py_mover(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return (PyObject *)m;
 }
 
+/* alive_page() -> fd; watch(pidfd, fd, pid) -> 1/0; unwatch(pidfd) -> 1/0 (see "Owner liveness") */
+static PyObject *py_alive_page(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    (void)args;
+    if (mp_args(args, nargs, 0, "alive_page()") < 0)
+        return NULL;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS /* at most a thread start */
+    r = mp_alive_page();
+    Py_END_ALLOW_THREADS
+    if (r < 0) {
+        errno = (int)-r;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLongLong((long long)r);
+}
+
+static PyObject *py_watch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (mp_args(args, nargs, 3, "watch(pidfd, fd, pid)") < 0)
+        return NULL;
+    long pidfd = PyLong_AsLong(args[0]), fd = PyLong_AsLong(args[1]);
+    long long pid = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (pidfd < INT32_MIN || pidfd > INT32_MAX || fd < INT32_MIN || fd > INT32_MAX)
+        return PyLong_FromLong(0);
+    int64_t r = mp_watch((int)pidfd, (int)fd, (int64_t)pid);
+    if (r < 0) {
+        errno = (int)-r;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLongLong((long long)r);
+}
+
+static PyObject *py_unwatch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (mp_args(args, nargs, 1, "unwatch(pidfd)") < 0)
+        return NULL;
+    long pidfd = PyLong_AsLong(args[0]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (pidfd < INT32_MIN || pidfd > INT32_MAX)
+        return PyLong_FromLong(0);
+    return PyLong_FromLongLong((long long)mp_unwatch((int)pidfd));
+}
+
 static PyMethodDef mp_methods[] = {
+    {"alive_page", (PyCFunction)(void (*)(void))py_alive_page, METH_FASTCALL, "this process's alive page (fd)"},
+    {"watch", (PyCFunction)(void (*)(void))py_watch, METH_FASTCALL, "file an owner's alive page under its pidfd"},
+    {"unwatch", (PyCFunction)(void (*)(void))py_unwatch, METH_FASTCALL, "unfile a pidfd before closing it"},
     {"mover", (PyCFunction)(void (*)(void))py_mover, METH_FASTCALL, "a bound pair's inline move, in C"},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, "memcpy, then the owner's liveness"},
     {"cma", (PyCFunction)(void (*)(void))py_cma, METH_FASTCALL, "one cross-memory-attach range"},

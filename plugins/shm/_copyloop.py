@@ -42,7 +42,7 @@ from . import _native
 
 log = logging.getLogger("mpcomm.transport.shm")
 
-ABI = 4
+ABI = 5
 MODULE = "mpcomm.plugins.shm._mpcomm_copyloop"
 _ENV = "MPCOMM_SHM_NATIVE"
 
@@ -61,6 +61,20 @@ class CopyLoop:
     native = False
     #: ``mover(...)`` -> ShmTransport.inline_path's move in C, or None (the transport's closure serves).
     mover: Any = None
+    #: ``alive_page() -> fd``: this process's alive page (_copyloop.c, "Owner liveness"), or None:
+    #: initiators poll this process's pidfd after each copy instead.
+    alive_page: Any = None
+
+    @staticmethod
+    def watch(pidfd: int, fd: int, pid: int) -> int:
+        """File an owner's alive page ``fd`` under its ``pidfd``: 1 filed (copies read its word
+        instead of polling), 0 not (they poll)."""
+        return 0
+
+    @staticmethod
+    def unwatch(pidfd: int) -> int:
+        """Unfile ``pidfd`` before it is closed."""
+        return 0
 
     def __init__(self, reason: str) -> None:
         #: Why this implementation is in use (shown in availability text).
@@ -209,6 +223,10 @@ class NativeLoop(CopyLoop):
                 self.cma_many = module.cma_many  # type: ignore[method-assign]
                 self._check2_fast = module.check2
             self.mover = getattr(module, "mover", None)
+            if hasattr(module, "alive_page"):
+                self.alive_page = module.alive_page
+                self.watch = module.watch  # type: ignore[method-assign]
+                self.unwatch = module.unwatch  # type: ignore[method-assign]
 
     def share(self, min_bytes: int, spin_us: int) -> int:  # type: ignore[override]
         return int(self._share(max(int(min_bytes), 0), max(int(spin_us), 0) * 1000))

@@ -167,7 +167,7 @@ class _Mapping:
     """
 
     __slots__ = ("kind", "base", "size", "access", "can_read", "can_write", "token", "pid", "pidfd", "mm", "owner",
-                 "rkey", "numa", "inflight", "error", "lock", "_idle", "device", "ipc_base")
+                 "rkey", "numa", "inflight", "error", "lock", "_idle", "device", "ipc_base", "unwatch")
 
     def __init__(self, kind: str, base: int, size: int, access: str, token: int, *, pid: int = 0, pidfd: int = -1,
                  mm: mmap.mmap | None = None, owner: tuple[str, str] = ("", ""), rkey: str = "",
@@ -181,6 +181,9 @@ class _Mapping:
         self.token = token  # the token the target accepted at attach time
         self.pid = pid
         self.pidfd = pidfd  # the owner process (-1: liveness unknown)
+        #: Set when the owner's alive page is filed under pidfd (the copy loop's unwatch): called
+        #: before pidfd is closed, so a later descriptor of that number is never read by it.
+        self.unwatch: Any = None
         self.mm = mm
         self.owner = owner  # (node_id, epoch) of the peer that granted the mapping
         self.rkey = rkey  # the revoke key the owner issued for this attachment
@@ -240,6 +243,9 @@ class _Mapping:
             except (BufferError, ValueError, OSError):  # pragma: no cover - we never export it
                 pass
         fd, self.pidfd = self.pidfd, -1
+        unwatch, self.unwatch = self.unwatch, None
+        if unwatch is not None:
+            unwatch(fd)
         if fd >= 0:
             try:
                 os.close(fd)
@@ -308,6 +314,7 @@ class ShmTransport(Transport):
         self._helper_min = self._loop.share(int(o["copy_helper_min"]), int(o["copy_helper_spin_us"]))
         self._serve_cma = False
         self._serve_cma_reason = ""
+        self._alive_fd = -1  # this process's alive page (_copyloop.c, "Owner liveness"), sent with each memfd
         self._closed = False
         self._lock = threading.Lock()
         # target side
@@ -376,6 +383,7 @@ class ShmTransport(Transport):
             sock.close()
             raise
         self._listener, self._sock_name = sock, name
+        self._alive_fd = self._alive_page()
         threading.Thread(target=self._fd_loop, name="mpcomm-shm-fds", daemon=True).start()
         return {
             "socket": name,
@@ -385,6 +393,17 @@ class ShmTransport(Transport):
             "cookie": self._cookie.value,
             "copy_loop": "native" if self._loop.native else "python",
         }
+
+    def _alive_page(self) -> int:
+        """This process's alive page, handed with every memfd (-1: none; initiators poll our pidfd)."""
+        make = self._loop.alive_page
+        if make is None:
+            return -1
+        try:
+            return int(make())
+        except OSError as exc:
+            self.log.debug("shm: no alive page (initiators poll this process's pidfd): %s", exc)
+            return -1
 
     def allocate(self, size: int, alignment: int) -> tuple[memoryview, Any] | None:
         extra = alignment if alignment > PAGE else 0
@@ -513,8 +532,9 @@ class ShmTransport(Transport):
             served.nonces.discard(nonce)
             seg = served.seg
             head = json.dumps({"offset": seg.offset, "size": served.region.size, "total": seg.total}).encode()
+            alive = [self._alive_fd] if self._alive_fd >= 0 else []
             if "w" in served.region.access:
-                socket.send_fds(conn, [head], [seg.fd], NOSIGNAL)
+                socket.send_fds(conn, [head], [seg.fd] + alive, NOSIGNAL)
                 return
             # A read-only region: an O_RDONLY descriptor (a writable shared mapping fails, EACCES) of a
             # memfd sealed F_SEAL_FUTURE_WRITE (and reopening it read-write gains nothing, EPERM).
@@ -523,7 +543,7 @@ class ShmTransport(Transport):
             except OSError:  # no /proc: the seal alone still refuses writable mappings (EPERM)
                 ro = os.dup(seg.fd)
         try:
-            socket.send_fds(conn, [head], [ro], NOSIGNAL)
+            socket.send_fds(conn, [head], [ro] + alive, NOSIGNAL)
         finally:
             os.close(ro)
 
@@ -843,7 +863,7 @@ class ShmTransport(Transport):
                 # The kernel's word on who listens there: the owner whose liveness we check.
                 pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
                 sendall(s, json.dumps({"region_id": r.region_id, "token": r.token, "nonce": reply["nonce"]}).encode())
-                msg, fds, _flags, _addr = socket.recv_fds(s, _MAX_MSG, 1)
+                msg, fds, _flags, _addr = socket.recv_fds(s, _MAX_MSG, 2)  # the memfd, the owner's alive page
             except OSError as exc:
                 raise PeerConnectionError(f"shm: fetching the fd of {r.name!r} failed: {exc}", peer=r.address) from exc
         if not fds:
@@ -855,9 +875,11 @@ class ShmTransport(Transport):
             raise PermissionDeniedError(f"shm: {r.address} refused the fd of {r.name!r}: {why}",
                                         region=r.name, peer=r.address)
         fd = fds[0]
-        for extra in fds[1:]:
+        alive = fds[1] if len(fds) > 1 else -1
+        for extra in fds[2:]:
             os.close(extra)
         pidfd = -1
+        watched = False
         try:
             try:
                 head = loads_bounded(msg, what="shm fd answer", max_bytes=_MAX_MSG)
@@ -876,14 +898,24 @@ class ShmTransport(Transport):
             pidfd = _pidfd_open(pid) if pid > 0 else -1
             mm = mmap.mmap(fd, offset + size - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                            prot=prot, offset=start)
+            # Liveness from the owner's alive page instead of a poll per copy, where it is one of
+            # the pid's own (checked in C); anything else leaves the pidfd polled.
+            watched = pidfd >= 0 and alive >= 0 and self._loop.watch(pidfd, alive, pid) == 1
         except BaseException:
+            if watched:
+                self._loop.unwatch(pidfd)
             if pidfd >= 0:
                 os.close(pidfd)
             raise
         finally:
             os.close(fd)
-        return _Mapping("map", _native.map_address(mm) + (offset - start), size, access, r.token, pid=pid,
-                        pidfd=pidfd, mm=mm, owner=owner, rkey=rkey)
+            if alive >= 0:
+                os.close(alive)
+        m = _Mapping("map", _native.map_address(mm) + (offset - start), size, access, r.token, pid=pid,
+                     pidfd=pidfd, mm=mm, owner=owner, rkey=rkey)
+        if watched:
+            m.unwatch = self._loop.unwatch
+        return m
 
     # -- data path ------------------------------------------------------------------
 
@@ -1161,6 +1193,7 @@ class ShmTransport(Transport):
         if side == "local":
             raise OutOfBoundsError(f"request {bad} of the batch, [{lo[bad]}, {lo[bad] + ln[bad]}), is outside the "
                                    f"local region {g.local.name!r} of {g.local.size} bytes", region=g.local.name)
+        g.total = total  # summed by the check: the engine need not sum the lengths again
         err = m.enter()
         if err is not None:
             raise _again(err, r)

@@ -8,7 +8,8 @@ so a byte outside a Python buffer lands in a red zone). Any report aborts the ch
 
 First a canary proves the sanitizer is live (an unchecked copy one byte past a buffer must be
 reported) and that the sanitized builds are the ones loaded; then the native-path tests run: the C
-and Python bound lanes (tests/core/test_fastlane.py), the copy loops (tests/shm/test_copyloop.py,
+and Python bound lanes (tests/core/test_fastlane.py), the batch planner's scan
+(tests/core/test_plan_scan.py), the owner's alive page (tests/shm/test_alive_page.py), the copy loops (tests/shm/test_copyloop.py,
 tests/regressions/test_native_path.py), the differential lane test over shm and tcp
 (tests/core/test_lane_agreement.py) and tcp's native data port (tests/tcp/test_tcp_native_port.py:
 its in-process table and server tests; the in-process notification tests of
@@ -70,6 +71,9 @@ TESTS = [
     "tests/shm/test_copyloop.py::test_cma_many_stops_at_an_unmapped_piece",
     "tests/shm/test_copyloop.py::test_batch_calls_skip_ctypes_and_refuse_short_arrays",
     "tests/core/test_batch_check_native.py",
+    "tests/core/test_plan_scan.py",
+    "tests/shm/test_alive_page.py::test_a_copy_reads_the_owners_word_and_fails_once_the_owner_is_killed",
+    "tests/shm/test_alive_page.py::test_a_page_is_filed_only_for_its_own_pid_and_stays_read_only",
     "tests/regressions/test_native_path.py::test_the_copy_loops_check_every_piece_where_they_copy_it",
     "tests/regressions/test_native_path.py::test_a_batch_value_outside_int64_is_out_of_bounds",
     "tests/core/test_lane_agreement.py",

@@ -1,7 +1,7 @@
 """submit()'s one-scan plan of a uniform batch decides as the general grouping loop does.
 
 A batch whose requests all share the same local buffer, remote descriptor, op, timeout and route
-objects (without notify) is planned in one identity scan (planning ``_plan_uniform``). Whatever
+objects (without notify) is planned in one scan (planning ``_one_group``: ``_fastlane.c``'s ``scan``). Whatever
 the batch holds, the outcome must be the loop's: the same bytes, or the same error class naming
 the same request. The loop is reached here with a Request subclass as the first request (the scan
 takes plain Requests only; the loop takes any Request).
