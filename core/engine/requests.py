@@ -31,7 +31,7 @@ room is a mixin whose state lives on the Pipeline):
 * :mod:`.units` — what the engine keeps on a unit (stage, slot, batch, ...), the slots;
 * :mod:`.admission` — arguments checked, a unit made, its lease and slot taken;
 * :mod:`.planning` — many requests checked and grouped once (submit, prepare, write_many);
-* :mod:`.bound` — bound pairs: the inline lane and the bound posted lane;
+* :mod:`.bound` — the binding cache: a pair's routing decisions, kept for its later requests;
 * :mod:`.posting` — link, route, admit on a healthy path, hand to the transport;
 * :mod:`.retries` — failover to the next transport, a busy transport's backlog;
 * :mod:`.stripes` — a request split over several transports;
@@ -105,29 +105,31 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
         self._notify_lock = threading.Lock()
         self._notify_per_peer = max(1, cfg.runtime.worker_threads // 4)
         self.dispatch = Dispatch(completions.push, completions.on_thread, self.cancel)
-        #: The inline lane's bound pairs, per (id(local), id(remote), kind): FastPath.runner()'s.
-        self.bound: dict[tuple[int, int, str], Any] = {}
-        #: Nothing but the copy may be left to do for the inline lane to apply (set by policy_ready).
+        #: The binding cache (bound.Binding per (id(local), id(remote), kind)), and the C form of
+        #: each binding's inline step (bound.native_step), which Engine.write/read try first.
+        self.bindings: dict[tuple[int, int, str], Any] = {}
+        self.native: dict[tuple[int, int, str], Any] = {}
+        #: Whether a pair may be bound at all (set by policy_ready: no lazy registration,
+        #: telemetry, split or size rule).
         self._inline_ok = False
 
     def single(self, kind: str, buf: Any, remote: RemoteRegion, ro: int, length: int | None, lo: int,
                notify: bytes | None, timeout: float | None, cq: Any, route: Any = None) -> Transfer:
+        """The one request path: every request checked here, then its pair's binding or the full routing."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
-        if self._inline_ok and notify is None and route is None and cq is None:
-            if isinstance(buf, Region):
-                # Engine.write/read already tried the pair's bound run: if there is one, it declined.
-                landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout,
-                                           (id(buf), id(remote), kind) in self.bound)
-                if landed is not None:
-                    return landed
         hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral")
         self._check_access(kind, local, remote)
         length = self._check_bounds(local, remote, lo, ro, length)
         if notify is not None and len(notify) > MAX_NOTIFY:
             raise MpcommError(f"notification of {len(notify)} bytes exceeds {MAX_NOTIFY}")
-        op = self.new_op(kind, local, lo, remote, ro, length, self._timeout(timeout), self._dispatch_for(cq))
+        timeout = self._timeout(timeout)
+        if self._inline_ok and notify is None and hint is None and cq is None and not ephemeral:
+            done = self._cached(kind, local, remote, lo, ro, length, timeout)
+            if done is not None:
+                return done
+        op = self.new_op(kind, local, lo, remote, ro, length, timeout, self._dispatch_for(cq))
         op.ephemeral = ephemeral
         op.notify_after = notify
         op.route_hint = hint
