@@ -792,8 +792,8 @@ class Engine:
         transport, now), ``connections`` (live control connections per peer,
         now) and ``failover_paths`` — also exported as OpenTelemetry metrics
         (``mpcomm.peer.*``, ``mpcomm.queue.backlog``) with ``observability.metrics``.
-        ``inline_lane``: whether small requests of a bound pair run through the
-        C lane (``"in use"``) or, and why, through the same checks in Python.
+        ``inline_lane``: whether small requests of a bound pair run first through the
+        C inline step (``"in use"``) or, and why not, only through the one Python path.
         ``notifications_awaiting_callbacks``: notifications queued by tcp's native
         data port whose ``on_notification`` callbacks have not run yet.
         """

@@ -82,10 +82,9 @@ class Binding:
         self.landed_max = 0
 
 
-def native_step(b: Binding, pipe: Any, table: dict[Any, Any]) -> Any:
+def native_step(b: Binding, pipe: Any, unbind: Any) -> Any:
     """The binding's inline step in C (engine/_fastlane.c): ``run(lo, ro, length, timeout) -> handle | None``,
-    or None where the module is not in use. It unbinds itself from ``table`` when the local region
-    refuses leases.
+    or None where the module is not in use. It calls ``unbind()`` when the local region refuses leases.
 
     Nothing this returns is kept on the binding, and the C step holds the
     binding's parts, not the binding: a cycle would keep both regions alive,
@@ -93,7 +92,7 @@ def native_step(b: Binding, pipe: Any, table: dict[Any, Any]) -> Any:
     """
     paths, peers = pipe.e.health.failure_tables()
     return fastlane.lane(b.local, b.local.lease_list, b.move, b.link, pipe, paths, peers, Landed, b.origin, b.kind,
-                         b.remote, b.local.size, b.remote.size, functools.partial(table.pop, b.key, None),
+                         b.remote, b.local.size, b.remote.size, unbind,
                          functools.partial(move_failed, b.origin.transport), closed=PIPELINE_CLOSED)
 
 
@@ -146,7 +145,7 @@ class BoundPairs:
         try:
             local.acquire()
         except RegionClosedError:
-            self.native.pop(b.key, None)
+            self.unbind(b.key)
             return None
         try:
             ok = bool(move(lo, ro, n))
@@ -211,7 +210,7 @@ class BoundPairs:
             self.forget_fast()  # bounded; the pairs in use bind again on their next request
         self.bindings[b.key] = b
         if b.move is not None:
-            run = native_step(b, self, self.native)
+            run = native_step(b, self, functools.partial(self.unbind, b.key))
             if run is not None:
                 self.native[b.key] = run
             else:
@@ -237,6 +236,11 @@ class BoundPairs:
                 or self.e.health.any_failures() or (id(op.local), id(op.remote), op.kind) in self.bindings):
             return
         self._bind(op.kind, op.local, op.remote, link, transport, cands, rule, names)
+
+    def unbind(self, key: tuple[int, int, str]) -> None:
+        """Drop one pair's binding and C step (its local region refuses leases)."""
+        self.bindings.pop(key, None)
+        self.native.pop(key, None)
 
     def forget_fast(self) -> None:
         """Drop every binding and C step (routes, health or regions changed): the next request rebinds."""

@@ -21,6 +21,28 @@ take the same path:
 6. **settle**: on the posting thread if the unit finished inside ``post`` (no
    hop), else on the completion thread or the caller's completion queue.
 
+**One request path.** Every single request (``write``/``read``) goes
+through :meth:`Pipeline.single`: the engine's state, the route hint, the
+local region, access, bounds and the timeout are checked there, by the one
+rule of :mod:`.checks`, whatever happens next. A plain request (no
+notification, hint, completion queue or ephemeral buffer; no telemetry, split
+or size rule, no lazy registration) then looks up its pair's *binding*
+(:mod:`.bound`): a cache of the routing decisions the full path made for that
+(local region, remote region, kind) -- link, transport, candidates, rule,
+route names and, where the transport offers it, its bound inline ``move``
+(:meth:`~mpcomm.transport.Transport.inline_path`). A binding is made from the
+route cache once the peer is linked (a pair's first request already lands
+inline when its route is cached), or after the full routing of a plain
+request. With one, the request is either moved by that ``move`` on this
+thread (lease, move, release: a handle born COMPLETED, no slot, deadline or
+table), or becomes one Operation handed to its transport with the cached
+routing (steps 2 and 5-6 above, without the route decision). Whatever the
+binding does not cover (a dead link, a failing path, no free slot, a closing
+region, a declined move) and every request without one takes the full
+routing (steps 2-6), which raises what it raises. The native form of the
+inline step is ``_fastlane.c`` (:func:`.bound.native_step`): ``Engine.write``
+and ``read`` try it before this path, and fall into it when it declines.
+
 A unit is *claimed* exactly once by whoever moves it on from a waiting stage
 (the poster, a canceller, the deadline, close), so a cancel racing a post
 can neither double-post nor lose a request.
@@ -53,6 +75,7 @@ from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Dispatch, Transfer
 from ..transport import Transport
+from . import checks
 from .admission import Admission
 from .bound import BoundPairs
 from .cancelling import Cancelling
@@ -82,7 +105,7 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
     def __init__(self, engine: Engine, *, peers: PeerTable, transports: dict[str, Transport], regions: RegionTable,
                  timer: DeadlineTimer, completions: CompletionThread, executor: Executor, notifier: Executor) -> None:
         self.e = engine
-        #: Set by ``Engine.close`` together with its own flag: what the bound lanes read per request.
+        #: Set by ``Engine.close`` together with its own flag: read first by single() and by the C step.
         self.closed = False
         #: The engine's parts the rooms use, handed over here (the engine keeps them private).
         self.peers, self.transports, self.regions = peers, transports, regions
@@ -118,14 +141,14 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
         """The one request path: every request checked here, then its pair's binding or the full routing."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
-        hint = self._hint(route)
+        hint = None if route is None else self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral")
         self._check_access(kind, local, remote)
-        length = self._check_bounds(local, remote, lo, ro, length)
+        length = checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo, ro, length)
         if notify is not None and len(notify) > MAX_NOTIFY:
             raise MpcommError(f"notification of {len(notify)} bytes exceeds {MAX_NOTIFY}")
-        timeout = self._timeout(timeout)
-        if self._inline_ok and notify is None and hint is None and cq is None and not ephemeral:
+        timeout = checks.timeout_seconds(timeout, self.default_timeout)
+        if notify is None and hint is None and cq is None and self._inline_ok and not ephemeral:
             done = self._cached(kind, local, remote, lo, ro, length, timeout)
             if done is not None:
                 return done

@@ -11,6 +11,7 @@ stand-in move; the engine-level tests show a real pair lands both ways.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -67,11 +68,11 @@ class Pair:
         self.pushed: list[Any] = []
         self.pipe = _Pipe(self.engine)
         self.dispatch = Dispatch(self.pushed.append, lambda: False, lambda t: None)
+        self.key = (id(self.local), id(self.remote), "write")
         self.fast = Binding("write", self.local, self.remote, self.link, SimpleNamespace(name="shm"),  # type: ignore[arg-type]
                             (), "default", ("shm", "tcp"), self.move, self.dispatch)
-        self.key = (id(self.local), id(self.remote), "write")
         _native()
-        self.run = native_step(self.fast, self.pipe, self.table)
+        self.run = native_step(self.fast, self.pipe, functools.partial(self.table.pop, self.key, None))
         assert type(self.run).__name__ == "builtin_function_or_method"
         self.table[self.key] = self.run
 
@@ -451,10 +452,31 @@ def test_a_failed_refusing_lookup_raises_it_and_holds_nothing() -> None:
     p.local = local
     p.fast = Binding("write", local, p.remote, p.link, SimpleNamespace(name="shm"), (), "default",  # type: ignore[arg-type]
                      ("shm",), p.move, p.dispatch)
-    p.run = native_step(p.fast, p.pipe, p.table)
+    p.run = native_step(p.fast, p.pipe, functools.partial(p.table.pop, p.key, None))
     local.fail = True
     with pytest.raises(LookupError, match="no _refusing today"):
         p.run(0, 0, 16, None)
     assert p.moves == [] and local.leases == 0
     local.fail = False
     assert p.run(0, 0, 16, None) is not None and local.leases == 0
+
+
+def test_a_region_open_again_after_a_refused_lease_gets_its_c_step_back() -> None:
+    """The C step unbinds the whole pair (binding and C step) when its region refuses a lease (a
+    close under way); a close that timed out leaves the region open, and the pair binds again."""
+    _native()
+    with mpcomm.Engine(transports=["shm"]) as target, mpcomm.Engine(transports=["shm"]) as ini:
+        target.allocate(1 << 20, name="kv")
+        remote = ini.open(target.address, "kv")
+        src = ini.allocate(1 << 16, name="src")
+        for _ in range(2):
+            assert ini.write(src, remote, 0, 4096).result(5) == 4096
+        key = (id(src), id(remote), "write")
+        assert key in ini._fast and key in ini._pipeline.bindings
+        src._refusing = True  # what close() sets first
+        with pytest.raises(mpcomm.errors.RegionClosedError):
+            ini.write(src, remote, 0, 4096)
+        assert key not in ini._fast and key not in ini._pipeline.bindings
+        src._refusing = False  # the close timed out: open again
+        assert isinstance(ini.write(src, remote, 0, 4096), Landed)
+        assert key in ini._fast and key in ini._pipeline.bindings
