@@ -6,9 +6,9 @@ pair's binding: the link, the transport, its candidates, the rule and route
 names the full routing chose for the pair, and -- where that transport offers
 the inline lane (:meth:`Transport.inline_path`) -- its bound ``move``. With a
 binding the request skips the route decision: it is moved by that ``move`` on
-the caller's thread (:meth:`BoundPairs._inline_step`), or handed to
-``hand_routed`` as one Operation with the cached routing
-(:meth:`BoundPairs._posted_step`). Anything the binding does not cover (a
+the caller's thread (lease, move, release: :meth:`BoundPairs._move`), or
+handed to ``hand_routed`` as one Operation with the cached routing
+(:meth:`BoundPairs._posted_step`); :meth:`BoundPairs._cached` chooses. Anything the binding does not cover (a
 dead link, a failing path, a full queue, a closing region, a declined move)
 goes on to the full routing, which raises what it raises.
 
@@ -113,21 +113,19 @@ class BoundPairs:
         None: the full routing takes it (and binds the pair when it routed it).
         """
         b = self.bindings.get((id(local), id(remote), kind))
-        if b is None:
+        if b is not None:
+            if not b.link.alive or self._failing():
+                return None
+            made = False
+        else:
             b = self._bind_cached(kind, local, remote)
             if b is None:
                 return None
-        elif not b.link.alive or self.e.health.any_failures():
-            return None
+            made = self.bindings.get(b.key) is not b  # an inline binding is kept once it lands
         if b.move is None:
             return self._posted_step(b, lo, ro, n, timeout)
-        return self._inline_step(b, lo, ro, n)
-
-    def _inline_step(self, b: Binding, lo: int, ro: int, n: int) -> Transfer | None:
-        """Lease, ``move(lo, ro, n)``, release: a handle born COMPLETED, or None (not moved)."""
         if type(lo) is not int or type(ro) is not int or type(n) is not int:
             return None
-        made = self.bindings.get(b.key) is not b  # just now, from the route cache: kept once it lands
         # A kept pair with a C step: Engine.write/read ran this move there, and it declined.
         landed = None if not made and b.key in self.native else self._move(b, b.move, lo, ro, n)
         if landed is None and not made and n <= b.landed_max:

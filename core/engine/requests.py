@@ -135,6 +135,7 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
         #: Whether a pair may be bound at all (set by policy_ready: no lazy registration,
         #: telemetry, split or size rule).
         self._inline_ok = False
+        self._failing = engine.health.any_failures  # read per bound request
 
     def single(self, kind: str, buf: Any, remote: RemoteRegion, ro: int, length: int | None, lo: int,
                notify: bytes | None, timeout: float | None, cq: Any, route: Any = None) -> Transfer:
@@ -142,9 +143,11 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
         if self.closed:
             raise EngineClosedError("the engine is closed")
         hint = None if route is None else self._hint(route)
-        local, ephemeral = self._local(buf, "ephemeral")
+        local, ephemeral = (buf, False) if isinstance(buf, Region) and not buf.closed else self._local(buf, "ephemeral")
         self._check_access(kind, local, remote)
-        length = checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo, ro, length)
+        n = checks.span(lo, ro, length, local.size, remote.size)
+        length = n if n is not None else checks.check_span(local.name, local.size, remote.name, remote.size,
+                                                           remote.address, lo, ro, length)
         if notify is not None and len(notify) > MAX_NOTIFY:
             raise MpcommError(f"notification of {len(notify)} bytes exceeds {MAX_NOTIFY}")
         timeout = checks.timeout_seconds(timeout, self.default_timeout)
