@@ -8,7 +8,7 @@ the inline lane (:meth:`Transport.inline_path`) -- its bound ``move``. With a
 binding the request skips the route decision: it is moved by that ``move`` on
 the caller's thread (lease, move, release: :meth:`BoundPairs._move`), or
 handed to ``hand_routed`` as one Operation with the cached routing
-(:meth:`BoundPairs._posted_step`); :meth:`BoundPairs._cached` chooses. Anything the binding does not cover (a
+(both in :meth:`BoundPairs._cached`). Anything the binding does not cover (a
 dead link, a failing path, a full queue, a closing region, a declined move)
 goes on to the full routing, which raises what it raises.
 
@@ -122,8 +122,21 @@ class BoundPairs:
             if b is None:
                 return None
             made = self.bindings.get(b.key) is not b  # an inline binding is kept once it lands
-        if b.move is None:
-            return self._posted_step(b, lo, ro, n, timeout)
+        if b.move is None:  # one Operation with the cached routing (None: a closing region, no free slot)
+            local = b.local
+            try:
+                local.acquire()
+            except RegionClosedError:
+                return None
+            if not self.slots.acquire(blocking=False):
+                local.release()  # full: the full path waits for a slot or raises, as configured
+                return None
+            op = self.new_op(kind, local, lo, remote, ro, n, timeout, self.dispatch)
+            op.holds_slot = True
+            op.stage = POSTED  # nobody else can see it yet: no claim to race
+            op.attempt = 0
+            self.hand_routed(op, b.link, b.transport, b.cands, b.rule, b.names, True)
+            return op.transfer
         if type(lo) is not int or type(ro) is not int or type(n) is not int:
             return None
         # A kept pair with a C step: Engine.write/read ran this move there, and it declined.
@@ -158,28 +171,10 @@ class BoundPairs:
             b.landed_max = n
         return Landed(n, b.origin, (b.kind, local, b.remote, ro, n, lo), t0)
 
-    def _posted_step(self, b: Binding, lo: int, ro: int, n: int, timeout: float) -> Transfer | None:
-        """One Operation handed to the binding's transport with the cached routing (None: a closing
-        region or no free ``queue_depth`` slot; the full path then waits for one or raises, as configured)."""
-        local = b.local
-        try:
-            local.acquire()
-        except RegionClosedError:
-            return None
-        if not self.slots.acquire(blocking=False):
-            local.release()
-            return None
-        op = self.new_op(b.kind, local, lo, b.remote, ro, n, timeout, self.dispatch)
-        op.holds_slot = True
-        op.stage = POSTED  # nobody else can see it yet: no claim to race
-        op.attempt = 0
-        self.hand_routed(op, b.link, b.transport, b.cands, b.rule, b.names, True)
-        return op.transfer
-
     def _bind_cached(self, kind: str, local: Region, remote: RemoteRegion) -> Binding | None:
         """A binding made from the route cache, when the peer is linked at the descriptor's epoch."""
         entry = self._routes.get((remote.address, remote.epoch, remote.region_id, local.kind, None))
-        if entry is None:
+        if entry is None or local.closed:
             return None
         link = self.peers.ready(remote.address)
         if link is None or link.info.epoch != remote.epoch or self.e.health.any_failures():

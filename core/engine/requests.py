@@ -150,7 +150,7 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
                                                            remote.address, lo, ro, length)
         if notify is not None and len(notify) > MAX_NOTIFY:
             raise MpcommError(f"notification of {len(notify)} bytes exceeds {MAX_NOTIFY}")
-        timeout = checks.timeout_seconds(timeout, self.default_timeout)
+        timeout = self.default_timeout if timeout is None else checks.timeout_seconds(timeout, self.default_timeout)
         if notify is None and hint is None and cq is None and self._inline_ok and not ephemeral:
             done = self._cached(kind, local, remote, lo, ro, length, timeout)
             if done is not None:

@@ -145,8 +145,9 @@ def test_a_region_closing_under_the_lane_is_refused_not_raced(spawn: Any, make_e
     for h in handles:
         assert h.result(10) == 4096  # every handle it gave out ended, and landed before close returned
     assert src._held == []
-    # A stale binding declines (the region refuses leases): nothing is posted through it.
-    assert ini._pipeline._posted_step(binding, 0, 0, 4096, 5.0) is None
+    # The binding is gone with the region, and none is made for it again: nothing is posted.
+    assert binding is not None and _bound(ini, src, remote, "write") is None
+    assert ini._pipeline._cached("write", src, remote, 0, 0, 4096, 5.0) is None
     assert _bound(ini, src, remote, "write") is None
 
 
