@@ -607,7 +607,7 @@ class Transport:
     option_ranges: ClassVar[dict[str, Any]] = {}
     #: True when :meth:`post` may wait on something slow (a connection being
     #: made, a full socket): the engine then never calls it on a caller's
-    #: thread from the bound lanes, and posts through its posting pool instead.
+    #: thread through a pair's binding (each request takes the full routing), and posts through its posting pool instead.
     post_may_block: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
