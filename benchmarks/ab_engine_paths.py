@@ -8,10 +8,12 @@ Processes alternate A, B, B, A, ...; each one interleaves rounds of:
 * ``shm_write_4k``: ``Engine.write`` 4 KiB + ``result()`` on a bound shm pair;
 * ``shm_write_4k_full_path``: the same with ``route="shm"`` (a hint: the full path);
 * ``shm_write_many_64x4k``: ``write_many`` of 64 x 4 KiB;
-* ``tcp_write_4k``: ``Engine.write`` 4 KiB over tcp (the bound posted lane).
+* ``tcp_write_4k``: ``Engine.write`` 4 KiB over tcp (a bound pair: posted with its cached routing);
+* ``shm_first_write_4k`` / ``tcp_first_write_4k``: the first 4 KiB write + ``result()`` of a new
+  pair (a fresh local region; the remote's route cached): the binding made from the route cache.
 
 It prints the median per-request time of each and the B/A ratio. Run with
-``MPCOMM_FASTLANE=0`` too, for the Python twin of the C bound lane. Compare
+``MPCOMM_FASTLANE=0`` too, for the one Python path without the C inline step. Compare
 an A/A run (the same tree twice) to see the noise of the machine.
 
     python benchmarks/ab_engine_paths.py /path/to/checkout-A /path/to/checkout-B --reps 10
@@ -49,10 +51,11 @@ def child(rounds: int, n: int) -> None:
         "shm_write_many_64x4k": (lambda p: p[1].write_many(p[3], p[2], offs, offs, lens).result(5), shm, n // 4),
         "tcp_write_4k": (lambda p: p[1].write(p[3], p[2], 0, 4096).result(5), tcp, n // 2),
     }
+    firsts = {"shm_first_write_4k": shm, "tcp_first_write_4k": tcp}
     for fn, p, _ in cases.values():
         for _ in range(200):
             fn(p)
-    out: dict[str, list[float]] = {k: [] for k in cases}
+    out: dict[str, list[float]] = {k: [] for k in (*cases, *firsts)}
     for _ in range(rounds):
         for name, (fn, p, count) in cases.items():
             ts = []
@@ -61,6 +64,16 @@ def child(rounds: int, n: int) -> None:
                 fn(p)
                 ts.append(time.perf_counter() - t0)
             out[name].append(statistics.median(ts) * 1e6)
+        for name, p in firsts.items():
+            fresh = [p[1].allocate(8192) for _ in range(n // 8)]  # new pairs: made outside the timing
+            ts = []
+            for r in fresh:
+                t0 = time.perf_counter()
+                p[1].write(r, p[2], 0, 4096).result(5)
+                ts.append(time.perf_counter() - t0)
+            out[name].append(statistics.median(ts) * 1e6)
+            for r in fresh:
+                p[1].unregister(r)
     print(json.dumps(out))
     for p in (shm, tcp):
         p[1].close(timeout=5)

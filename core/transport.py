@@ -637,7 +637,7 @@ class Transport:
     option_ranges: ClassVar[dict[str, Any]] = {}
     #: True when :meth:`post` may wait on something slow (a connection being
     #: made, a full socket): the engine then never calls it on a caller's
-    #: thread from the bound lanes, and posts through its posting pool instead.
+    #: thread through a pair's binding (each request takes the full routing), and posts through its posting pool instead.
     post_may_block: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -737,41 +737,29 @@ class Transport:
                 log.exception("transport %s failed to post", self.name)
                 op.fail(MpcommError(f"transport {self.name} failed: {exc}"))
 
-    def post_inline(self, kind: str, local: Region, local_offset: int, remote: RemoteRegion, remote_offset: int,
-                    length: int) -> bool:
-        """Optional fast lane: move a small request now, on the caller's thread, or decline.
-
-        The engine calls it (caller's thread, the local region leased for the
-        call) only for a request it has checked and routed to this transport
-        as the first choice, with no notification, hint, completion queue,
-        telemetry or split, and only when the transport overrides this method.
-        Return True once every byte is in the destination (the request is
-        complete); return False to decline (the engine then builds the
-        request and calls :meth:`post`, so whatever this call moved must be
-        what :meth:`post` moves again: the same range, retried whole). Never
-        wait on a peer here, never raise for a refusal or a failure: decline,
-        and let :meth:`post` report it, so both lanes fail the same way. The
-        default declines.
-        """
-        return False
-
     def inline_path(self, kind: str, local: Region, remote: RemoteRegion) -> Callable[[int, int, int], bool] | None:
-        """Optional: :meth:`post_inline` bound to one (kind, local region, remote region).
+        """Optional fast lane: ``move(local_offset, remote_offset, length) -> bool`` for one
+        (kind, local region, remote region), or None (no fast lane for this pair now).
 
-        The engine asks once, after a request of that pair landed through
-        :meth:`post_inline`, and keeps the callable ``move(local_offset,
-        remote_offset, length) -> bool`` for the pair's later requests until
-        the route, the peer link or the engine's health changes or either
-        region goes away. Calls come as for :meth:`post_inline` (caller's
-        thread, checked, the local region leased) and follow its contract: the
-        callable must itself notice a revocation of the remote memory on every
-        call and decline then. A move may also go stale for good (its
-        transport shut it): when it declines a request that
-        :meth:`post_inline` then lands, the engine asks again. None (the
-        default when :meth:`post_inline` is not overridden): no fast lane. The
-        default binds :meth:`post_inline`; a transport overrides this to
-        resolve what it looks up per call (its mapping of the remote region)
-        once.
+        The engine asks when a plain request of the pair (no notification,
+        route hint, completion queue, telemetry or split) is routed to this
+        transport as the first choice and its peer is linked, and keeps the
+        move (in the pair's binding) once it landed a request, until the
+        route, the peer link or the engine's health changes or either region
+        goes away. Each call comes on the caller's thread for a request the
+        engine has checked (bounds, timeout, access), with the local region
+        leased for the call. Return True once every byte is in the
+        destination (the request is complete; the engine hands back a handle
+        born COMPLETED); return False to decline (the engine then builds the
+        request and calls :meth:`post`, so whatever the move moved must be
+        what :meth:`post` moves again: the same range, retried whole). Never
+        wait on a peer in a move, never raise for a refusal or a failure:
+        decline, and let :meth:`post` report it. The move must itself notice
+        a revocation of the remote memory on every call and decline then. A
+        move may also go stale for good (its transport shut it): when it
+        declines a request no longer than one it landed, the engine asks
+        again. The default binds :meth:`post_inline` where a plugin overrides
+        that (the older form of this lane), else None.
         """
         if type(self).post_inline is Transport.post_inline:
             return None
@@ -781,6 +769,20 @@ class Transport:
             return post_inline(kind, local, local_offset, remote, remote_offset, length)
 
         return move
+
+    def post_inline(self, kind: str, local: Region, local_offset: int, remote: RemoteRegion, remote_offset: int,
+                    length: int) -> bool:
+        """Optional, the older form of :meth:`inline_path`: one request moved now, or declined (False).
+
+        The engine itself only calls :meth:`inline_path`, whose default binds
+        this method when a plugin overrides it, under the same contract. The
+        default here is :meth:`inline_path`'s move for the one request (False
+        when the transport has no fast lane), for callers of the older form.
+        """
+        if type(self).inline_path is Transport.inline_path:
+            return False
+        move = self.inline_path(kind, local, remote)
+        return move is not None and bool(move(local_offset, remote_offset, length))
 
     def drive(self, op: Operation | OperationGroup, until: float) -> None:
         """Optional: a thread is about to block in ``result()`` on ``op``; report it from here if you can.

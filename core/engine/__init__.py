@@ -176,7 +176,7 @@ class Engine:
         self._pipeline = Pipeline(self, peers=self._peers, transports=self._transports, regions=self._regions,
                                   timer=self._timer, completions=self._completions, executor=self._executor,
                                   notifier=self._notifier)
-        self._fast = self._pipeline.bound  # the bound inline moves write()/read() try first
+        self._fast = self._pipeline.native  # the bound pairs' C inline step, which write()/read() try first
 
         bind_host, port = parse_endpoint(cfg.transport.endpoint)
         self._bind_host = bind_host
@@ -654,7 +654,7 @@ class Engine:
         BackPressureError) comes before a byte is written.
         """
         if notify is None and completion_queue is None and route is None:
-            run = self._fast.get((id(src), id(remote), "write"))  # a bound pair: bound.FastPath
+            run = self._fast.get((id(src), id(remote), "write"))  # a bound pair's C step: bound.native_step
             if run is not None:
                 landed = run(local_offset, remote_offset, length, timeout)
                 if landed is not None:
@@ -798,8 +798,8 @@ class Engine:
         transport, now), ``connections`` (live control connections per peer,
         now) and ``failover_paths`` — also exported as OpenTelemetry metrics
         (``mpcomm.peer.*``, ``mpcomm.queue.backlog``) with ``observability.metrics``.
-        ``inline_lane``: whether small requests of a bound pair run through the
-        C lane (``"in use"``) or, and why, through the same checks in Python.
+        ``inline_lane``: whether small requests of a bound pair run first through the
+        C inline step (``"in use"``) or, and why not, only through the one Python path.
         ``notifications_awaiting_callbacks``: notifications queued by tcp's native
         data port whose ``on_notification`` callbacks have not run yet.
         """

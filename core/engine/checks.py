@@ -1,10 +1,13 @@
-"""The one bounds and timeout rule of every request lane.
+"""The one bounds and timeout rule of every request.
 
-Every Python lane of the engine decides through these functions: the full
-path and the inline lane (``Pipeline._check_bounds``), the bound lanes
-(``bound.plain`` for ``FastPath._run`` and ``PostPath.run``), the vectorised
-batches (``write_many``/``read_many``/``submit``/``prepare_many``, through
-:func:`first_bad`) and the timeout of each (:func:`timeout_seconds`).
+The engine's one request path (``Pipeline.single``, for a bound pair as for
+any other) checks every single request here (:func:`check_span`,
+:func:`timeout_seconds`) before it takes the pair's binding or the full
+routing; the vectorised batches (``write_many``/``read_many``/``submit``/
+``prepare_many``) check through :func:`first_bad`. The only other deciding
+code is native: the C form of a binding's inline step, which runs before the
+one path and declines (to it) whatever :func:`span` and :func:`timeout_ok`
+would not take.
 
 The rule, for a range ``[off, off + n)`` of a region of ``size`` bytes, is
 written the way native code must write it, in unsigned arithmetic, so it
@@ -13,7 +16,7 @@ cannot wrap::
     n <= size && off <= size - n        (off, n, size >= 0)
 
 The native code mirrors it and must stay in step: ``fits()`` in
-``core/engine/_fastlane.c`` (the C bound lane, and its ``first_bad``, which
+``core/engine/_fastlane.c`` (the C inline step, and its ``first_bad``, which
 :func:`first_bad` hands the engine's own int64 arrays), ``mp_fits()`` in
 ``plugins/shm/_copyloop.c`` (the copy loops re-check every piece at the point
 of use) and ``mp_fits()`` in ``plugins/ucx/_ucxloop.c``. The test that holds
@@ -122,9 +125,9 @@ def first_bad(lo: Any, ro: Any, ln: Any, lsize: int, rsize: int) -> int:
 
 
 def timeout_ok(timeout: Any) -> bool:
-    """The bound lanes' timeout test: None, or an exact float in (0, inf) or int in (0, the
+    """The C inline step's timeout test: None, or an exact float in (0, inf) or int in (0, the
     largest float] (what ``_fastlane.c`` takes: PyLong_AsDouble fails beyond). Anything else
-    goes to the full path, whose :func:`timeout_seconds` accepts or refuses it."""
+    it declines to the one path, whose :func:`timeout_seconds` accepts or refuses it."""
     t = type(timeout)
     return timeout is None or (t is float and 0 < timeout < _INF) or (t is int and 0 < timeout <= _MAX_INT)
 

@@ -1,12 +1,14 @@
-"""The bound inline lane in C: ``_fastlane.c``, built when mpcomm was installed.
+"""A bound pair's inline step in C: ``_fastlane.c``, built when mpcomm was installed.
 
-:class:`~mpcomm.engine.requests._FastPath` runs each request of a bound pair
-through :func:`lane`'s callable when this module is available, and through
-its own ``_run`` (the same checks in Python) otherwise. The extension module
+``Engine.write``/``read`` run each plain request of a bound pair through
+:func:`lane`'s callable (made by :func:`mpcomm.engine.bound.native_step` for
+the pair's binding) when this module is available; when it declines, or is
+not in use, the request takes the one Python path (``Pipeline.single``) with
+the same binding. The extension module
 ``mpcomm.engine._mpcomm_fastlane`` is built by setup.py and loaded by
 :mod:`mpcomm.native_helper`, like the plugins' helpers; nothing is compiled
 at run time. ``MPCOMM_FASTLANE=0`` turns it off (read at each binding, so a
-test or an operator can compare the two lanes in one process).
+test or an operator can compare the two in one process).
 """
 
 from __future__ import annotations

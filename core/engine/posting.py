@@ -86,7 +86,7 @@ class Posting:
                 self._post_split(unit, link, plan, cands, rule, names, inline)
                 return
         if inline and self._inline_ok and unit.batch is None and isinstance(unit, Operation):
-            self._bind_posted(unit, link, transport, cands, rule, names)
+            self.bind_routed(unit, link, transport, cands, rule, names)
         self.hand_routed(unit, link, transport, cands, rule, names, inline)
 
     def hand_routed(self, unit: Any, link: PeerLink, transport: Transport, cands: tuple[Transport, ...], rule: str,
@@ -256,6 +256,6 @@ class Posting:
         return ()
 
     def forget_routes(self, address: str) -> None:
-        self.bound.clear()
+        self.forget_fast()
         for key in [k for k in list(self._routes) if k[0] == address]:
             self._routes.pop(key, None)

@@ -21,6 +21,28 @@ take the same path:
 6. **settle**: on the posting thread if the unit finished inside ``post`` (no
    hop), else on the completion thread or the caller's completion queue.
 
+**One request path.** Every single request (``write``/``read``) goes
+through :meth:`Pipeline.single`: the engine's state, the route hint, the
+local region, access, bounds and the timeout are checked there, by the one
+rule of :mod:`.checks`, whatever happens next. A plain request (no
+notification, hint, completion queue or ephemeral buffer; no telemetry, split
+or size rule, no lazy registration) then looks up its pair's *binding*
+(:mod:`.bound`): a cache of the routing decisions the full path made for that
+(local region, remote region, kind) -- link, transport, candidates, rule,
+route names and, where the transport offers it, its bound inline ``move``
+(:meth:`~mpcomm.transport.Transport.inline_path`). A binding is made from the
+route cache once the peer is linked (a pair's first request already lands
+inline when its route is cached), or after the full routing of a plain
+request. With one, the request is either moved by that ``move`` on this
+thread (lease, move, release: a handle born COMPLETED, no slot, deadline or
+table), or becomes one Operation handed to its transport with the cached
+routing (steps 2 and 5-6 above, without the route decision). Whatever the
+binding does not cover (a dead link, a failing path, no free slot, a closing
+region, a declined move) and every request without one takes the full
+routing (steps 2-6), which raises what it raises. The native form of the
+inline step is ``_fastlane.c`` (:func:`.bound.native_step`): ``Engine.write``
+and ``read`` try it before this path, and fall into it when it declines.
+
 A unit is *claimed* exactly once by whoever moves it on from a waiting stage
 (the poster, a canceller, the deadline, close), so a cancel racing a post
 can neither double-post nor lose a request.
@@ -31,7 +53,7 @@ room is a mixin whose state lives on the Pipeline):
 * :mod:`.units` — what the engine keeps on a unit (stage, slot, batch, ...), the slots;
 * :mod:`.admission` — arguments checked, a unit made, its lease and slot taken;
 * :mod:`.planning` — many requests checked and grouped once (submit, prepare, write_many);
-* :mod:`.bound` — bound pairs: the inline lane and the bound posted lane;
+* :mod:`.bound` — the binding cache: a pair's routing decisions, kept for its later requests;
 * :mod:`.posting` — link, route, admit on a healthy path, hand to the transport;
 * :mod:`.retries` — failover to the next transport, a busy transport's backlog;
 * :mod:`.stripes` — a request split over several transports;
@@ -53,6 +75,7 @@ from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Dispatch, Transfer
 from ..transport import Transport
+from . import checks
 from .admission import Admission
 from .bound import BoundPairs
 from .cancelling import Cancelling
@@ -82,7 +105,7 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
     def __init__(self, engine: Engine, *, peers: PeerTable, transports: dict[str, Transport], regions: RegionTable,
                  timer: DeadlineTimer, completions: CompletionThread, executor: Executor, notifier: Executor) -> None:
         self.e = engine
-        #: Set by ``Engine.close`` together with its own flag: what the bound lanes read per request.
+        #: Set by ``Engine.close`` together with its own flag: read first by single() and by the C step.
         self.closed = False
         #: The engine's parts the rooms use, handed over here (the engine keeps them private).
         self.peers, self.transports, self.regions = peers, transports, regions
@@ -105,29 +128,34 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
         self._notify_lock = threading.Lock()
         self._notify_per_peer = max(1, cfg.runtime.worker_threads // 4)
         self.dispatch = Dispatch(completions.push, completions.on_thread, self.cancel)
-        #: The inline lane's bound pairs, per (id(local), id(remote), kind): FastPath.runner()'s.
-        self.bound: dict[tuple[int, int, str], Any] = {}
-        #: Nothing but the copy may be left to do for the inline lane to apply (set by policy_ready).
+        #: The binding cache (bound.Binding per (id(local), id(remote), kind)), and the C form of
+        #: each binding's inline step (bound.native_step), which Engine.write/read try first.
+        self.bindings: dict[tuple[int, int, str], Any] = {}
+        self.native: dict[tuple[int, int, str], Any] = {}
+        #: Whether a pair may be bound at all (set by policy_ready: no lazy registration,
+        #: telemetry, split or size rule).
         self._inline_ok = False
+        self._failing = engine.health.any_failures  # read per bound request
 
     def single(self, kind: str, buf: Any, remote: RemoteRegion, ro: int, length: int | None, lo: int,
                notify: bytes | None, timeout: float | None, cq: Any, route: Any = None) -> Transfer:
+        """The one request path: every request checked here, then its pair's binding or the full routing."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
-        if self._inline_ok and notify is None and route is None and cq is None:
-            if isinstance(buf, Region):
-                # Engine.write/read already tried the pair's bound run: if there is one, it declined.
-                landed = self._inline_lane(kind, buf, remote, ro, length, lo, timeout,
-                                           (id(buf), id(remote), kind) in self.bound)
-                if landed is not None:
-                    return landed
-        hint = self._hint(route)
-        local, ephemeral = self._local(buf, "ephemeral")
+        hint = None if route is None else self._hint(route)
+        local, ephemeral = (buf, False) if isinstance(buf, Region) and not buf.closed else self._local(buf, "ephemeral")
         self._check_access(kind, local, remote)
-        length = self._check_bounds(local, remote, lo, ro, length)
+        n = checks.span(lo, ro, length, local.size, remote.size)
+        length = n if n is not None else checks.check_span(local.name, local.size, remote.name, remote.size,
+                                                           remote.address, lo, ro, length)
         if notify is not None and len(notify) > MAX_NOTIFY:
             raise MpcommError(f"notification of {len(notify)} bytes exceeds {MAX_NOTIFY}")
-        op = self.new_op(kind, local, lo, remote, ro, length, self._timeout(timeout), self._dispatch_for(cq))
+        timeout = self.default_timeout if timeout is None else checks.timeout_seconds(timeout, self.default_timeout)
+        if notify is None and hint is None and cq is None and self._inline_ok and not ephemeral:
+            done = self._cached(kind, local, remote, lo, ro, length, timeout)
+            if done is not None:
+                return done
+        op = self.new_op(kind, local, lo, remote, ro, length, timeout, self._dispatch_for(cq))
         op.ephemeral = ephemeral
         op.notify_after = notify
         op.route_hint = hint

@@ -963,19 +963,6 @@ class ShmTransport(Transport):
             return
         self._start(op, m, write, True)
 
-    def post_inline(self, kind: str, local: Region, local_offset: int, remote: Any, remote_offset: int,
-                    length: int) -> bool:
-        """The small-request copy of :meth:`post` without an Operation: True once it landed.
-
-        Declines (False) whatever :meth:`post` would refuse, fail or hand to a
-        worker; a copy that ran into a dead peer is redone by :meth:`post`,
-        which reports it.
-        """
-        if length > self._inline or length > self._chunk or remote_offset < 0:
-            return False
-        move = self.inline_path(kind, local, remote)
-        return move is not None and move(local_offset, remote_offset, length)
-
     def _inline_map(self, kind: str, remote: Any) -> _Mapping | None:
         """The mapping an inline copy of ``kind`` may use for ``remote`` (attached, same token, access), or None."""
         if self.copy_mode:
@@ -986,7 +973,11 @@ class ShmTransport(Transport):
         return m
 
     def inline_path(self, kind: str, local: Region, remote: Any) -> Any:
-        """:meth:`post_inline` for one pair with the mapping resolved once (see Transport.inline_path).
+        """The small-request copy of :meth:`post` for one pair, the mapping resolved once (see Transport.inline_path).
+
+        The move declines (False) whatever :meth:`post` would refuse, fail or hand to a
+        worker (longer than ``inline_threshold`` or one chunk); a copy that ran into a dead
+        peer is redone by :meth:`post`, which reports it.
 
         A revocation sets ``m.error`` under the mapping's lock, so each call
         sees it: copies up to 64 KiB run under that lock, longer ones (up to

@@ -1012,12 +1012,6 @@ class UcxTransport(Transport):
             c = att.calls[key] = (ep, rkey, call)
         return c
 
-    def post_inline(self, kind: str, local: Region, local_offset: int, remote: Any, remote_offset: int,
-                    length: int) -> bool:
-        """A small write (or, on a local-copy lane, read) on a ready endpoint in one native call; else declines."""
-        move = self.inline_path(kind, local, remote)
-        return move is not None and move(local_offset, remote_offset, length)
-
     def inline_path(self, kind: str, local: Region, remote: Any) -> Any:
         """The hot path of :meth:`post` bound to one attachment (see Transport.inline_path).
 

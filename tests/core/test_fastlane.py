@@ -1,13 +1,17 @@
-"""The engine's bound inline lane in C (core/engine/_fastlane.c) against its Python twin (bound.FastPath._run).
+"""The C form of a bound pair's inline step (core/engine/_fastlane.c) against the one request path.
 
-Both are driven with the same pair and the same arguments: they must decline
-(None) or land alike, make the same handle, hold the local region's lease only
-while the move runs, and leave nothing behind (no reference, no lease). The
-engine-level tests show a real pair lands through each of them.
+The C step (``bound.native_step``) runs before the one Python path
+(``Pipeline.single``) for a bound pair and may only decline what that path
+would not land inline: whatever it lands, it lands as the one path does (the
+same handle, the same move), holding the local region's lease only while the
+move runs, and leaving nothing behind (no reference, no lease). The one path
+itself is driven through a real engine with ``MPCOMM_FASTLANE=0`` and a
+stand-in move; the engine-level tests show a real pair lands both ways.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -20,8 +24,8 @@ from typing import Any
 import pytest
 
 import mpcomm
-from mpcomm.engine import fastlane
-from mpcomm.engine.bound import FastPath as _FastPath
+from mpcomm.engine import checks, fastlane
+from mpcomm.engine.bound import Binding, native_step
 from mpcomm.health import HealthTracker
 from mpcomm.memory import Region
 from mpcomm.remote import RemoteRegion
@@ -38,11 +42,11 @@ def _native() -> Any:
 
 
 class _Pipe:
-    """What a bound pair reads of its pipeline; ``closed`` follows the engine's ``_closed`` (which
-    the C lane reads), as Engine.close sets both together."""
+    """What the C step reads of its pipeline; ``closed`` follows the engine's ``_closed``, as
+    Engine.close sets both together."""
 
-    def __init__(self, engine: Any, dispatch: Any, table: dict[Any, Any]) -> None:
-        self.e, self.dispatch, self.bound = engine, dispatch, table
+    def __init__(self, engine: Any) -> None:
+        self.e = engine
 
     @property
     def closed(self) -> bool:
@@ -50,9 +54,9 @@ class _Pipe:
 
 
 class Pair:
-    """A bound pair with stand-ins only for what is not under test: the peer link, the move."""
+    """A bound pair's C step with stand-ins only for what is not under test: the peer link, the move."""
 
-    def __init__(self, native: bool) -> None:
+    def __init__(self, native: bool = True) -> None:
         self.local = Region(memoryview(bytearray(LSIZE)), name="src", access="rw")
         self.remote = RemoteRegion("127.0.0.1:1", "n", "e", "kv", 7, RSIZE, 0, "rw", 1)
         self.link = SimpleNamespace(alive=True)
@@ -62,16 +66,14 @@ class Pair:
         self.answer: Any = True
         self.leases_seen: list[int] = []
         self.pushed: list[Any] = []
-        pipe = _Pipe(self.engine, Dispatch(self.pushed.append, lambda: False, lambda t: None), self.table)
-        self.fast = _FastPath("write", self.local, self.remote, self.move, self.link, "shm", ("shm", "tcp"),
-                              "default", pipe)
+        self.pipe = _Pipe(self.engine)
+        self.dispatch = Dispatch(self.pushed.append, lambda: False, lambda t: None)
         self.key = (id(self.local), id(self.remote), "write")
-        if native:
-            _native()
-            self.run = self.fast.runner()
-            assert type(self.run).__name__ == "builtin_function_or_method"
-        else:
-            self.run = self.fast._run
+        self.fast = Binding("write", self.local, self.remote, self.link, SimpleNamespace(name="shm"),  # type: ignore[arg-type]
+                            (), "default", ("shm", "tcp"), self.move, self.dispatch)
+        _native()
+        self.run = native_step(self.fast, self.pipe, functools.partial(self.table.pop, self.key, None))
+        assert type(self.run).__name__ == "builtin_function_or_method"
         self.table[self.key] = self.run
 
     def move(self, lo: int, ro: int, n: int) -> Any:
@@ -109,14 +111,159 @@ def _outcome(pair: Pair, args: tuple[Any, ...]) -> Any:
             sorted(vars(h)), h.status)
 
 
-@pytest.mark.parametrize("args", ARGS, ids=repr)
-def test_c_and_python_lanes_decide_alike(args: tuple[Any, ...]) -> None:
+class OnePath:
+    """The one request path of a real engine with no C step (``MPCOMM_FASTLANE=0``), its pair
+    (LSIZE bytes to RSIZE) bound to a stand-in move as :class:`Pair`'s."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("MPCOMM_FASTLANE", "0")
+        self.target = mpcomm.Engine(transports=["shm"])
+        self.ini = mpcomm.Engine(transports=["shm"])
+        self.target.allocate(RSIZE, name="kv")
+        self.remote = self.ini.open(self.target.address, "kv")
+        self.local = self.ini.allocate(LSIZE, name="src")
+        self.moves: list[tuple[Any, ...]] = []
+        self.leases_seen: list[int] = []
+        self.answer: Any = True
+        monkeypatch.setattr(self.ini.transports["shm"], "inline_path", lambda kind, local, remote: self.move)
+        assert self.ini.write(self.local, self.remote, 0, 16).result(5) == 16  # routed in full: the route cached
+        assert isinstance(self.ini.write(self.local, self.remote, 0, 16), Landed)  # the stand-in moved it: bound
+        self.key = (id(self.local), id(self.remote), "write")
+        self.pipe = self.ini._pipeline
+        assert self.key in self.pipe.bindings and not self.pipe.native
+        self.binding = self.pipe.bindings[self.key]
+        self.moves.clear()
+        self.leases_seen.clear()
+
+    move = Pair.move
+
+    def write(self, lo: Any, ro: Any, n: Any, timeout: Any) -> Any:
+        return self.ini.write(self.local, self.remote, ro, n, local_offset=lo, timeout=timeout)
+
+    def outcome(self, args: tuple[Any, ...]) -> Any:
+        """("landed", ...) as :func:`_outcome`, ("posted", result) for the full path, or ("raised", class)."""
+        try:
+            h = self.write(*args)
+        except Exception as exc:  # noqa: BLE001 - the outcome compared
+            return ("raised", type(exc))
+        if isinstance(h, Landed):
+            r = h.request
+            return ("landed", h.bytes_moved, (r.op, r.remote_offset, r.length, r.local_offset), sorted(vars(h)),
+                    h.status)
+        try:
+            return ("posted", h.result(5))
+        except Exception as exc:  # noqa: BLE001 - e.g. a float length the full path posts (not this test's concern)
+            return ("posted", type(exc))
+
+    def close(self) -> None:
+        self.ini.close(timeout=5)
+        self.target.close(timeout=5)
+
+
+@pytest.fixture
+def one(monkeypatch: pytest.MonkeyPatch) -> Any:
+    p = OnePath(monkeypatch)
+    yield p
+    p.close()
+
+
+def test_the_c_step_lands_only_what_the_one_path_lands_inline(one: OnePath, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of ARGS through the C step (a stand-in pair) and through the one path (a real engine):
+    whatever C lands, the one path lands the same way with the same move; what C declines, the one
+    path raises, or routes in full, or (a timeout only the one check takes) moves inline itself."""
     # RSIZE < LSIZE: a whole-region write (length None) does not fit the remote one.
-    c, py = Pair(native=True), Pair(native=False)
-    got_c, got_py = _outcome(c, args), _outcome(py, args)
-    assert got_c == got_py
-    assert c.moves == py.moves
-    assert c.local.leases == py.local.leases == 0
+    for args in ARGS:
+        with monkeypatch.context() as m:
+            m.delenv("MPCOMM_FASTLANE")  # for the stand-in pair's C step only; the engine's pair is bound
+            c = Pair()
+        got_c = _outcome(c, args)
+        one.moves.clear()
+        got_one = one.outcome(args)
+        if got_c is None:
+            assert c.moves == [] and (got_one[0] != "landed" or not checks.timeout_ok(args[3])), args
+        else:
+            assert got_one == ("landed", got_c[0], got_c[4], got_c[5], got_c[6]), args
+            assert c.moves == one.moves, args
+        assert c.local.leases == one.local.leases == 0, args
+
+
+def test_the_one_path_takes_the_full_routing_for_what_changed_after_binding(one: OnePath) -> None:
+    real_link = one.binding.link
+    one.binding.link = SimpleNamespace(alive=False)
+    assert one.outcome((0, 0, 16, None)) == ("posted", 16) and one.moves == []
+    one.binding.link = real_link
+    one.ini.health.failure(one.remote.address, "shm")
+    assert one.outcome((0, 0, 16, None)) == ("posted", 16) and one.moves == []
+    one.ini.health.success(one.remote.address, "shm")
+    one.answer = False  # the move declines (a shut gate, a revoked region): asked anew, declines again
+    assert one.outcome((0, 0, 16, None)) == ("posted", 16)
+    assert one.moves == [(0, 0, 16), (0, 0, 16)] and one.local.leases == 0
+    one.answer = True
+    assert one.outcome((0, 0, 16, None))[0] == "landed" and one.key in one.pipe.bindings
+    one.pipe.closed = True
+    with pytest.raises(mpcomm.errors.EngineClosedError):
+        one.write(0, 0, 16, None)
+    one.pipe.closed = False
+
+
+def test_the_one_path_refuses_an_unregistering_region_holding_no_lease(one: OnePath) -> None:
+    one.local._refusing = True  # what close() sets first
+    with pytest.raises(mpcomm.errors.RegionClosedError):
+        one.write(0, 0, 16, None)
+    assert one.moves == [] and one.local.leases == 0
+    one.local._refusing = False
+
+
+def test_the_one_path_logs_a_move_that_raises_and_routes_in_full(one: OnePath,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    one.answer = ValueError("plugin bug")
+    with caplog.at_level(logging.ERROR, logger="mpcomm.engine"):
+        assert one.outcome((0, 0, 16, None)) == ("posted", 16)
+    rec = [r for r in caplog.records if "inline_path move" in r.getMessage()]
+    assert rec and rec[0].exc_info and rec[0].exc_info[1] is one.answer
+    assert "test_fastlane.py" in caplog.text and one.local.leases == 0
+
+
+def test_an_interrupt_in_the_one_paths_move_goes_up_with_the_lease_released(one: OnePath) -> None:
+    one.answer = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        one.write(0, 0, 16, None)
+    assert one.local.leases == 0
+
+    def bad(lo: int, ro: int, n: int) -> Any:
+        class Bool:
+            def __bool__(self) -> bool:
+                raise RuntimeError("no truth")
+        return Bool()
+
+    one.answer = bad  # a truthiness that raises is a plugin bug too: declined, routed in full
+    assert one.outcome((0, 0, 16, None)) == ("posted", 16) and one.local.leases == 0
+
+
+def test_unregister_waits_for_a_request_inside_the_one_paths_move(one: OnePath) -> None:
+    inside, go = threading.Event(), threading.Event()
+
+    def slow(lo: int, ro: int, n: int) -> bool:
+        inside.set()
+        assert go.wait(5)
+        return True
+
+    one.answer = slow
+    out: list[Any] = []
+    w = threading.Thread(target=lambda: out.append(one.write(0, 0, 16, None)))
+    w.start()
+    assert inside.wait(5)
+    closed = threading.Thread(target=one.ini.unregister, args=(one.local,), kwargs={"timeout": 5})
+    closed.start()
+    time.sleep(0.1)
+    assert closed.is_alive() and not one.local.closed  # held by the move
+    go.set()
+    w.join(5)
+    closed.join(5)
+    assert one.local.closed and out and isinstance(out[0], Landed)
+    with pytest.raises(mpcomm.errors.RegionClosedError):
+        one.write(0, 0, 16, None)
+    assert one.key not in one.pipe.bindings
 
 
 def test_a_landed_handle_is_whole_and_born_done() -> None:
@@ -135,9 +282,8 @@ def test_a_landed_handle_is_whole_and_born_done() -> None:
     assert got == [h]
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_what_changes_after_binding_makes_the_lane_decline(native: bool) -> None:
-    p = Pair(native)
+def test_what_changes_after_binding_makes_the_lane_decline() -> None:
+    p = Pair()
     p.link.alive = False
     assert p.run(0, 0, 16, None) is None
     p.link.alive = True
@@ -158,17 +304,15 @@ def test_what_changes_after_binding_makes_the_lane_decline(native: bool) -> None
     assert p.run(0, 0, 16, None) is not None and p.key in p.table
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_an_unregistering_region_unbinds_the_pair_and_holds_no_lease(native: bool) -> None:
-    p = Pair(native)
+def test_an_unregistering_region_unbinds_the_pair_and_holds_no_lease() -> None:
+    p = Pair()
     p.local._refusing = True  # what close() sets first
     assert p.run(0, 0, 16, None) is None
     assert p.moves == [] and p.local.leases == 0 and p.key not in p.table
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_a_move_that_raises_is_logged_and_declines(native: bool, caplog: pytest.LogCaptureFixture) -> None:
-    p = Pair(native)
+def test_a_move_that_raises_is_logged_and_declines(caplog: pytest.LogCaptureFixture) -> None:
+    p = Pair()
     p.answer = ValueError("plugin bug")
     with caplog.at_level(logging.ERROR, logger="mpcomm.engine"):
         assert p.run(0, 0, 16, None) is None
@@ -178,9 +322,8 @@ def test_a_move_that_raises_is_logged_and_declines(native: bool, caplog: pytest.
     assert p.local.leases == 0
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_an_interrupt_in_the_move_goes_up_with_the_lease_released(native: bool) -> None:
-    p = Pair(native)
+def test_an_interrupt_in_the_move_goes_up_with_the_lease_released() -> None:
+    p = Pair()
     p.answer = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt):
         p.run(0, 0, 16, None)
@@ -196,10 +339,9 @@ def test_an_interrupt_in_the_move_goes_up_with_the_lease_released(native: bool) 
     assert p.run(0, 0, 16, None) is None and p.local.leases == 0
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_unregister_waits_for_a_request_inside_the_move(native: bool) -> None:
+def test_unregister_waits_for_a_request_inside_the_move() -> None:
     """close() waits while the lane's lease is held, and is woken when the lane lets go."""
-    p = Pair(native)
+    p = Pair()
     inside, go = threading.Event(), threading.Event()
 
     def slow(lo: int, ro: int, n: int) -> bool:
@@ -266,9 +408,10 @@ def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pyt
         src.view[:4096] = b"\x11" * 4096
         for _ in range(2):  # the first connects and caches the route; the second lands inline and binds
             assert ini.write(src, remote, 0, 4096).result(5) == 4096
-        runs = list(ini._fast.values())
-        assert runs, "the pair should be bound after an inline write"
-        assert (type(runs[0]).__name__ == "builtin_function_or_method") is native
+        assert ini._pipeline.bindings, "the pair should be bound after an inline write"
+        runs = list(ini._fast.values())  # the bound pairs' C steps
+        assert bool(runs) is native
+        assert all(type(r).__name__ == "builtin_function_or_method" for r in runs)
         for i in range(1, 64):
             src.view[:4096] = bytes([i]) * 4096
             t = ini.write(src, remote, i * 4096, 4096)
@@ -282,7 +425,7 @@ def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pyt
         ini.unregister(src)
         with pytest.raises(mpcomm.errors.RegionClosedError):
             ini.write(src, remote, 0, 4096)
-        assert not ini._fast
+        assert not ini._fast and not ini._pipeline.bindings
 
 
 class _FailingLookup(Region):
@@ -301,19 +444,39 @@ class _FailingLookup(Region):
         self.__dict__["_r"] = value
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_a_failed_refusing_lookup_raises_it_and_holds_nothing(native: bool) -> None:
+def test_a_failed_refusing_lookup_raises_it_and_holds_nothing() -> None:
     """Issue 28: the C lane took the lease entry back and woke closers (a call into Python)
     with the lookup's exception still pending; it now raises that exception, like Region.acquire."""
-    p = Pair(native)
+    p = Pair()
     local = _FailingLookup(memoryview(bytearray(LSIZE)), name="src", access="rw")
     p.local = local
-    p.fast = _FastPath("write", local, p.remote, p.move, p.link, "shm", ("shm",), "default",
-                       _Pipe(p.engine, p.fast.dispatch, p.table))
-    p.run = p.fast.runner() if native else p.fast._run
+    p.fast = Binding("write", local, p.remote, p.link, SimpleNamespace(name="shm"), (), "default",  # type: ignore[arg-type]
+                     ("shm",), p.move, p.dispatch)
+    p.run = native_step(p.fast, p.pipe, functools.partial(p.table.pop, p.key, None))
     local.fail = True
     with pytest.raises(LookupError, match="no _refusing today"):
         p.run(0, 0, 16, None)
     assert p.moves == [] and local.leases == 0
     local.fail = False
     assert p.run(0, 0, 16, None) is not None and local.leases == 0
+
+
+def test_a_region_open_again_after_a_refused_lease_gets_its_c_step_back() -> None:
+    """The C step unbinds the whole pair (binding and C step) when its region refuses a lease (a
+    close under way); a close that timed out leaves the region open, and the pair binds again."""
+    _native()
+    with mpcomm.Engine(transports=["shm"]) as target, mpcomm.Engine(transports=["shm"]) as ini:
+        target.allocate(1 << 20, name="kv")
+        remote = ini.open(target.address, "kv")
+        src = ini.allocate(1 << 16, name="src")
+        for _ in range(2):
+            assert ini.write(src, remote, 0, 4096).result(5) == 4096
+        key = (id(src), id(remote), "write")
+        assert key in ini._fast and key in ini._pipeline.bindings
+        src._refusing = True  # what close() sets first
+        with pytest.raises(mpcomm.errors.RegionClosedError):
+            ini.write(src, remote, 0, 4096)
+        assert key not in ini._fast and key not in ini._pipeline.bindings
+        src._refusing = False  # the close timed out: open again
+        assert isinstance(ini.write(src, remote, 0, 4096), Landed)
+        assert key in ini._fast and key in ini._pipeline.bindings

@@ -5,9 +5,9 @@ length) from the values where arithmetic goes wrong -- 0, ±1, 2**31, 2**32,
 2**63-1, 2**63, 2**64-1, -2**63 and each region's size ±1 -- and drives the
 same request through every lane:
 
-* ``c``: the bound inline lane in C (``_fastlane.c``; for tcp, whose pairs bind
-  the posted lane, that lane);
-* ``python``: the same pair bound with ``MPCOMM_FASTLANE=0`` (``bound.FastPath._run``);
+* ``c``: a bound pair with the C inline step (``_fastlane.c``) in front of the one
+  request path (for tcp, whose bindings have no move, the one path's posted step);
+* ``python``: the same pair bound with ``MPCOMM_FASTLANE=0`` (the one path alone, with the binding);
 * ``write_many`` / ``read_many``, ``submit``, and ``prepare_many`` + ``post()``;
 
 across every transport available here: shm through a memfd mapping (the target's

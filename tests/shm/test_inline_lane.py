@@ -1,4 +1,4 @@
-"""The engine's inline lane (Transport.post_inline): small shm requests finished inside write().
+"""The inline step of the one request path (Transport.inline_path): small shm requests finished inside write().
 
 The lane must be invisible in behaviour: the same handle fields, the same
 errors, the same callbacks, and the full path whenever it declines.
@@ -30,16 +30,24 @@ def lane_pair() -> Any:
 
 
 def _count_lane(monkeypatch: pytest.MonkeyPatch, ini: mpcomm.Engine) -> list[bool]:
+    """What the moves the engine asks for from now on answer (a bound pair's move, asked for
+    earlier, is not counted)."""
     shm = ini.transports["shm"]
     seen: list[bool] = []
-    real = shm.post_inline
+    real = shm.inline_path
 
-    def counted(*a: Any) -> bool:
-        ok = real(*a)
-        seen.append(ok)
-        return ok
+    def asked(kind: str, local: Any, remote: Any) -> Any:
+        move = real(kind, local, remote)
+        if move is None:
+            return None
 
-    monkeypatch.setattr(shm, "post_inline", counted)
+        def counted(lo: int, ro: int, n: int) -> bool:
+            ok = move(lo, ro, n)
+            seen.append(ok)
+            return ok
+        return counted
+
+    monkeypatch.setattr(shm, "inline_path", asked)
     return seen
 
 
@@ -90,18 +98,28 @@ def test_a_declining_or_broken_lane_falls_back(lane_pair: Any, monkeypatch: pyte
                                                caplog: pytest.LogCaptureFixture) -> None:
     target, ini, kv, remote, src = lane_pair
     shm = ini.transports["shm"]
-    monkeypatch.setattr(shm, "post_inline", lambda *a: False)
+    monkeypatch.setattr(shm, "inline_path", lambda *a: lambda lo, ro, n: False)
     assert ini.write(src, remote, 0, 64).result(5) == 64
+    assert not ini._pipeline.bindings  # a move that never landed binds nothing
     hits = threading.Event()
 
     def broken(*a: Any) -> bool:
         hits.set()
         raise RuntimeError("plugin bug")
 
-    monkeypatch.setattr(shm, "post_inline", broken)
+    monkeypatch.setattr(shm, "inline_path", lambda *a: broken)
     with caplog.at_level(logging.ERROR, logger="mpcomm"):
         assert ini.write(src, remote, 0, 64).result(5) == 64  # the full path carried it
-    assert hits.is_set() and "post_inline" in caplog.text
+    assert hits.is_set() and "inline_path move" in caplog.text
+
+    def asked_broken(*a: Any) -> Any:
+        raise RuntimeError("plugin bug in inline_path")
+
+    caplog.clear()
+    monkeypatch.setattr(shm, "inline_path", asked_broken)
+    with caplog.at_level(logging.ERROR, logger="mpcomm"):
+        assert ini.write(src, remote, 0, 64).result(5) == 64
+    assert "failed in inline_path" in caplog.text
 
 
 def test_revoked_region_fails_through_the_full_path(lane_pair: Any) -> None:
@@ -114,18 +132,19 @@ def test_revoked_region_fails_through_the_full_path(lane_pair: Any) -> None:
 
 def test_the_base_transport_declines() -> None:
     assert Transport.post_inline(Transport.__new__(Transport), "write", None, 0, None, 0, 1) is False  # type: ignore[arg-type]
+    assert Transport.inline_path(Transport.__new__(Transport), "write", None, None) is None  # type: ignore[arg-type]
 
 
-# -- the bound lane (Transport.inline_path): a pair's later requests skip the lookups ---------------
+# -- a bound pair (its binding keeps the move): later requests skip the route and the inline_path lookup ---
 
 
 def _bind(ini: mpcomm.Engine, src: Any, remote: Any) -> None:
-    for _ in range(2):  # the first lands through post_inline and binds the pair
+    for _ in range(2):  # the first lands through a move inline_path gave, and binds the pair
         assert ini.write(src, remote, 0, 64).result(5) == 64
-    assert ini._pipeline.bound, "the pair should be bound after an inline write"
+    assert ini._pipeline.bindings, "the pair should be bound after an inline write"
 
 
-def test_bound_lane_moves_without_post_inline(lane_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bound_lane_moves_without_asking_inline_path_again(lane_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     target, ini, kv, remote, src = lane_pair
     _bind(ini, src, remote)
     seen = _count_lane(monkeypatch, ini)
@@ -166,7 +185,7 @@ def test_bound_lane_lets_go_of_an_unregistered_region(lane_pair: Any) -> None:
     target, ini, kv, remote, src = lane_pair
     _bind(ini, src, remote)
     ini.unregister(src)
-    assert not ini._pipeline.bound  # nothing keeps the region (and its buffer) alive
+    assert not ini._pipeline.bindings and not ini._pipeline.native  # nothing keeps the region (and its buffer) alive
     with pytest.raises(mpcomm.RegionClosedError):
         ini.write(src, remote, 0, 64)
 

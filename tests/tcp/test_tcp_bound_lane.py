@@ -1,8 +1,9 @@
-"""The bound posted lane (engine/bound.py ``PostPath``) over a real tcp target.
+"""A bound tcp pair (engine/bound.py ``Binding`` without a move) over a real tcp target.
 
 Once a plain request of a (local region, remote region, kind) pair was routed
-to tcp, the pair's later requests skip the routing and go from
-``Engine.write``/``read`` straight to a posted Operation. Each test checks one
+to tcp, the pair is bound: its later requests take the one request path with
+the cached routing, skipping the route decision (``Pipeline._launch`` and what
+it calls), straight to a posted Operation. Each test checks one
 promise: the bytes, what the handle says, and that anything the lane must not
 decide (bad arguments, a closing region, a full queue, a failing path) gets
 exactly the full path's answer.
@@ -22,7 +23,7 @@ from mpcomm.errors import BackPressureError, MpcommError, OutOfBoundsError, Regi
 
 
 def _bound(ini: mpcomm.Engine, local: Any, remote: Any, kind: str) -> Any:
-    return ini._fast.get((id(local), id(remote), kind))
+    return ini._pipeline.bindings.get((id(local), id(remote), kind))
 
 
 def _bound_write(spawn: Any, make_engine: Any, config: dict[str, Any] | None = None,
@@ -38,17 +39,17 @@ def _bound_write(spawn: Any, make_engine: Any, config: dict[str, Any] | None = N
 
 
 class _Counting:
-    """Counts requests that reached the full path (Pipeline.single)."""
+    """Counts requests that took the full routing (Pipeline._launch: link, route, admit, post)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.n = 0
-        orig = requests.Pipeline.single
+        orig = requests.Pipeline._launch
 
-        def single(pipe: Any, *a: Any, **k: Any) -> Any:
+        def launch(pipe: Any, *a: Any, **k: Any) -> Any:
             self.n += 1
             return orig(pipe, *a, **k)
 
-        monkeypatch.setattr(requests.Pipeline, "single", single)
+        monkeypatch.setattr(requests.Pipeline, "_launch", launch)
 
 
 def test_later_requests_of_a_pair_take_the_bound_lane(spawn: Any, make_engine: Any,
@@ -118,7 +119,7 @@ def test_unregistering_the_local_region_unbinds_it(spawn: Any, make_engine: Any)
 def test_a_region_closing_under_the_lane_is_refused_not_raced(spawn: Any, make_engine: Any) -> None:
     """close() waits for the lane's leases and, once closing, the lane takes none."""
     _target, ini, remote, src = _bound_write(spawn, make_engine)
-    run = _bound(ini, src, remote, "write")
+    binding = _bound(ini, src, remote, "write")
     handles: list[Any] = []
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -144,7 +145,10 @@ def test_a_region_closing_under_the_lane_is_refused_not_raced(spawn: Any, make_e
     for h in handles:
         assert h.result(10) == 4096  # every handle it gave out ended, and landed before close returned
     assert src._held == []
-    assert run(0, 0, 4096, None) is None  # a stale runner declines: the region is closed
+    # The binding is gone with the region, and none is made for it again: nothing is posted.
+    assert binding is not None and _bound(ini, src, remote, "write") is None
+    assert ini._pipeline._cached("write", src, remote, 0, 0, 4096, 5.0) is None
+    assert _bound(ini, src, remote, "write") is None
 
 
 def test_callbacks_chain_through_the_lane(spawn: Any, make_engine: Any) -> None:

@@ -22,9 +22,9 @@ def bound() -> Any:
     kv.buf = buf  # type: ignore[attr-defined]  # the memory itself, readable after unregister
     remote = ini.open(target.address, "kv")
     src = ini.allocate(1 << 20, name="src")
-    for _ in range(3):  # attach (full path), then one through post_inline, which binds the pair
+    for _ in range(3):  # attach (full path), then one through a move inline_path gave, which binds the pair
         assert ini.write(src, remote, 0, 4096).result(10) == 4096
-    assert ini._pipeline.bound, "the pair should be bound"
+    assert ini._pipeline.bindings, "the pair should be bound"
     yield target, ini, kv, remote, src
     ini.close(timeout=5)
     target.close(timeout=5)
@@ -296,7 +296,7 @@ def test_revocation_reaches_a_bound_read_pair(bound: Any) -> None:
     kv.view[:64] = b"\x21" * 64
     for _ in range(3):  # bind the read pair
         assert ini.read(src, remote, 0, 64, local_offset=8192).result(10) == 64
-    assert any(k[2] == "read" for k in ini._pipeline.bound)
+    assert any(k[2] == "read" for k in ini._pipeline.bindings)
     src.view[8192:8256] = b"\x00" * 64
     target.unregister(kv)
     t = ini.read(src, remote, 0, 64, local_offset=8192)
@@ -314,19 +314,19 @@ def test_a_shut_lane_is_bound_anew_and_stays_inline(bound: Any, monkeypatch: pyt
     target, ini, kv, remote, src = bound
     ucx = ini.transports["ucx"]
     pipe = ini._pipeline
-    key = next(k for k in pipe.bound if k[2] == "write")
-    old = pipe.bound[key]  # the pair's bound run(lo, ro, length, timeout)
-    assert old(0, 0, 64, None) is not None  # open: it lands
+    key = next(k for k in pipe.bindings if k[2] == "write")
+    old = pipe.bindings[key].move  # the pair's bound move(lo, ro, n)
+    assert old(0, 0, 64)  # open: it lands
     peer = next(iter(ucx._peers.values()))
     with ucx._lock:
         ucx._shut_lane(peer.attached[next(iter(peer.attached))], wait=True)
-    assert old(0, 0, 64, None) is None  # shut for good: the binding declines
+    assert not old(0, 0, 64)  # shut for good: the binding's move declines
     posted: list[Any] = []
     monkeypatch.setattr(ucx, "post", lambda op: posted.append(op) or UcxTransport.post(ucx, op))
     src.view[:4096] = b"\x5a" * 4096
-    t = ini.write(src, remote, 0, 4096)  # the stale move declines, post_inline lands it and rebinds
+    t = ini.write(src, remote, 0, 4096)  # the stale move declines, a fresh one from inline_path lands it and rebinds
     assert t.done() and t.result(0) == 4096 and posted == []
-    assert pipe.bound[key] is not old
+    assert pipe.bindings[key].move is not old
     src.view[:4096] = b"\x5b" * 4096
     assert ini.write(src, remote, 0, 4096).done() and posted == []
     assert bytes(kv.view[:4096]) == b"\x5b" * 4096
