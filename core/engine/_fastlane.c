@@ -1,10 +1,12 @@
 /* The engine's bound inline lane, per request, outside the interpreter's frames.
  *
- * Built at first use by core/engine/fastlane.py (through mpcomm.native_helper)
- * as the extension module _mpcomm_fastlane, where a C compiler and Python.h
- * exist; elsewhere _FastPath._run (core/engine/requests.py) does the same in
- * Python. Both must decide alike: tests/core/test_fastlane.py drives the two
- * with the same arguments.
+ * Built when mpcomm is installed (setup.py) as the extension module
+ * _mpcomm_fastlane and loaded by core/engine/fastlane.py. It is the C form of
+ * a bound pair's inline step of the engine's one request path
+ * (Pipeline.single in core/engine/requests.py, with bound.Binding): where it
+ * is not built, or it declines a request, that path runs instead. It must
+ * land only what that path lands inline: tests/core/test_fastlane.py drives
+ * both with the same arguments.
  *
  * Why C: once a (local region, remote region, kind) pair is bound, a small
  * request is a handful of checks, a lease, the transport's move (itself

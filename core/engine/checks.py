@@ -29,6 +29,7 @@ also built under AddressSanitizer by ``tests/core/test_native_sanitized.py``.
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from array import array
 from operator import add
@@ -36,7 +37,7 @@ from typing import Any
 
 from ..errors import MpcommError, OutOfBoundsError
 
-__all__ = ["fits", "span", "check_span", "first_bad", "timeout_ok", "timeout_seconds"]
+__all__ = ["fits", "span", "check_span", "integer", "first_bad", "timeout_ok", "timeout_seconds"]
 
 _INF = math.inf
 _MAX_INT = int(sys.float_info.max)
@@ -63,7 +64,10 @@ def fits(off: int, n: int, size: int) -> bool:
 
 def span(lo: int, ro: int, length: int | None, lsize: int, rsize: int) -> int | None:
     """The bytes a request moves (``length``, or to the end of the local region when None),
-    or None when it does not fit both regions."""
+    or None when it does not fit both regions or an argument is not an exact ``int`` (then
+    :func:`check_span` converts it or says why not)."""
+    if type(lo) is not int or type(ro) is not int or (length is not None and type(length) is not int):
+        return None
     if length is None:
         length = lsize - lo
     if 0 <= length <= lsize and length <= rsize and 0 <= lo <= lsize - length and 0 <= ro <= rsize - length:
@@ -73,7 +77,16 @@ def span(lo: int, ro: int, length: int | None, lsize: int, rsize: int) -> int | 
 
 def check_span(lname: str, lsize: int, rname: str, rsize: int, peer: str | None, lo: int, ro: int,
                length: int | None, request: Any = None) -> int:
-    """:func:`span`, raising OutOfBoundsError (naming the side and the region) where it says None."""
+    """:func:`span`, raising OutOfBoundsError (naming the side and the region) where it says None.
+
+    Offsets and the length must be integers (``int`` or anything with ``__index__``, such as a
+    numpy integer): a float that happens to compare in bounds is refused here, not by a
+    transport after the request was posted.
+    """
+    if type(lo) is not int or type(ro) is not int or (length is not None and type(length) is not int):
+        lo, ro = integer(lo, "local_offset"), integer(ro, "remote_offset")
+        if length is not None:
+            length = integer(length, "length")
     got = span(lo, ro, length, lsize, rsize)
     if got is not None:
         return got
@@ -95,6 +108,14 @@ def check_span(lname: str, lsize: int, rname: str, rsize: int, peer: str | None,
                                request=request)
     raise OutOfBoundsError(f"remote [{ro}, {ro + length}) exceeds {rname!r} of {rsize} bytes; nothing was "
                            "transferred", region=rname, peer=peer, request=request)
+
+
+def integer(value: Any, name: str) -> int:
+    """``value`` as an int (``operator.index``), else MpcommError naming ``name``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise MpcommError(f"{name} must be an integer, not {type(value).__name__}") from None
 
 
 def first_bad(lo: Any, ro: Any, ln: Any, lsize: int, rsize: int) -> int:

@@ -475,3 +475,23 @@ def test_dropping_a_request_of_a_prepared_posting_leaves_the_batchs_arrays_alone
     with own.lock:
         own.drop(0)
     assert list(own.lengths) == [0, 8, 8] and list(lengths) == [8, 8, 8]
+
+
+@pytest.mark.parametrize("kw", [{"length": 16.0}, {"local_offset": 1.0}, {"remote_offset": 8.0}, {"length": "16"}])
+def test_a_non_integer_offset_or_length_is_refused_before_anything_moves(kv: Any, kw: dict[str, Any]) -> None:
+    """A float that compares in bounds used to be posted and fail inside the transport."""
+    _, initiator, buf, remote = kv
+    src = initiator.register(bytearray(b"\x07" * 64), name="src")
+    buf[:64] = bytes(64)
+    for _ in range(2):  # the first request of the pair, then with its binding made
+        with pytest.raises(mpcomm.MpcommError, match="must be an integer"):
+            initiator.write(src, remote, **kw)
+        initiator.write(src, remote, 32, 8).result(10)
+    assert buf[:32] == bytes(32) and buf[32:40] == b"\x07" * 8
+
+
+def test_numpy_integers_are_offsets_and_lengths(kv: Any) -> None:
+    _, initiator, buf, remote = kv
+    src = initiator.register(bytearray(b"\x05" * 64), name="src")
+    initiator.write(src, remote, np.int64(8), np.int32(16), local_offset=np.uint8(4)).result(10)
+    assert buf[8:24] == b"\x05" * 16
