@@ -15,6 +15,11 @@ a bucket is one number, ``tat``; a note at ``now`` is admitted when
 is a bucket of R tokens refilling R a second, starting full. A bucket with
 ``tat <= now*R`` is full again (idle): it says nothing a fresh one would not.
 
+A bucket is keyed by the first :data:`KEY_BYTES` bytes of the sender's node id
+(UTF-8): the width of the tcp HELLO's id field, so the id a data connection
+proved and the one the control channel names meet in one bucket (engine node
+ids are 16 characters).
+
 At most ``max_senders`` buckets (``limits.max_notify_senders``) are held. A new
 sender that finds the table full makes it forget every idle bucket; if none is
 idle (every sender sent within the last second), its note is refused with a
@@ -30,9 +35,10 @@ from collections.abc import Callable
 
 from ..errors import BackPressureError
 
-__all__ = ["NS", "SenderRates", "admit", "idle"]
+__all__ = ["KEY_BYTES", "NS", "SenderRates", "admit", "idle"]
 
 NS = 1_000_000_000  # what one note costs, in units of ns x rate
+KEY_BYTES = 16  # of a node id, key its bucket (plugins/tcp/wire.py ident, _dataport.c SENDER_KEY_MAX)
 
 
 def admit(tat: int, now_ns: int, rate: int) -> int | None:
@@ -57,7 +63,7 @@ class SenderRates:
         self.rate = rate
         self.max_senders = max_senders
         self._clock = clock
-        self._tat: dict[str, int] = {}
+        self._tat: dict[bytes, int] = {}
         self._sweep_at = 0  # no bucket is idle before now*rate reaches this (<= every tat held)
         self._lock = threading.Lock()
 
@@ -68,9 +74,10 @@ class SenderRates:
         """Spend one of ``sender``'s tokens, or raise BackPressureError (over its rate, or too many
         senders at once). ``then`` (the queue taking the note) runs once the rate admits it, under
         this table's lock; if it raises, no token is spent."""
+        key = sender.encode("utf-8", "replace")[:KEY_BYTES]
         with self._lock:
             now = self._clock()
-            tat = self._tat.get(sender)
+            tat = self._tat.get(key)
             if tat is None:
                 tat = self._new_sender(now)
             after = admit(tat, now, self.rate)
@@ -78,10 +85,10 @@ class SenderRates:
                 raise BackPressureError(
                     f"more than {self.rate} notifications a second from this node (limits.notify_rate, one "
                     "budget per sender across all its connections); retry later")
-            self._tat[sender] = tat  # held from here on, spent or not (as the native table)
+            self._tat[key] = tat  # held from here on, spent or not (as the native table)
             if then is not None:
                 then()
-            self._tat[sender] = after
+            self._tat[key] = after
 
     def _new_sender(self, now: int) -> int:
         if len(self._tat) >= self.max_senders:

@@ -174,7 +174,10 @@ typedef struct Note {
  * its sender's last note. */
 typedef unsigned __int128 u128;
 #define NS_PER_S 1000000000ULL
-#define SENDER_KEY_MAX 512 /* bytes of a sender id that key its bucket (node ids: 128 characters) */
+/* A sender's bucket is keyed by the first 16 bytes of its node id: the width of the tcp HELLO's id
+ * field (wire.ident), so the id a data connection proved and the one the control channel names key
+ * the same bucket (engine node ids are 16 characters), and a bucket costs a few dozen bytes. */
+#define SENDER_KEY_MAX 16
 #define MAX_RATE 0xFFFFFFFFULL
 
 /* The bucket rule (senders.py admit): 1 and *tat advanced, or 0 (refused, *tat unchanged). */
@@ -199,7 +202,7 @@ typedef struct Sender {
     struct Sender *next; /* hash chain */
     u128 tat;
     size_t klen;
-    char key[]; /* the sender's node id (UTF-8, up to SENDER_KEY_MAX bytes) */
+    char key[]; /* the sender's node id (UTF-8, its first SENDER_KEY_MAX bytes) */
 } Sender;
 
 typedef struct {
@@ -1074,7 +1077,7 @@ typedef struct {
     int fd;
     char why[512]; /* how the connection ended, for the log */
     double quiet_until; /* no busy-polling before this time (spin_readable) */
-    char peer[SENDER_KEY_MAX]; /* the initiator's node id, as HELLO and authentication proved it */
+    char peer[64]; /* the initiator's node id, as HELLO and authentication proved it */
     size_t plen;
 } Ctx;
 
