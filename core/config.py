@@ -38,7 +38,8 @@
     frame_timeout_ms = 10000   # one frame must arrive whole once it started
     max_frame_bytes = 1048576  # largest control frame accepted
     max_notify_bytes = 65536   # largest notification payload accepted (<= 64 KiB)
-    notify_rate = 10000        # notifications per second per connection (burst as many)
+    notify_rate = 10000        # notifications per second per sender node id, all its connections (burst as many)
+    max_notify_senders = 4096  # senders' rate buckets held at once (idle ones are forgotten)
     max_queued_notifications = 16384     # notifications held for wait_notification()
     max_queued_notify_bytes = 16777216   # and their bytes
 
@@ -159,6 +160,7 @@ class LimitsSection:
     max_frame_bytes: int = 1 << 20
     max_notify_bytes: int = 64 << 10
     notify_rate: int = 10_000
+    max_notify_senders: int = 4096
     max_queued_notifications: int = 16384
     max_queued_notify_bytes: int = 16 << 20
 
@@ -230,6 +232,7 @@ RANGES: dict[tuple[str, str], tuple[int, int]] = {
     ("limits", "max_frame_bytes"): (4096, 64 << 20),
     ("limits", "max_notify_bytes"): (1, 64 << 10),
     ("limits", "notify_rate"): (1, 1 << 24),
+    ("limits", "max_notify_senders"): (1, 1 << 20),
     ("limits", "max_queued_notifications"): (1, 1 << 24),
     ("limits", "max_queued_notify_bytes"): (1, 1 << 36),
     ("health", "pause_after"): (1, 1000),

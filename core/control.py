@@ -145,22 +145,6 @@ class _RateLimitedLog:
             self.suppressed += 1
 
 
-class _TokenBucket:
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.tokens = rate
-        self.stamp = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return True
-        return False
-
-
 class NotificationQueue:
     """Received notifications held for ``wait_notification``, bounded in count and bytes.
 
@@ -452,7 +436,6 @@ class ControlServer:
 
     def _serve(self, c: _Conn) -> None:
         lim = self._limits
-        notify_bucket = _TokenBucket(lim.notify_rate)
         try:
             _tune(c.sock)
             peer = self._handshake(c)
@@ -467,7 +450,7 @@ class ControlServer:
                 rid = msg.get("id")
                 if rid is not None and (type(rid) is not int or not 0 <= rid < 1 << 63):
                     raise ProtocolError(f"request id must be a non-negative integer, not {str(rid)[:40]}")
-                reply = self._answer(peer, msg, notify_bucket)
+                reply = self._answer(peer, msg)
                 reply["id"] = rid
                 wire.send_json(sock, reply, time.monotonic() + lim.frame_timeout_ms / 1000)
         except (ProtocolError, AuthenticationError) as exc:
@@ -486,13 +469,13 @@ class ControlServer:
             except OSError:
                 pass
 
-    def _answer(self, peer: PeerInfo, msg: dict[str, Any], bucket: _TokenBucket) -> dict[str, Any]:
+    def _answer(self, peer: PeerInfo, msg: dict[str, Any]) -> dict[str, Any]:
         kind = msg.get("t")
         if kind == "keepalive":
             return {"t": "keepalive"}
         try:
             if kind == "notify":
-                self._check_notify(msg, bucket)
+                self._check_notify(msg)
             return self._handler(peer, msg)
         except MpcommError as exc:
             return {"t": "error", "code": exc.code, "message": str(exc)}
@@ -500,7 +483,9 @@ class ControlServer:
             log.exception("control handler failed for %s", str(kind)[:40])
             return {"t": "error", "code": "error", "message": f"internal error: {exc}"}
 
-    def _check_notify(self, msg: dict[str, Any], bucket: _TokenBucket) -> None:
+    def _check_notify(self, msg: dict[str, Any]) -> None:
+        """The size limit; limits.notify_rate is the notification queue's, per sender node id over
+        all its connections and paths (core/engine/senders.py), checked as the handler queues it."""
         lim = self._limits
         data = msg.get("data", "")
         if not isinstance(data, str):
@@ -508,9 +493,6 @@ class ControlServer:
         if len(data) > 2 * lim.max_notify_bytes:
             raise LimitError(f"notification of {len(data) // 2} bytes exceeds this node's limit of "
                              f"{lim.max_notify_bytes} (limits.max_notify_bytes)")
-        if not bucket.take():
-            raise BackPressureError(f"more than {lim.notify_rate} notifications a second on one connection "
-                                    "(limits.notify_rate); retry later")
 
     @property
     def connections(self) -> int:

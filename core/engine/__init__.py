@@ -160,7 +160,9 @@ class Engine:
         # Notifications after the data wait for the target's answer: on their own threads, so
         # a stopped peer's notifications never hold the workers transports copy with.
         self._notifier = ThreadPoolExecutor(cfg.runtime.worker_threads, thread_name_prefix="mpcomm-notify")
-        self._notifications = Notifications(cfg.limits.max_queued_notifications, cfg.limits.max_queued_notify_bytes)
+        lim = cfg.limits
+        self._notifications = Notifications(lim.max_queued_notifications, lim.max_queued_notify_bytes,
+                                            lim.notify_rate, lim.max_notify_senders)
         self.telemetry = Telemetry(cfg)
         self.telemetry.watch_health(self.node_id, self._health_snapshot)
         self._peers = PeerTable(
@@ -802,6 +804,8 @@ class Engine:
         C inline step (``"in use"``) or, and why not, only through the one Python path.
         ``notifications_awaiting_callbacks``: notifications queued by tcp's native
         data port whose ``on_notification`` callbacks have not run yet.
+        ``notification_senders``: senders whose ``limits.notify_rate`` bucket is
+        held now (at most ``limits.max_notify_senders``; idle ones are forgotten).
         """
         return {
             "requests_held": self._pipeline.slots.in_use,
@@ -809,6 +813,7 @@ class Engine:
             "queue_depth": self._pipeline.slots.capacity,
             "notifications_queued": len(self._notifications),
             "notifications_awaiting_callbacks": self._notifications.awaiting_callbacks(),
+            "notification_senders": self._notifications.senders(),
             "peers": len(self._peers.links()),
             "health": self._health_snapshot(),
         }

@@ -4,7 +4,11 @@ Bounded by policy (docs/security.md): at most ``limits.max_queued_notifications`
 notifications and ``limits.max_queued_notify_bytes`` bytes wait for
 ``wait_notification()``. When full, a new notification is **refused**: the
 sender's request fails with a retryable BackPressureError, so nothing is
-silently lost and a flooding peer costs a fixed amount of memory. Callbacks
+silently lost and a flooding peer costs a fixed amount of memory. A sender
+gets ``limits.notify_rate`` notifications a second into this queue in total,
+over all its connections and paths (one bucket per sender node id, at most
+``limits.max_notify_senders`` held: senders.py); over it, the same retryable
+BackPressureError. Callbacks
 registered with ``on_notification(..., consume=True)`` take notifications
 instead of the queue (a consumer that only uses callbacks never fills it).
 
@@ -30,6 +34,7 @@ from typing import Any
 
 from ..control import NotificationQueue
 from ..errors import BackPressureError
+from .senders import SenderRates
 
 __all__ = ["MAX_NOTIFY", "Notification", "Notifications"]
 
@@ -50,19 +55,67 @@ class Notification:
     data: bytes
 
 
+class _PyQueue:
+    """The Python queue: a :class:`NotificationQueue` and the senders' rate buckets (senders.py).
+
+    A note is admitted by its sender's rate first, then by the room, and the
+    token is spent only when both admit (as the native queue does)."""
+
+    def __init__(self, max_count: int, max_bytes: int, rate: int, max_senders: int) -> None:
+        self.q = NotificationQueue(max_count, max_bytes)
+        self.rates = SenderRates(rate, max_senders)
+
+    def put(self, note: Notification, size: int, rated: bool = True) -> None:
+        if rated:
+            self.rates.take(note.peer, lambda: self.q.put(note, size))
+        else:
+            self.q.put(note, size)
+
+    def reserve(self, peer: str, size: int) -> None:
+        self.rates.take(peer, lambda: self.q.reserve(size))
+
+    def take(self, peer: str) -> None:
+        self.rates.take(peer)
+
+    def put_reserved(self, note: Notification, size: int) -> None:
+        self.q.put_reserved(note, size)
+
+    def cancel(self, size: int) -> None:
+        self.q.cancel(size)
+
+    def get(self, timeout: float | None = None) -> Notification:
+        note: Notification = self.q.get(timeout)
+        return note
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def awaiting_callbacks(self) -> int:
+        return 0
+
+    def senders(self) -> int:
+        return len(self.rates)
+
+
 class _NativeQueue:
-    """:class:`NotificationQueue`'s interface over a native queue (``_dataport.c`` ``Notes``)."""
+    """:class:`_PyQueue`'s interface over a native queue (``_dataport.c`` ``Notes``, which holds the
+    senders' rate buckets itself, with the same rule)."""
 
     def __init__(self, notes: Any) -> None:
         self.notes = notes
 
-    def put(self, note: Notification, size: int) -> None:
-        refused = self.notes.put(note.peer, note.region, note.data, True)  # callbacks ran: settled
+    def put(self, note: Notification, size: int, rated: bool = True) -> None:
+        refused = self.notes.put(note.peer, note.region, note.data, True, rated)  # callbacks ran: settled
         if refused is not None:
             raise BackPressureError(refused)
 
-    def reserve(self, size: int) -> None:
-        refused = self.notes.reserve(size)
+    def reserve(self, peer: str, size: int) -> None:
+        refused = self.notes.reserve(size, peer)
+        if refused is not None:
+            raise BackPressureError(refused)
+
+    def take(self, peer: str) -> None:
+        refused = self.notes.take(peer)
         if refused is not None:
             raise BackPressureError(refused)
 
@@ -84,6 +137,9 @@ class _NativeQueue:
     def awaiting_callbacks(self) -> int:
         return int(self.notes.size()[2])
 
+    def senders(self) -> int:
+        return int(self.notes.senders())
+
 
 def _note(got: tuple[str, str, bytes]) -> Notification:
     peer, region, data = got
@@ -91,8 +147,8 @@ def _note(got: tuple[str, str, bytes]) -> Notification:
 
 
 class Notifications:
-    def __init__(self, max_count: int, max_bytes: int) -> None:
-        self._q: NotificationQueue | _NativeQueue = NotificationQueue(max_count, max_bytes)
+    def __init__(self, max_count: int, max_bytes: int, rate: int = 10_000, max_senders: int = 4096) -> None:
+        self._q: _PyQueue | _NativeQueue = _PyQueue(max_count, max_bytes, rate, max_senders)
         self._callbacks: list[tuple[Callable[[Notification], None], bool]] = []
         self._lock = threading.Lock()
         self._native: Any = None
@@ -104,14 +160,18 @@ class Notifications:
 
     def awaiting_callbacks(self) -> int:
         """Notifications queued whose callbacks have not run yet (natively delivered ones only)."""
-        q = self._q
-        return q.awaiting_callbacks() if isinstance(q, _NativeQueue) else 0
+        return self._q.awaiting_callbacks()
+
+    def senders(self) -> int:
+        """Senders' rate buckets held now (at most ``limits.max_notify_senders``)."""
+        return self._q.senders()
 
     def adopt(self, notes: Any) -> bool:
         """Make the native queue ``notes`` the one queue (False: one was adopted already).
 
         Called once the transports started, before the control channel
-        listens; anything queued before moves over in order.
+        listens; anything queued before moves over in order (no rate: it was
+        admitted). From then on the native queue's rate buckets count.
         """
         with self._lock:
             if self._native is not None or self._closed:
@@ -119,7 +179,7 @@ class Notifications:
             old, self._q = self._q, _NativeQueue(notes)
             self._native = notes
             while len(old):
-                self._q.put(old.get(0), 0)
+                self._q.put(old.get(0), 0, rated=False)
             if self._callbacks:
                 self._start_dispatcher()
         return True
@@ -131,10 +191,13 @@ class Notifications:
                 self._start_dispatcher()
 
     def deliver(self, note: Notification) -> None:
-        """The control channel's delivery: queue ``note`` (raises BackPressureError when full) and run
-        the callbacks, before the sender's ack."""
+        """The control channel's delivery: queue ``note`` (raises BackPressureError over its sender's
+        rate or when full) and run the callbacks, before the sender's ack. A note a callback consumes
+        is not queued, but its sender's rate counts it too."""
         callbacks = list(self._callbacks)
-        if not any(consume for _, consume in callbacks):
+        if any(consume for _, consume in callbacks):
+            self._q.take(note.peer)
+        else:
             self._q.put(note, len(note.data))
         _run(callbacks, note)
 
@@ -143,12 +206,15 @@ class Notifications:
     # (plugins/tcp/server.py _write_note): room first, so a full queue refuses the request
     # before a byte of its data lands; then the note after the data, or the room back.
 
-    def reserve(self, size: int) -> tuple[int, bool]:
-        """Hold room for a note of ``size`` bytes (BackPressureError when the queue is full). No room is
-        held while a callback consumes notes (they are not queued). Returns what commit/cancel take."""
+    def reserve(self, size: int, peer: str) -> tuple[int, bool]:
+        """Hold room for a note of ``size`` bytes from sender ``peer`` (BackPressureError over its rate
+        or when the queue is full). No room is held while a callback consumes notes (they are not
+        queued; the rate still counts them). Returns what commit/cancel take."""
         held = not any(consume for _, consume in self._callbacks)
         if held:
-            self._q.reserve(size)
+            self._q.reserve(peer, size)
+        else:
+            self._q.take(peer)
         return size, held
 
     def commit(self, held: tuple[int, bool], peer: str, region: str, data: bytes) -> None:

@@ -17,6 +17,7 @@ answers one command per stdin line with one stdout line:
   kept, so ``sha NAME ...`` still hashes it (revocation checks: nothing may land there);
 * ``register NAME`` → registers a new region named NAME over the memory kept by
   ``unregister NAME``; ``ok``;
+* ``stats`` → JSON of ``engine.stats()``;
 * ``quit``.
 
 Notifications whose payload is JSON ``{"off":, "len":, "sha":}`` are checked
@@ -140,7 +141,10 @@ def main(argv: list[str]) -> int:
             time.sleep(0.001)
         return json.dumps(notes)
 
-    serve_commands({"sha": sha, "fill": fill, "zero": zero, "notes": settled_notes,
+    def stats() -> str:
+        return json.dumps(engine.stats(), default=str)
+
+    serve_commands({"sha": sha, "fill": fill, "zero": zero, "notes": settled_notes, "stats": stats,
                     "unregister": unregister, "register": register}, out)
     engine.close()
     return 0

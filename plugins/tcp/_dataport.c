@@ -34,7 +34,7 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#define DP_ABI 2
+#define DP_ABI 3
 int mpcomm_dataport_abi(void) { return DP_ABI; }
 
 #ifdef MP_PYMODULE
@@ -157,6 +157,54 @@ typedef struct Note {
     unsigned char *data;
 } Note;
 
+/* ---- the notification rate: one token bucket per sender (core/engine/senders.py) -----------
+ *
+ * limits.notify_rate holds per sender node id, whichever connection or path its notes take
+ * (NOTIFY frames, notes carried on WRITE frames, the control channel): the buckets live in the
+ * queue, keyed by the sender. The rule is GCRA on integers, exact and the same as senders.py's
+ * admit/idle: with R = rate, time in units of ns x R and a note costing 10^9 of them, a sender's
+ * bucket is one number, tat (its "theoretical arrival time"); a note at now is admitted when
+ * tat <= now*R + (R-1)*10^9 and then tat = max(tat, now*R) + 10^9. That is a bucket of R tokens
+ * refilling R a second, starting full. The products are 128-bit: now < 2^64 and R < 2^32 keep
+ * every value below 2^97, so nothing wraps. A bucket with tat <= now*R is full again (idle): it
+ * says nothing a fresh one would not, so it may be forgotten. The table holds at most
+ * max_senders buckets (limits.max_notify_senders); when a new sender finds it full, the idle
+ * buckets are evicted, and if none is idle the note is refused (retryable): a hostile peer
+ * inventing node ids holds at most max_senders buckets, and each is idle within a second of
+ * its sender's last note. */
+typedef unsigned __int128 u128;
+#define NS_PER_S 1000000000ULL
+/* A sender's bucket is keyed by the first 16 bytes of its node id: the width of the tcp HELLO's id
+ * field (wire.ident), so the id a data connection proved and the one the control channel names key
+ * the same bucket (engine node ids are 16 characters), and a bucket costs a few dozen bytes. */
+#define SENDER_KEY_MAX 16
+#define MAX_RATE 0xFFFFFFFFULL
+
+/* The bucket rule (senders.py admit): 1 and *tat advanced, or 0 (refused, *tat unchanged). */
+static int rate_admit(u128 *tat, uint64_t now_ns, uint64_t rate) {
+    u128 v = (u128)now_ns * rate;
+    if (*tat > v + (u128)(rate - 1) * NS_PER_S)
+        return 0;
+    *tat = (*tat > v ? *tat : v) + NS_PER_S;
+    return 1;
+}
+
+/* senders.py idle: the bucket is full again. */
+static int rate_idle(u128 tat, uint64_t now_ns, uint64_t rate) { return tat <= (u128)now_ns * rate; }
+
+static uint64_t mono_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * NS_PER_S + (uint64_t)t.tv_nsec;
+}
+
+typedef struct Sender {
+    struct Sender *next; /* hash chain */
+    u128 tat;
+    size_t klen;
+    char key[]; /* the sender's node id (UTF-8, its first SENDER_KEY_MAX bytes) */
+} Sender;
+
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
@@ -166,17 +214,115 @@ typedef struct {
     int callbacks; /* native deliveries wait for the callbacks (PENDING) */
     int closed; /* no more dispatching: PENDING notes were made READY */
     int ready;
+    /* the senders' rate buckets (rate 0: no rate, no table) */
+    uint64_t rate, max_senders, nsenders, seed;
+    Sender **stab;
+    size_t nstab; /* a power of two */
+    u128 sweep_at; /* no bucket is idle before now*rate reaches this (<= every tat in the table) */
 } Notes;
+
+static uint64_t key_hash(uint64_t seed, const char *key, size_t klen) {
+    uint64_t h = seed ^ 0xcbf29ce484222325ULL; /* FNV-1a from a per-queue seed */
+    for (size_t i = 0; i < klen; i++) {
+        h ^= (unsigned char)key[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h ^ (h >> 29);
+}
+
+/* Forget every idle bucket (mutex held), unless none can be idle yet; sweep_at becomes the
+ * smallest tat left. */
+static void senders_sweep_locked(Notes *q, uint64_t now) {
+    if ((u128)now * q->rate < q->sweep_at)
+        return;
+    u128 next = ~(u128)0;
+    for (size_t i = 0; i < q->nstab; i++) {
+        for (Sender **pp = &q->stab[i]; *pp;) {
+            Sender *s = *pp;
+            if (rate_idle(s->tat, now, q->rate)) {
+                *pp = s->next;
+                free(s);
+                q->nsenders--;
+            } else {
+                if (s->tat < next)
+                    next = s->tat;
+                pp = &s->next;
+            }
+        }
+    }
+    q->sweep_at = next;
+}
+
+/* The bucket of sender key (mutex held), made if new; NULL with msg set when the table is full
+ * of senders that are not idle (or out of memory). */
+static Sender *sender_locked(Notes *q, const char *key, size_t klen, uint64_t now, char *msg, size_t msz) {
+    if (klen > SENDER_KEY_MAX)
+        klen = SENDER_KEY_MAX;
+    Sender **slot = &q->stab[key_hash(q->seed, key, klen) & (q->nstab - 1)];
+    for (Sender *s = *slot; s; s = s->next)
+        if (s->klen == klen && !memcmp(s->key, key, klen))
+            return s;
+    if (q->nsenders >= q->max_senders)
+        senders_sweep_locked(q, now);
+    Sender *s = q->nsenders < q->max_senders ? malloc(sizeof *s + klen) : NULL;
+    if (!s) {
+        snprintf(msg, msz,
+                 "too many notification senders at once (%llu sent within the last second; "
+                 "limits.max_notify_senders=%llu); retry later",
+                 (unsigned long long)q->nsenders, (unsigned long long)q->max_senders);
+        return NULL;
+    }
+    s->tat = 0;
+    s->klen = klen;
+    memcpy(s->key, key, klen);
+    s->next = *slot;
+    *slot = s;
+    q->nsenders++;
+    q->sweep_at = 0; /* tat 0 is below every other: sweep_at stays <= every tat */
+    return s;
+}
+
+/* Whether sender key may have a note now (mutex held): 0 with *s its bucket and *tat the bucket
+ * once the token is spent (the caller stores it when the note is taken: s->tat = tat, under the
+ * same hold of the mutex), or E_BACKPRESSURE with msg set. No rate: 0 and *s NULL. */
+static int rate_check_locked(Notes *q, const char *key, size_t klen, Sender **s, u128 *tat, char *msg,
+                             size_t msz) {
+    *s = NULL;
+    if (!q->rate)
+        return 0;
+    uint64_t now = mono_ns();
+    Sender *b = sender_locked(q, key, klen, now, msg, msz);
+    if (!b)
+        return E_BACKPRESSURE;
+    *tat = b->tat;
+    if (!rate_admit(tat, now, q->rate)) {
+        snprintf(msg, msz,
+                 "more than %llu notifications a second from this node (limits.notify_rate, one budget per sender "
+                 "across all its connections); retry later",
+                 (unsigned long long)q->rate);
+        return E_BACKPRESSURE;
+    }
+    *s = b;
+    return 0;
+}
 
 static PyTypeObject NotesType;
 
-/* Hold room for one note of dlen bytes, or refuse: 0 or E_BACKPRESSURE (msg set). The room counts
+/* Hold room for one note of dlen bytes from sender peer, or refuse: 0 or E_BACKPRESSURE (msg set).
+ * peer NULL: no rate applies (a note moved between queues). The sender's rate is checked first,
+ * then the room, under one hold of the mutex, and the token is spent only when both admit. The room counts
  * against the limits at once (count and bytes), so a note whose data must land first (a WRITE
  * frame carrying its notification, wire.py) is refused before anything is written; it is then
  * either committed (notes_commit) or given back (notes_cancel). The limits are checked on
  * unsigned values without a sum that can wrap. */
-static int notes_reserve(Notes *q, size_t dlen, char *msg, size_t msz) {
+static int notes_reserve(Notes *q, const char *peer, size_t plen, size_t dlen, char *msg, size_t msz) {
     pthread_mutex_lock(&q->mu);
+    Sender *s = NULL;
+    u128 tat = 0;
+    if (peer && rate_check_locked(q, peer, plen, &s, &tat, msg, msz)) {
+        pthread_mutex_unlock(&q->mu);
+        return E_BACKPRESSURE;
+    }
     if (q->count >= q->max_count || dlen > q->max_bytes || q->bytes > q->max_bytes - dlen) {
         snprintf(msg, msz,
                  "notification queue full (%llu notifications, %llu bytes; limits.max_queued_notifications=%llu, "
@@ -186,6 +332,8 @@ static int notes_reserve(Notes *q, size_t dlen, char *msg, size_t msz) {
         pthread_mutex_unlock(&q->mu);
         return E_BACKPRESSURE;
     }
+    if (s)
+        s->tat = tat; /* a token is spent only on a note the queue takes */
     q->count++;
     q->bytes += dlen;
     pthread_mutex_unlock(&q->mu);
@@ -234,12 +382,13 @@ static int notes_commit(Notes *q, const char *peer, size_t plen, const char *reg
     return 0;
 }
 
-/* Queue a copy of the note, or refuse: 0, E_BACKPRESSURE (msg set), or -1 (out of memory). */
+/* Queue a copy of the note, or refuse: 0, E_BACKPRESSURE (msg set), or -1 (out of memory). rated:
+ * the sender's rate applies (notes_reserve). */
 static int notes_put(Notes *q, const char *peer, size_t plen, const char *region, size_t rlen,
-                     const unsigned char *data, size_t dlen, int settled, char *msg, size_t msz) {
+                     const unsigned char *data, size_t dlen, int settled, int rated, char *msg, size_t msz) {
     if (plen > 4096 || rlen > 4096 || dlen > MAX_NOTIFY)
         return -1;
-    int rc = notes_reserve(q, dlen, msg, msz);
+    int rc = notes_reserve(q, rated ? peer : NULL, plen, dlen, msg, msz);
     if (rc)
         return rc;
     return notes_commit(q, peer, plen, region, rlen, data, dlen, settled);
@@ -350,14 +499,32 @@ static PyObject *note_tuple(const Note *n) {
 }
 
 static int Notes_init(Notes *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"max_count", "max_bytes", NULL};
-    unsigned long long mc, mb;
+    static char *names[] = {"max_count", "max_bytes", "rate", "max_senders", NULL};
+    unsigned long long mc, mb, rate = 0, max_senders = 4096;
     if (self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "Notes is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KK", names, &mc, &mb))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KK|KK", names, &mc, &mb, &rate, &max_senders))
         return -1;
+    if (rate > MAX_RATE || max_senders < 1 || max_senders > (1ULL << 24)) {
+        PyErr_SetString(PyExc_ValueError, "rate must be below 2**32 and max_senders within [1, 2**24]");
+        return -1;
+    }
+    if (rate) { /* rate 0: no rate (a queue alone, in tests) */
+        size_t n = 16;
+        while (n < max_senders && n < (1u << 16))
+            n *= 2;
+        self->stab = calloc(n, sizeof(Sender *));
+        if (!self->stab) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->nstab = n;
+        self->rate = rate;
+        self->max_senders = max_senders;
+        self->seed = mono_ns() ^ ((uint64_t)(uintptr_t)self * 0x9E3779B97F4A7C15ULL) ^ (uint64_t)(wall() * 1e6);
+    }
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -376,20 +543,22 @@ static int notes_ready(Notes *q) {
     return q->ready;
 }
 
-/* put(peer, region, data, settled) -> None, or the refusal's message when the queue is full. */
+/* put(peer, region, data, settled, rated=True) -> None, or the refusal's message (over the sender's
+ * rate, queue full). rated=False: no rate (a note moved here from another queue). */
 static PyObject *Notes_put(Notes *q, PyObject *args) {
     const char *peer, *region;
     Py_ssize_t plen, rlen;
     Py_buffer data;
-    int settled;
-    if (!notes_ready(q) || !PyArg_ParseTuple(args, "s#s#y*p", &peer, &plen, &region, &rlen, &data, &settled))
+    int settled, rated = 1;
+    if (!notes_ready(q) ||
+        !PyArg_ParseTuple(args, "s#s#y*p|p", &peer, &plen, &region, &rlen, &data, &settled, &rated))
         return NULL;
     char msg[512];
     int rc = -1;
     if (plen <= 4096 && rlen <= 4096 && data.len <= MAX_NOTIFY) {
         Py_BEGIN_ALLOW_THREADS
-        rc = notes_put(q, peer, (size_t)plen, region, (size_t)rlen, data.buf, (size_t)data.len, settled, msg,
-                       sizeof msg);
+        rc = notes_put(q, peer, (size_t)plen, region, (size_t)rlen, data.buf, (size_t)data.len, settled, rated,
+                       msg, sizeof msg);
         Py_END_ALLOW_THREADS
     } else {
         PyBuffer_Release(&data);
@@ -404,20 +573,60 @@ static PyObject *Notes_put(Notes *q, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* reserve(size) -> None, or the refusal's message when the queue has no room for a note of size
- * bytes (then nothing is held). The room is held until commit() or cancel(). */
-static PyObject *Notes_reserve(Notes *q, PyObject *arg) {
-    Py_ssize_t size = PyLong_AsSsize_t(arg);
-    if (!notes_ready(q) || (size == -1 && PyErr_Occurred()))
+/* reserve(size, peer=None) -> None, or the refusal's message when sender peer is over its rate or
+ * the queue has no room for a note of size bytes (then nothing is held). peer None: no rate. The
+ * room is held until commit() or cancel(). */
+static PyObject *Notes_reserve(Notes *q, PyObject *args) {
+    Py_ssize_t size, plen = 0;
+    const char *peer = NULL;
+    if (!notes_ready(q) || !PyArg_ParseTuple(args, "n|z#", &size, &peer, &plen))
         return NULL;
     if (size < 0 || size > MAX_NOTIFY) {
         PyErr_SetString(PyExc_ValueError, "notification too large for the queue");
         return NULL;
     }
     char msg[512];
-    if (notes_reserve(q, (size_t)size, msg, sizeof msg))
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = notes_reserve(q, peer, (size_t)plen, (size_t)size, msg, sizeof msg);
+    Py_END_ALLOW_THREADS
+    if (rc)
         return PyUnicode_FromString(msg);
     Py_RETURN_NONE;
+}
+
+/* take(peer) -> None, or the refusal's message: spend one of sender peer's tokens for a note that is
+ * not queued (an on_notification callback consumes it). */
+static PyObject *Notes_take(Notes *q, PyObject *args) {
+    const char *peer;
+    Py_ssize_t plen;
+    if (!notes_ready(q) || !PyArg_ParseTuple(args, "s#", &peer, &plen))
+        return NULL;
+    char msg[512];
+    Sender *s;
+    u128 tat = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&q->mu);
+    rc = rate_check_locked(q, peer, (size_t)plen, &s, &tat, msg, sizeof msg);
+    if (s)
+        s->tat = tat;
+    pthread_mutex_unlock(&q->mu);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return PyUnicode_FromString(msg);
+    Py_RETURN_NONE;
+}
+
+/* senders() -> the rate buckets held now (at most max_senders). */
+static PyObject *Notes_senders(Notes *q, PyObject *unused) {
+    (void)unused;
+    if (!notes_ready(q))
+        return NULL;
+    pthread_mutex_lock(&q->mu);
+    unsigned long long n = q->nsenders;
+    pthread_mutex_unlock(&q->mu);
+    return PyLong_FromUnsignedLongLong(n);
 }
 
 /* commit(peer, region, data, settled): queue a note into the room reserve(len(data)) held. */
@@ -568,6 +777,14 @@ static void Notes_dealloc(Notes *self) {
             free(n);
             n = nx;
         }
+        for (size_t i = 0; i < self->nstab; i++) {
+            for (Sender *s = self->stab[i]; s;) {
+                Sender *nx = s->next;
+                free(s);
+                s = nx;
+            }
+        }
+        free(self->stab);
         pthread_mutex_destroy(&self->mu);
         pthread_cond_destroy(&self->cv);
     }
@@ -576,9 +793,13 @@ static void Notes_dealloc(Notes *self) {
 
 static PyMethodDef Notes_methods[] = {
     {"put", (PyCFunction)Notes_put, METH_VARARGS,
-     "put(peer, region, data, settled) -> None | str: queue a note, or the refusal's message when full"},
-    {"reserve", (PyCFunction)Notes_reserve, METH_O,
-     "reserve(size) -> None | str: hold room for one note, or the refusal's message when full"},
+     "put(peer, region, data, settled, rated=True) -> None | str: queue a note, or the refusal's message "
+     "(over the sender's rate, full)"},
+    {"reserve", (PyCFunction)Notes_reserve, METH_VARARGS,
+     "reserve(size, peer=None) -> None | str: hold room for one note, or the refusal's message"},
+    {"take", (PyCFunction)Notes_take, METH_VARARGS,
+     "take(peer) -> None | str: spend one of the sender's tokens for a note that is not queued"},
+    {"senders", (PyCFunction)Notes_senders, METH_NOARGS, "senders() -> rate buckets held now"},
     {"commit", (PyCFunction)Notes_commit, METH_VARARGS,
      "commit(peer, region, data, settled): queue a note into the room reserve(len(data)) held"},
     {"cancel", (PyCFunction)Notes_cancel, METH_O, "cancel(size): give back the room reserve(size) held"},
@@ -637,8 +858,7 @@ typedef struct {
     uint64_t chunk;
     long long busy_ns;
     Notes *notes; /* the engine's notification queue (a reference), or NULL: no NOTIFY frames */
-    uint64_t max_note; /* limits.max_notify_bytes */
-    double notify_rate; /* limits.notify_rate, per connection */
+    uint64_t max_note; /* limits.max_notify_bytes (limits.notify_rate is the queue's, per sender) */
     int closed;
     int ready;
 } Port;
@@ -859,7 +1079,6 @@ typedef struct {
     double quiet_until; /* no busy-polling before this time (spin_readable) */
     char peer[64]; /* the initiator's node id, as HELLO and authentication proved it */
     size_t plen;
-    double tokens, stamp; /* the connection's notification rate bucket (control.py _TokenBucket) */
 } Ctx;
 
 static int fail(Ctx *x, int kind, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -1200,7 +1419,8 @@ out:
  * hostile length closes the connection instead of being drained. The sender is the node id the
  * connection's HELLO and authentication proved, never a field of the frame. The notification goes
  * into the engine's queue without the GIL; the reply (OK, or the refusal: over the node's
- * max_notify_bytes, over notify_rate, queue full, past the deadline) is sent at once: on_notification
+ * max_notify_bytes, over the sender's notify_rate (the queue's bucket for this node id, shared by
+ * all its connections), queue full, past the deadline) is sent at once: on_notification
  * callbacks run later, on the engine's callback thread. */
 static int do_notify(Ctx *x, uint64_t req_id, uint32_t rlen, uint64_t dlen, double end) {
     Port *p = x->p;
@@ -1222,12 +1442,7 @@ static int do_notify(Ctx *x, uint64_t req_id, uint32_t rlen, uint64_t dlen, doub
     }
     char msg[512];
     int code;
-    double now = mono();
-    x->tokens += (now - x->stamp) * p->notify_rate;
-    if (x->tokens > p->notify_rate)
-        x->tokens = p->notify_rate;
-    x->stamp = now;
-    if (now >= end) {
+    if (mono() >= end) {
         snprintf(msg, sizeof msg, "notification arrived after its deadline; it was not delivered");
         code = E_TIMEOUT;
     } else if (dlen > p->max_note) {
@@ -1235,14 +1450,8 @@ static int do_notify(Ctx *x, uint64_t req_id, uint32_t rlen, uint64_t dlen, doub
                  "notification of %llu bytes exceeds this node's limit of %llu (limits.max_notify_bytes)",
                  (unsigned long long)dlen, (unsigned long long)p->max_note);
         code = E_LIMIT;
-    } else if (x->tokens < 1) {
-        snprintf(msg, sizeof msg,
-                 "more than %.0f notifications a second on one connection (limits.notify_rate); retry later",
-                 p->notify_rate);
-        code = E_BACKPRESSURE;
     } else {
-        x->tokens -= 1;
-        code = notes_put(p->notes, x->peer, x->plen, (const char *)buf, rlen, buf + rlen, (size_t)dlen, 0, msg,
+        code = notes_put(p->notes, x->peer, x->plen, (const char *)buf, rlen, buf + rlen, (size_t)dlen, 0, 1, msg,
                          sizeof msg);
     }
     free(buf);
@@ -1254,29 +1463,16 @@ static int do_notify(Ctx *x, uint64_t req_id, uint32_t rlen, uint64_t dlen, doub
 }
 
 /* The notification checks of note_admit, in server.py's order: over the node's max_notify_bytes,
- * over the connection's notify_rate, then room in the queue (held: notes_reserve). 0 with the room
- * held, else the refusal's code with msg set (nothing held). */
+ * then the sender's notify_rate and room in the queue (notes_reserve: the room stays held). 0 with
+ * the room held, else the refusal's code with msg set (nothing held). */
 static int note_admit(Ctx *x, uint64_t dlen, char *msg, size_t msz) {
     Port *p = x->p;
-    double now = mono();
-    x->tokens += (now - x->stamp) * p->notify_rate;
-    if (x->tokens > p->notify_rate)
-        x->tokens = p->notify_rate;
-    x->stamp = now;
     if (dlen > p->max_note) {
         snprintf(msg, msz, "notification of %llu bytes exceeds this node's limit of %llu (limits.max_notify_bytes)",
                  (unsigned long long)dlen, (unsigned long long)p->max_note);
         return E_LIMIT;
     }
-    if (x->tokens < 1) {
-        snprintf(msg, msz, "more than %.0f notifications a second on one connection (limits.notify_rate); retry later",
-                 p->notify_rate);
-        return E_BACKPRESSURE;
-    }
-    int code = notes_reserve(p->notes, (size_t)dlen, msg, msz);
-    if (!code)
-        x->tokens -= 1;
-    return code;
+    return notes_reserve(p->notes, x->peer, x->plen, (size_t)dlen, msg, msz);
 }
 
 /* A WRITE frame that carries its notification (FLAG_NOTE, wire.py): after the header the note's
@@ -1504,10 +1700,9 @@ static int one(Ctx *x, int first) {
 /* ---- the Python object ----------------------------------------------------------------------- */
 static int Port_init(Port *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"epoch", "epoch_ok", "idle_ms", "max_request_ms", "grace_ms", "handshake_ms",
-                            "max_batch", "chunk", "busy_ns", "notes", "max_note", "notify_rate", NULL};
+                            "max_batch", "chunk", "busy_ns", "notes", "max_note", NULL};
     PyObject *notes = Py_None;
     unsigned long long max_note = MAX_NOTIFY;
-    double notify_rate = 10000;
     unsigned long long epoch, chunk;
     int epoch_ok;
     double idle, maxr, grace, hs;
@@ -1517,15 +1712,11 @@ static int Port_init(Port *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "Port is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KpddddIKL|OKd", names, &epoch, &epoch_ok, &idle, &maxr, &grace,
-                                     &hs, &max_batch, &chunk, &busy, &notes, &max_note, &notify_rate))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KpddddIKL|OK", names, &epoch, &epoch_ok, &idle, &maxr, &grace,
+                                     &hs, &max_batch, &chunk, &busy, &notes, &max_note))
         return -1;
     if (notes != Py_None && !PyObject_TypeCheck(notes, &NotesType)) {
         PyErr_SetString(PyExc_TypeError, "notes must be a Notes queue or None");
-        return -1;
-    }
-    if (!(notify_rate > 0)) {
-        PyErr_SetString(PyExc_ValueError, "notify_rate must be positive");
         return -1;
     }
     if (chunk == 0 || max_batch == 0) {
@@ -1555,7 +1746,6 @@ static int Port_init(Port *self, PyObject *args, PyObject *kw) {
         self->notes = (Notes *)notes;
     }
     self->max_note = max_note < MAX_NOTIFY ? max_note : MAX_NOTIFY;
-    self->notify_rate = notify_rate;
     self->ready = 1;
     return 0;
 }
@@ -1717,8 +1907,6 @@ static PyObject *Port_run(Port *self, PyObject *args) {
     x.quiet_until = 0;
     x.plen = (size_t)plen < sizeof x.peer ? (size_t)plen : sizeof x.peer;
     memcpy(x.peer, peer, x.plen);
-    x.tokens = self->notify_rate; /* a burst of notify_rate, as the control channel's bucket */
-    x.stamp = mono();
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mu);
@@ -1847,7 +2035,46 @@ static PyObject *parse_head(PyObject *m, PyObject *args) {
                          (unsigned long long)q.off, (unsigned long long)q.n, q.left, q.flags);
 }
 
+/* rate_trace(rate, times) -> [(admitted, idle), ...]: one sender's bucket (rate_admit, rate_idle)
+ * offered a note at each of times (ns, any order), from a fresh bucket, for tests to compare with
+ * senders.py's rule. */
+static PyObject *rate_trace(PyObject *mod, PyObject *args) {
+    (void)mod;
+    unsigned long long rate;
+    PyObject *times;
+    if (!PyArg_ParseTuple(args, "KO", &rate, &times))
+        return NULL;
+    if (rate < 1 || rate > MAX_RATE) {
+        PyErr_SetString(PyExc_ValueError, "rate must be within [1, 2**32)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(times, "times must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    u128 tat = 0;
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        unsigned long long now = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (now == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_CLEAR(out);
+            break;
+        }
+        int ok = rate_admit(&tat, now, rate);
+        PyObject *t = Py_BuildValue("(OO)", ok ? Py_True : Py_False, rate_idle(tat, now, rate) ? Py_True : Py_False);
+        if (!t) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
+    {"rate_trace", rate_trace, METH_VARARGS,
+     "rate_trace(rate, times) -> [(admitted, idle)]: one sender's notification bucket, for tests"},
     {"set_spin_limit", set_spin_limit, METH_O, "How many connections may busy-poll at once."},
     {"parse_head", parse_head, METH_VARARGS,
      "parse_head(header, now, max_request_s) -> the decoded header; ValueError where the loop closes"},

@@ -43,7 +43,7 @@ from . import busypoll
 
 log = logging.getLogger("mpcomm.transport.tcp")
 
-ABI = 2
+ABI = 3
 MODULE = "mpcomm.plugins.tcp._mpcomm_dataport"
 
 #: The native loop busy-polls (``busy_poll_us``) only where the process may run on this many CPUs.
@@ -96,16 +96,17 @@ class NativePort:
             busy = 0
         self.grace = ctx.config.runtime.abort_grace_ms / 1000
         lim = ctx.config.limits
-        #: The engine's notification queue once it adopts it (bounded as ``[limits]`` says).
+        #: The engine's notification queue once it adopts it (bounded as ``[limits]`` says), with
+        #: the senders' notify_rate buckets: one per sender node id, whatever connection it uses.
         self.notes = module.Notes(max_count=int(lim.max_queued_notifications),
-                                  max_bytes=int(lim.max_queued_notify_bytes))
+                                  max_bytes=int(lim.max_queued_notify_bytes), rate=int(lim.notify_rate),
+                                  max_senders=int(lim.max_notify_senders))
         self._port = module.Port(epoch=int(epoch, 16) if ok else 0, epoch_ok=ok,
                                  idle_ms=float(o["idle_timeout_ms"]), max_request_ms=float(o["max_request_ms"]),
                                  grace_ms=float(ctx.config.runtime.abort_grace_ms),
                                  handshake_ms=float(ctx.config.transport.handshake_timeout_ms),
                                  max_batch=int(o["max_batch"]), chunk=int(o["chunk"]), busy_ns=busy,
-                                 notes=self.notes, max_note=int(lim.max_notify_bytes),
-                                 notify_rate=float(lim.notify_rate))
+                                 notes=self.notes, max_note=int(lim.max_notify_bytes))
         self.END_CLOSED, self.END_PROTOCOL, self.END_ERROR = module.END_CLOSED, module.END_PROTOCOL, module.END_ERROR
         # Ids in the table: unregister of a buffer never published (one request's ephemeral
         # registration) then costs no call that releases and retakes the GIL.

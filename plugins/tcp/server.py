@@ -42,7 +42,7 @@ from array import array
 from typing import Any
 
 from mpcomm.auth import server_authenticate
-from mpcomm.errors import (BackPressureError, LimitError, MpcommError, OutOfBoundsError, PeerConnectionError,
+from mpcomm.errors import (LimitError, MpcommError, OutOfBoundsError, PeerConnectionError,
                            ProtocolError, TransferTimeout)
 from mpcomm.peer import format_endpoint
 from mpcomm.transport_kit import recv_into_by, recv_some_by, sendmsg_by
@@ -135,8 +135,8 @@ class Server:
         self.notes = getattr(ctx, "notifications", None)
         lim = ctx.config.limits
         self.max_note = min(int(lim.max_notify_bytes), wire.MAX_NOTIFY)
-        self.notify_rate = float(lim.notify_rate)
-        # Each connection runs on its own thread: its sender id and its notify_rate bucket.
+        # Each connection runs on its own thread: its sender id (limits.notify_rate is the queue's,
+        # one bucket per sender over all its connections).
         self._conn = threading.local()
 
     # -- one connection --------------------------------------------------------------
@@ -149,7 +149,7 @@ class Server:
                 sock = handshake(sock, self.tls, server_side=True, what=peer,
                                  deadline=time.monotonic() + self.handshake_time)  # type: ignore[assignment]
             who = self._hello(sock)
-            self._conn.who, self._conn.tokens, self._conn.stamp = who, self.notify_rate, time.monotonic()
+            self._conn.who = who
             peer = f"{who} at {peer}"
             if self.native is not None:
                 self._serve_native(sock, peer, who)
@@ -347,21 +347,13 @@ class Server:
 
     def _note_admit(self, note_len: int) -> Any:
         """Admit a carried note, in _dataport.c note_admit's order: limits.max_notify_bytes
-        (LimitError), the connection's limits.notify_rate (BackPressureError), room in the queue
-        (BackPressureError). Returns the queue's reservation (the room, held)."""
-        c = self._conn
-        now = time.monotonic()
-        c.tokens = min(c.tokens + (now - c.stamp) * self.notify_rate, self.notify_rate)
-        c.stamp = now
+        (LimitError), then the sender's limits.notify_rate (its bucket in the queue, shared by all
+        its connections) and room in the queue (BackPressureError). Returns the queue's reservation
+        (the room, held)."""
         if note_len > self.max_note:
             raise LimitError(f"notification of {note_len} bytes exceeds this node's limit of {self.max_note} "
                              "(limits.max_notify_bytes)")
-        if c.tokens < 1:
-            raise BackPressureError(f"more than {self.notify_rate:.0f} notifications a second on one connection "
-                                    "(limits.notify_rate); retry later")
-        held = self.notes.reserve(note_len)  # raises BackPressureError when the queue is full
-        c.tokens -= 1
-        return held
+        return self.notes.reserve(note_len, self._conn.who)
 
     def _recv_region(self, sock: socket.socket, dest: memoryview, end: float) -> int:
         """Receive into ``dest`` until full or ``end``; returns the bytes received."""

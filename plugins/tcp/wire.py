@@ -18,7 +18,7 @@ that names its request id.
            advertised as ``"write_note"``): ``count`` is the bytes of the region name the note
            names (at most MAX_NOTE_REGION), then NOTE_LEN (the note's bytes, at most MAX_NOTIFY),
            the name (UTF-8), the note, and only then the ``length`` payload bytes. The target
-           checks the region and the note (limits.max_notify_bytes, notify_rate, room in its
+           checks the region and the note (limits.max_notify_bytes, the sender's notify_rate, room in its
            notification queue, which it holds) before a payload byte lands: any refusal drains the
            payload and answers ERR with the region untouched and no note queued. Else the payload
            lands, the note is queued after it, and one OK answers both. A ``count`` or NOTE_LEN

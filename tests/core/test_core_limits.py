@@ -70,7 +70,7 @@ def test_notification_size_limit_is_configurable(limited: Any) -> None:
         e.notify(remote, b"x" * 100)
 
 
-def test_notification_rate_is_bounded_per_connection(limited: Any) -> None:
+def test_notification_rate_is_bounded_per_sender(limited: Any) -> None:
     target = limited(notify_rate=5)
     codes: list[str] = []
     with RawPeer(target.address) as p:
@@ -85,6 +85,26 @@ def test_notification_rate_is_bounded_per_connection(limited: Any) -> None:
     with RawPeer(target.address) as p:
         p.join()
         assert p.request({"t": "notify", "region": "kv", "data": "00"})["t"] == "ok"
+
+
+def test_notification_rate_is_shared_by_a_senders_control_connections(limited: Any) -> None:
+    """Two control connections of one node id share its bucket; a bucket per connection gave twice
+    the rate. Another node id has its own."""
+    target = limited(notify_rate=5)
+    info = fake_info()
+    codes: list[str] = []
+    with RawPeer(target.address) as p, RawPeer(target.address) as q:
+        p.join(info=info)
+        q.join(info=info)
+        start = time.monotonic()
+        for i in range(12):
+            for peer in (p, q):
+                codes.append(peer.request({"t": "notify", "region": "kv", "data": "00"}, rid=i + 1)["t"])
+        took = time.monotonic() - start
+        with RawPeer(target.address) as other:
+            other.join()
+            assert other.request({"t": "notify", "region": "kv", "data": "00"})["t"] == "ok"
+    assert 5 <= codes.count("ok") <= 5 + int(took * 5) + 1, (codes, took)
 
 
 def test_notification_queue_is_bounded_and_refuses_when_full() -> None:

@@ -54,18 +54,18 @@ class Target(TargetProcess):
             link.close()
 
     def raw(self, *, secret: str | None = None, source: str | None = None, hello: bool = True,
-            timeout: float = 5) -> socket.socket:
-        """A data connection, HELLO sent and authenticated unless told otherwise."""
+            timeout: float = 5, node: str = "raw-client") -> socket.socket:
+        """A data connection, HELLO sent (as node id ``node``) and authenticated unless told otherwise."""
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if source:
             s.bind((source, 0))
         s.settimeout(timeout)
         s.connect((self.host, self.port))
         if hello:
-            node = wire.ident("raw-client")
-            s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, node, wire.ident(self.epoch)))
+            ident = wire.ident(node)
+            s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, ident, wire.ident(self.epoch)))
             client_authenticate(s, self.secret if secret is None else secret, time.monotonic() + timeout,
-                                wire.context(node, wire.ident(self.epoch)))
+                                wire.context(ident, wire.ident(self.epoch)))
             s.settimeout(timeout)
         return s
 
