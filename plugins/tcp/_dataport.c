@@ -763,9 +763,14 @@ static PyObject *Notes_size(Notes *q, PyObject *unused) {
     if (!notes_ready(q))
         return NULL;
     pthread_mutex_lock(&q->mu);
-    unsigned long long c = q->count, b = q->bytes, w = 0;
-    for (Note *n = q->head; n; n = n->next)
+    /* What is queued, counted from the list: q->count and q->bytes also hold the room reserved
+     * for notes whose data is still landing, which the Python queue's len() does not count. */
+    unsigned long long c = 0, b = 0, w = 0;
+    for (Note *n = q->head; n; n = n->next) {
+        c++;
+        b += n->dlen;
         w += n->state != NOTE_READY;
+    }
     pthread_mutex_unlock(&q->mu);
     return Py_BuildValue("(KKK)", c, b, w);
 }
