@@ -108,18 +108,30 @@ static int64_t settle(void *r, int64_t code, check_fn check, free_fn rfree, prog
     return st;
 }
 
-/* The small-request path in one call: a put (then the endpoint flush, for remote completion)
-   or a get, progressing the worker while it reports work -- local work only, never a wait on
-   the peer. Returns 0 when done, a negative ucs_status_t on failure, or 1 (the put/get) / 2
-   (the flush) with *pending set to the request still in flight. */
+/* The small-request path in one call: a put and then the endpoint flush (for remote completion),
+   or a get, progressing the worker while it reports work -- local work only, never a wait on the
+   peer. Returns 0 when done, a negative ucs_status_t on failure, or 1 (the get) / 2 (the write's
+   flush) with *pending set to the request still in flight.
+   A put still in flight once local progress stops (it waits for the peer) is released -- UCX
+   frees it when it completes -- and the flush is issued at once: over tcp a put completes only on
+   the target's acknowledgement, and a flush issued after that cost a second round trip per write
+   (put, ack, then flush, ack); now both are out before the first ack and one round trip answers
+   them. The flush completes only when everything issued before it on the endpoint completed at
+   both ends, and fails if the endpoint does, as a batch relies on (rma_many). A put that local
+   progress finishes (a cma copy) is finished first: a flush issued behind an unfinished local
+   copy took UCX's slow path and was left in flight. */
 int64_t mpcomm_ucx_rma_one(rma_fn fn, check_fn check, free_fn rfree, progress_fn progress, flush_fn flush,
                            void *ep, void *worker, int64_t laddr, int64_t n, int64_t raddr, void *rkey,
                            const void *param, const void *fparam, int64_t write, void **pending)
 {
     int64_t st = settle(fn(ep, (void *)(intptr_t)laddr, (size_t)n, (uint64_t)raddr, rkey, param), 1, check,
                         rfree, progress, worker, pending);
-    if (st != 0 || !write)
+    if (!write || st < 0)
         return st;
+    if (st == 1) {
+        rfree(*pending);
+        *pending = NULL;
+    }
     return settle(flush(ep, fparam), 2, check, rfree, progress, worker, pending);
 }
 

@@ -223,28 +223,42 @@ def _claiming(claim_us: int) -> dict[str, Any]:
 def test_an_answer_that_beats_its_caller_to_result_is_reported_by_the_caller(make_engine: Any) -> None:
     """The race of docs/ucx.md: the target answers a handed-off write before its caller reaches
     result() (here the caller sleeps 30 ms first). Within the claim window the native loop holds
-    the Python thread's wake-up, so result() claims the request and reports it on its own thread."""
-    tgt = make_engine(TCP, transports=["ucx"])
-    buf = bytearray(1 << 20)
-    tgt.register(buf, name="kv")
-    ini = make_engine(_claiming(2_000_000), transports=["ucx"])  # 2 s: surely longer than the sleep
-    remote = ini.open(tgt.address, "kv", timeout=10)
-    src = ini.allocate(4096)
-    for _ in range(3):
-        ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
-    tr = ini.transports["ucx"]
-    woke, driven = tr.wakeups, tr.waiter_reports
-    for i in range(10):
-        src.view[:8] = i.to_bytes(8, "little")
-        fut = ini.write(src, remote, i * 4096, 4096)
-        time.sleep(0.03)  # the answer comes meanwhile
-        fut.result(5)
-    woke, driven = tr.wakeups - woke, tr.waiter_reports - driven
-    assert all(buf[i * 4096:i * 4096 + 8] == i.to_bytes(8, "little") for i in range(10))
-    # One whose answer came before its hand-off is reported by the posting thread (not counted as
-    # the waiter's; a third or more of them on a loaded machine): the Python thread reports none.
-    assert woke <= 2, f"the transport's Python thread woke {woke} times for 10 writes ({driven} claimed)"
-    assert driven >= 3, f"only {driven} of 10 writes were reported by their waiter"
+    the Python thread's wake-up, so result() claims the request and reports it on its own thread.
+    The target process is stopped while each write is posted and resumed 5 ms later: a write's
+    one round trip (its flush goes out with its put) is otherwise often over before the posting
+    thread hands it off, and the posting thread then reports it itself -- not this race."""
+    proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine(_claiming(2_000_000), transports=["ucx"])  # 2 s: surely longer than the sleep
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        for _ in range(3):
+            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+        tr = ini.transports["ucx"]
+        woke, driven = tr.wakeups, tr.waiter_reports
+        try:
+            for i in range(10):
+                src.view[:8] = i.to_bytes(8, "little")
+                os.kill(proc.pid, signal.SIGSTOP)
+                _wait_stopped(proc.pid)
+                threading.Timer(0.005, os.kill, (proc.pid, signal.SIGCONT)).start()
+                fut = ini.write(src, remote, i * 4096, 4096)
+                time.sleep(0.03)  # the answer comes meanwhile
+                fut.result(5)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        woke, driven = tr.wakeups - woke, tr.waiter_reports - driven
+        back = bytearray(10 * 4096)
+        ini.read(back, remote, 0).result(5)
+        assert all(back[i * 4096:i * 4096 + 8] == i.to_bytes(8, "little") for i in range(10))
+        # One whose answer came before its hand-off is reported by the posting thread (not counted
+        # as the waiter's): the Python thread reports none.
+        assert woke <= 2, f"the transport's Python thread woke {woke} times for 10 writes ({driven} claimed)"
+        assert driven >= 3, f"only {driven} of 10 writes were reported by their waiter"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_held_wake_up_is_released_when_the_claim_window_ends(make_engine: Any) -> None:
