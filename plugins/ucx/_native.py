@@ -24,7 +24,7 @@ from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.ucx")
 
-ABI = 7
+ABI = 8
 MODULE = "mpcomm.plugins.ucx._mpcomm_ucxloop"
 
 _lock = threading.Lock()
@@ -123,7 +123,9 @@ class LoopState(C.Structure):
                 ("want", C.c_int32), ("events", C.c_uint32), ("drivers", C.c_int32), ("asked", C.c_int32),
                 ("kicks", C.c_uint32), ("check", C.c_void_p), ("sleeps", C.c_int64),
                 ("notified", C.c_int64), ("claim_ns", C.c_int64), ("handoff_at", C.c_int64),
-                ("held_until", C.c_int64), ("held", C.c_int64)]
+                ("held_until", C.c_int64), ("held", C.c_int64), ("poller", C.c_int32), ("polling", C.c_int32),
+                ("park", C.c_uint32), ("parked", C.c_int32), ("poller_left", C.c_int64), ("parks", C.c_int64),
+                ("polls", C.c_int64)]
 
 
 class ProgressLoop:

@@ -340,3 +340,88 @@ def test_a_busy_initiator_confirms_a_revocation_in_time(make_engine: Any, caplog
     finally:
         proc.kill()
         proc.wait()
+
+
+def _voluntary_switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as f:
+        return int(next(line for line in f if line.startswith("voluntary_ctxt_switches")).split()[1])
+
+
+def test_a_waiter_polls_for_its_answer_and_the_loop_thread_stays_asleep(make_engine: Any) -> None:
+    """A result() waiter polls the worker itself (mpcomm_ucx_loop_wait's `poller`), and the native
+    loop parks meanwhile: the answer to a write wakes its waiter only, not the loop thread and then
+    the waiter. Before, the loop thread woke two to three times per write over tcp (each answer,
+    and the hand-off's signal). No write sleeps out the 1 s wait step (a progress call of another
+    thread that consumed the poller's event signals it)."""
+    proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine(TCP, transports=["ucx"])
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        for _ in range(20):
+            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+        loop = next(t for t in threading.enumerate() if t.name == "mpcomm-ucx-native")
+        n, worst = 300, 0.0
+        before, t0 = _voluntary_switches(loop.native_id), time.monotonic()
+        for i in range(n):
+            t = time.monotonic()
+            ini.write(src, remote, (i % 16) * 4096, 4096).result(5)
+            worst = max(worst, time.monotonic() - t)
+        woke, elapsed = _voluntary_switches(loop.native_id) - before, time.monotonic() - t0
+        # Parked, the loop thread still looks once per MP_LINGER_NS (250 us) while waiters poll.
+        assert woke - elapsed / 0.00025 <= n / 2, f"the loop thread woke {woke} times for {n} writes in {elapsed:.3f} s"
+        assert worst < 0.5, f"a write took {worst:.3f} s: its waiter slept out a wait step"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_COUNTING_TARGET = textwrap.dedent("""
+    import os, sys, mpcomm
+    e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
+    e.register(bytearray(1 << 20), name="kv")
+    print(e.address, flush=True)
+    def ucx_async_switches():  # UCX's async thread (named "async"): its voluntary context switches
+        n = 0
+        for t in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{t}/comm") as f:
+                if f.read().strip() != "async":
+                    continue
+            with open(f"/proc/self/task/{t}/status") as f:
+                n += int(next(x for x in f if x.startswith("voluntary_ctxt_switches")).split()[1])
+        return n
+    for line in sys.stdin:
+        print(ucx_async_switches(), flush=True)
+""")
+
+
+def test_an_idle_target_serves_each_write_without_ucx_async_thread(make_engine: Any) -> None:
+    """A target's tcp interface receives only UCT's own put requests, which never activate it
+    under UCX's adaptive progress: each write then woke UCX's async thread, which signalled the
+    worker for the native loop -- two wake-ups in a row per write. With the native loop the
+    transport turns adaptive progress off (UCX_ADAPTIVE_PROGRESS=n): the loop's poll takes the
+    write itself."""
+    proc = subprocess.Popen([sys.executable, "-c", _COUNTING_TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine(TCP, transports=["ucx"])
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        for _ in range(20):
+            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+
+        def async_switches() -> int:
+            proc.stdin.write("\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+            return int(proc.stdout.readline())  # type: ignore[union-attr]
+
+        before, n = async_switches(), 200
+        for i in range(n):
+            ini.write(src, remote, (i % 16) * 4096, 4096).result(5)
+        woke = async_switches() - before
+        assert woke <= n // 10, f"UCX's async thread woke {woke} times for {n} writes"
+    finally:
+        proc.kill()
+        proc.wait()
