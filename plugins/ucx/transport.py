@@ -50,8 +50,8 @@ grace, its only timer) and reports them; it sleeps on an eventfd the loop
 writes only while there are requests of ours that no ``result()`` waiter
 drives (``want``) and it asked (``ask``, set before it checks statuses), so a
 pure target never wakes it. ``drive`` lets a ``result()`` waiter step and
-report its own request, waiting on the loop's event futex with the GIL
-released. Without the helper the Python thread progresses the worker itself
+report its own request with the GIL released: the first waiter polls the worker
+itself while the loop thread parks, the others wait on the loop's event futex. Without the helper the Python thread progresses the worker itself
 (``_progress_loop``: arm + ``select``, ``spin_us`` of polling). Requests up to ``inline_threshold`` bytes are
 issued on the posting thread (cma copies are synchronous and need nothing
 from the target); what is not done right after issuing is left to the
