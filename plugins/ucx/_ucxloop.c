@@ -518,6 +518,13 @@ int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t seen_kicks
     if (poller) {
         __atomic_store_n(&l->poller_left, mp_now_ns(), __ATOMIC_SEQ_CST);
         __atomic_store_n(&l->poller, 0, __ATOMIC_SEQ_CST);
+        /* A held wake-up is the loop thread's to release. Its signal may have been read by this
+           driver's arm while the loop slept in poll (it went there before this driver polled):
+           wake it, so it sleeps again no longer than the hold's deadline. */
+        if (mp_release(l, mp_now_ns()) >= 0) {
+            mp_unpark(l);
+            l->signal(l->worker);
+        }
     }
     if (__atomic_sub_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST) > 0 && poller)
         mp_events(l); /* the others: one of them polls now */
