@@ -401,18 +401,20 @@ class Worker:
         r, _, _ = select.select([fd], [], [], timeout)
         return bool(r)
 
-    def progress_loop(self, spin: float = 0.0, claim: float = 0.0):
+    def progress_loop(self, spin: float = 0.0, claim: float = 0.0, linger: float = 0.0):
         """This worker's progress in a native loop that never takes the GIL, or None without the helper.
 
         A ``_native.ProgressLoop`` (not started): it progresses the worker and sleeps on its
         event fd (``ucp_worker_arm`` + ``poll``) until stopped; ``spin`` seconds of polling after
         the last work; a request handed off gets ``claim`` seconds in which a result() waiter may
-        claim it before the loop wakes the bookkeeping thread for it. Stop it before :meth:`close`."""
+        claim it before the loop wakes the bookkeeping thread for it; a result() waiter polls the
+        worker itself while the loop parks, and ``linger`` seconds after the last one left (0: never
+        parks, waiters wait on the loop). Stop it before :meth:`close`."""
         if _native_helper() is None or self._h is None:
             return None
         fns = _fn_pointers(self._lib)
         return _native_state[1].ProgressLoop(_native_state[0], fns[3], fns[6], fns[7], fns[4], self._h.value,
-                                             self.fileno(), int(spin * 1e9), int(claim * 1e9))
+                                             self.fileno(), int(spin * 1e9), int(claim * 1e9), int(linger * 1e9))
 
     def signal(self):
         """Wake a thread blocked in wait()."""

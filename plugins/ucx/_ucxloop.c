@@ -187,14 +187,8 @@ struct mp_loop {
     int64_t poller_left;  /* when the last polling driver left (mp_now_ns) */
     int64_t parks;        /* times the loop thread parked (observability) */
     int64_t polls;        /* polls a driver made on the event fd itself (observability) */
+    int64_t linger_ns;    /* park window (park_us), see mp_park */
 };
-
-/* How long the loop thread stays parked after the last polling driver left before it polls the
-   event fd again (and how often it looks while drivers poll): a caller that writes and waits in a
-   loop leaves result() and comes back within microseconds, and each return of the loop thread to
-   the event fd would wake it once more per request. Meanwhile nobody polls: a peer's request, or
-   one of ours nobody waits for, waits at most this long (the claim window is 1 ms). */
-#define MP_LINGER_NS 250000
 
 /* One step of a short busy wait. Not sched_yield(): against a thread that never sleeps (a Python
    loop on the same CPU) a yield hands it the CPU until the next scheduler tick (4 ms here), and a
@@ -349,7 +343,7 @@ int64_t mpcomm_ucx_loop_handoff(struct mp_loop *l) {
     __atomic_store_n(&l->handoff_at, mp_now_ns(), __ATOMIC_SEQ_CST); /* its claim window starts */
     __atomic_store_n(&l->want, 1, __ATOMIC_SEQ_CST);
     /* A parked loop thread is not woken: a driver polls (its poll sees the request's events), or
-       the loop polls again within MP_LINGER_NS. The signal woke a sleeping loop once per request. */
+       the loop polls again within linger_ns. The signal woke a sleeping loop once per request. */
     if (__atomic_load_n(&l->parked, __ATOMIC_SEQ_CST))
         return 0;
     return l->signal(l->worker);
@@ -371,16 +365,20 @@ void mpcomm_ucx_loop_stop(struct mp_loop *l) {
     l->signal(l->worker);
 }
 
-/* The loop thread, about to sleep: while a driver polls the worker (or one left less than
-   MP_LINGER_NS ago), park on `park` instead of polling the event fd -- two threads asleep on
-   it would both wake for every answer and take the worker's lock in turn. Never past a held
-   wake-up's deadline (`left`, -1: none). Returns 1 when it parked. */
+/* The loop thread, about to sleep: while a driver polls the worker, or one left less than
+   linger_ns ago, park on `park` instead of polling the event fd -- two threads asleep on it
+   would both wake for every answer and take the worker's lock in turn. The window: a caller that
+   writes and waits in a loop leaves result() and is back within microseconds, and each return of
+   the loop thread to the event fd would wake it once more per request. Meanwhile nobody polls: a
+   peer's request, or one of ours nobody waits for, waits at most linger_ns (the claim window is
+   1 ms); while drivers poll, the loop looks once per linger_ns. Never past a held wake-up's
+   deadline (`left`, -1: none). 0 turns parking off. Returns 1 when it parked. */
 static int mp_park(struct mp_loop *l, int64_t now, int64_t left) {
     uint32_t p = __atomic_load_n(&l->park, __ATOMIC_SEQ_CST);
-    int64_t since = now - __atomic_load_n(&l->poller_left, __ATOMIC_SEQ_CST);
-    if (!__atomic_load_n(&l->poller, __ATOMIC_SEQ_CST) && since >= MP_LINGER_NS)
+    int64_t since = now - __atomic_load_n(&l->poller_left, __ATOMIC_SEQ_CST), linger = l->linger_ns;
+    if (linger <= 0 || (!__atomic_load_n(&l->poller, __ATOMIC_SEQ_CST) && since >= linger))
         return 0;
-    int64_t t = MP_LINGER_NS;
+    int64_t t = linger;
     if (left >= 0 && left < t)
         t = left;
     __atomic_store_n(&l->parked, 1, __ATOMIC_SEQ_CST);
@@ -470,9 +468,13 @@ int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t seen_kicks
         now = mp_now_ns();
         if (now >= end)
             break;
-        if (!poller && l->efd >= 0 && !__atomic_load_n(&l->poller, __ATOMIC_SEQ_CST)) {
+        if (!poller && l->linger_ns > 0 && !__atomic_load_n(&l->poller, __ATOMIC_SEQ_CST)) {
             int32_t none = 0;
             poller = __atomic_compare_exchange_n(&l->poller, &none, 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+            /* A loop thread asleep in poll would wake with this driver for the answer and take
+               the worker's lock as it comes: wake it now, while the request is in flight, to park. */
+            if (poller && !__atomic_load_n(&l->parked, __ATOMIC_SEQ_CST))
+                l->signal(l->worker);
         }
         if (poller) {
             if (l->progress(l->worker)) {

@@ -316,6 +316,10 @@ class UcxTransport(Transport):
         # caller to result() is then reported on the caller's thread. Callback-only users pay at most
         # this per wake-up (0: the Python thread is woken at once). As tcp's HANDOFF.
         "claim_us": 1000,
+        # A result() waiter polls the worker itself and the native loop parks meanwhile, and this long
+        # after the last waiter left (one wake-up less per request). Meanwhile a peer's request, or one
+        # of ours nobody waits for, waits at most this long (0: never parks; waiters wait on the loop).
+        "park_us": 250,
         "revoke_timeout": 2.0,  # seconds a target waits for an initiator to confirm a revocation
         "attach_timeout": 10.0,  # upper bound of an attach round trip (the request's deadline is shorter)
     }
@@ -330,6 +334,7 @@ class UcxTransport(Transport):
         self._spin = int(o["spin_us"]) / 1e6
         self._native_spin = max(0, int(o["native_spin_us"])) / 1e6
         self._claim = max(0, int(o["claim_us"])) / 1e6
+        self._park = max(0, int(o["park_us"])) / 1e6
         self._revoke_timeout = float(o["revoke_timeout"])
         self._attach_timeout = float(o["attach_timeout"])
         self._abort_grace = ctx.config.runtime.abort_grace_ms / 1000
@@ -446,7 +451,7 @@ class UcxTransport(Transport):
         # The worker's progress runs natively where the helper is built: nobody's GIL is needed for
         # a peer's emulated put/get (tcp) to be served. Python's thread then only steps this
         # process's own requests. Without the helper, the Python thread progresses (as before).
-        self._loop = self._worker.progress_loop(self._native_spin, self._claim)
+        self._loop = self._worker.progress_loop(self._native_spin, self._claim, self._park)
         if self._loop is not None:
             self._loop.start()
         self._thread = threading.Thread(target=self._progress_loop if self._loop is None else self._bookkeeping_loop,

@@ -342,35 +342,46 @@ def test_a_busy_initiator_confirms_a_revocation_in_time(make_engine: Any, caplog
         proc.wait()
 
 
-def _voluntary_switches(native_id: int) -> int:
-    with open(f"/proc/self/task/{native_id}/status") as f:
-        return int(next(line for line in f if line.startswith("voluntary_ctxt_switches")).split()[1])
-
-
-def test_a_waiter_polls_for_its_answer_and_the_loop_thread_stays_asleep(make_engine: Any) -> None:
+@pytest.mark.parametrize("park_us", [100_000, 0], ids=["parks", "never-parks"])
+def test_a_waiter_polls_for_its_answer_and_the_loop_thread_stays_asleep(make_engine: Any, park_us: int) -> None:
     """A result() waiter polls the worker itself (mpcomm_ucx_loop_wait's `poller`), and the native
-    loop parks meanwhile: the answer to a write wakes its waiter only, not the loop thread and then
-    the waiter. Before, the loop thread woke two to three times per write over tcp (each answer,
-    and the hand-off's signal). No write sleeps out the 1 s wait step (a progress call of another
-    thread that consumed the poller's event signals it)."""
+    loop parks meanwhile (and `park_us` after): the answer to a write wakes its waiter only, not the
+    loop thread and then the waiter. The target is stopped while each write is posted (resumed
+    2 ms later), so every write is waited for. With park_us 0 -- the loop polls for every waiter, as
+    before -- each answer ends a poll of the loop thread (`sleeps`): the control. Then 300 writes
+    back to back: none sleeps out the 1 s wait step (a progress call of another thread that
+    consumed the polling waiter's event signals it)."""
     proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
     try:
         address = proc.stdout.readline().strip()  # type: ignore[union-attr]
-        ini = make_engine(TCP, transports=["ucx"])
+        ini = make_engine({"plugins": {"ucx": {"tls": "tcp,self", "park_us": park_us}}}, transports=["ucx"])
         remote = ini.open(address, "kv", timeout=10)
         src = ini.allocate(4096)
         for _ in range(20):
             ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
-        loop = next(t for t in threading.enumerate() if t.name == "mpcomm-ucx-native")
-        n, worst = 300, 0.0
-        before, t0 = _voluntary_switches(loop.native_id), time.monotonic()
-        for i in range(n):
+        tr = ini.transports["ucx"]
+        loop = tr._loop
+        n = 30
+        sleeps, driven = loop.sleeps, tr.waiter_reports
+        try:
+            for i in range(n):
+                os.kill(proc.pid, signal.SIGSTOP)
+                _wait_stopped(proc.pid)
+                threading.Timer(0.002, os.kill, (proc.pid, signal.SIGCONT)).start()
+                ini.write(src, remote, i * 4096, 4096).result(5)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        sleeps, driven = loop.sleeps - sleeps, tr.waiter_reports - driven
+        assert driven == n, f"{driven} of {n} writes were reported by their waiter"
+        if park_us:
+            assert sleeps <= 3, f"the loop thread's poll ended {sleeps} times for {n} waited-for writes"
+        else:
+            assert sleeps >= n, f"the control: the loop thread's poll ended only {sleeps} times for {n} writes"
+        worst = 0.0
+        for i in range(300):
             t = time.monotonic()
             ini.write(src, remote, (i % 16) * 4096, 4096).result(5)
             worst = max(worst, time.monotonic() - t)
-        woke, elapsed = _voluntary_switches(loop.native_id) - before, time.monotonic() - t0
-        # Parked, the loop thread still looks once per MP_LINGER_NS (250 us) while waiters poll.
-        assert woke - elapsed / 0.00025 <= n / 2, f"the loop thread woke {woke} times for {n} writes in {elapsed:.3f} s"
         assert worst < 0.5, f"a write took {worst:.3f} s: its waiter slept out a wait step"
     finally:
         proc.kill()
