@@ -137,7 +137,8 @@ class ProgressLoop:
     and then sleeps on :attr:`nfd` (an eventfd the loop writes after a progress call that did
     work, once per ask, while wanted); a result() waiter reads :meth:`events`, checks its
     request and calls :meth:`wait`; the first such waiter polls the worker itself while the loop
-    thread parks (``linger_ns``: how long it stays parked after the last one left). Made by ``_ucp.Worker.progress_loop``, which owns the worker handle.
+    thread parks (``linger_ns``: how long it stays parked after the last one left). Made by
+    ``_ucp.Worker.progress_loop``, which owns the worker handle.
     """
 
     def __init__(self, lib: C.CDLL, progress: int, arm: int, signal: int, check: int, worker: int, efd: int,

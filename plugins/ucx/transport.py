@@ -51,7 +51,8 @@ writes only while there are requests of ours that no ``result()`` waiter
 drives (``want``) and it asked (``ask``, set before it checks statuses), so a
 pure target never wakes it. ``drive`` lets a ``result()`` waiter step and
 report its own request with the GIL released: the first waiter polls the worker
-itself while the loop thread parks, the others wait on the loop's event futex. Without the helper the Python thread progresses the worker itself
+itself while the loop thread parks, the others wait on the loop's event futex.
+Without the helper the Python thread progresses the worker itself
 (``_progress_loop``: arm + ``select``, ``spin_us`` of polling). Requests up to ``inline_threshold`` bytes are
 issued on the posting thread (cma copies are synchronous and need nothing
 from the target); what is not done right after issuing is left to the
