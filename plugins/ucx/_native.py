@@ -123,7 +123,9 @@ class LoopState(C.Structure):
                 ("want", C.c_int32), ("events", C.c_uint32), ("drivers", C.c_int32), ("asked", C.c_int32),
                 ("kicks", C.c_uint32), ("check", C.c_void_p), ("sleeps", C.c_int64),
                 ("notified", C.c_int64), ("claim_ns", C.c_int64), ("handoff_at", C.c_int64),
-                ("held_until", C.c_int64), ("held", C.c_int64)]
+                ("held_until", C.c_int64), ("held", C.c_int64), ("poller", C.c_int32), ("polling", C.c_int32),
+                ("park", C.c_uint32), ("parked", C.c_int32), ("poller_left", C.c_int64), ("parks", C.c_int64),
+                ("polls", C.c_int64), ("linger_ns", C.c_int64)]
 
 
 class ProgressLoop:
@@ -134,14 +136,17 @@ class ProgressLoop:
     no result() waiter drives); its bookkeeping thread calls :meth:`ask` before it checks them
     and then sleeps on :attr:`nfd` (an eventfd the loop writes after a progress call that did
     work, once per ask, while wanted); a result() waiter reads :meth:`events`, checks its
-    request and calls :meth:`wait`. Made by ``_ucp.Worker.progress_loop``, which owns the worker handle.
+    request and calls :meth:`wait`; the first such waiter polls the worker itself while the loop
+    thread parks (``linger_ns``: how long it stays parked after the last one left). Made by
+    ``_ucp.Worker.progress_loop``, which owns the worker handle.
     """
 
     def __init__(self, lib: C.CDLL, progress: int, arm: int, signal: int, check: int, worker: int, efd: int,
-                 spin_ns: int, claim_ns: int = 0) -> None:
+                 spin_ns: int, claim_ns: int = 0, linger_ns: int = 0) -> None:
         self.nfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._state = LoopState(progress=progress, arm=arm, signal=signal, worker=worker, efd=efd, nfd=self.nfd,
-                                spin_ns=max(0, spin_ns), check=check, claim_ns=max(0, claim_ns))
+                                spin_ns=max(0, spin_ns), check=check, claim_ns=max(0, claim_ns),
+                                linger_ns=max(0, linger_ns))
         self._at = at = C.addressof(self._state)
         self._lib = lib
         self._want, self._ask = lib.mpcomm_ucx_loop_want, lib.mpcomm_ucx_loop_ask
@@ -224,6 +229,16 @@ class ProgressLoop:
     def sleeps(self) -> int:
         """How many times the loop slept on the worker's event fd and woke."""
         return self._state.sleeps
+
+    @property
+    def parks(self) -> int:
+        """How many times the loop thread parked while result() waiters polled the worker."""
+        return self._state.parks
+
+    @property
+    def polls(self) -> int:
+        """How many polls of the event fd result() waiters made themselves."""
+        return self._state.polls
 
     @property
     def held(self) -> int:

@@ -401,18 +401,20 @@ class Worker:
         r, _, _ = select.select([fd], [], [], timeout)
         return bool(r)
 
-    def progress_loop(self, spin: float = 0.0, claim: float = 0.0):
+    def progress_loop(self, spin: float = 0.0, claim: float = 0.0, linger: float = 0.0):
         """This worker's progress in a native loop that never takes the GIL, or None without the helper.
 
         A ``_native.ProgressLoop`` (not started): it progresses the worker and sleeps on its
         event fd (``ucp_worker_arm`` + ``poll``) until stopped; ``spin`` seconds of polling after
         the last work; a request handed off gets ``claim`` seconds in which a result() waiter may
-        claim it before the loop wakes the bookkeeping thread for it. Stop it before :meth:`close`."""
+        claim it before the loop wakes the bookkeeping thread for it; a result() waiter polls the
+        worker itself while the loop parks, and ``linger`` seconds after the last one left (0: never
+        parks, waiters wait on the loop). Stop it before :meth:`close`."""
         if _native_helper() is None or self._h is None:
             return None
         fns = _fn_pointers(self._lib)
         return _native_state[1].ProgressLoop(_native_state[0], fns[3], fns[6], fns[7], fns[4], self._h.value,
-                                             self.fileno(), int(spin * 1e9), int(claim * 1e9))
+                                             self.fileno(), int(spin * 1e9), int(claim * 1e9), int(linger * 1e9))
 
     def signal(self):
         """Wake a thread blocked in wait()."""
@@ -519,13 +521,28 @@ class Endpoint:
         """:meth:`rma_now`, then for a write :meth:`flush_now`: one call into the compiled helper.
 
         Returns UCS_OK (0) once the put is remotely complete (or the get landed),
-        a negative status, or the Request still in flight: the put/get's, or
-        (``name == "ucp_ep_flush_nbx"``) the flush's once the put is done. Without
-        the helper, the same two calls from Python."""
+        a negative status, or the Request still in flight: the get's, or
+        (``name == "ucp_ep_flush_nbx"``) the write's flush. A put still in flight after
+        local progress is released and its flush issued at once (the flush covers it: one
+        round trip over tcp, not two; see mpcomm_ucx_rma_one). Without the helper, the
+        same calls from Python."""
         native = _native_helper()
         if native is None or self.error_status is not None:
             st = self.rma_now(write, local_addr, length, remote_addr, rkey, memh)
-            return self.flush_now() if st == 0 and write else st
+            if not write or (isinstance(st, int) and st != 0):
+                return st
+            if not isinstance(st, int):
+                st.free()  # UCX reclaims it when it completes; the flush reports it
+            f = self.flush_now()
+            if isinstance(f, Request):
+                progress, wh = self._lib.ucp_worker_progress, self.worker._h
+                while f.status() == UCS_INPROGRESS and progress(wh):
+                    pass
+                if f.status() != UCS_INPROGRESS:
+                    st = f.status()
+                    f.free()
+                    return st
+            return f
         p = self._param(memh)
         fns = _fn_pointers(self._lib)
         pending = C.c_void_p()
@@ -872,7 +889,7 @@ def _native_helper():
 
 
 def _left_in_flight(worker, code: int, ptr: int, write: bool) -> "Request":
-    """What mpcomm_ucx_rma_one left in flight: the put/get (code 1) or the write's flush (code 2)."""
+    """What mpcomm_ucx_rma_one left in flight: the get (code 1) or the write's flush (code 2)."""
     if code == 2:
         return Request(worker, ptr, "ucp_ep_flush_nbx")
     return Request(worker, ptr, "ucp_put_nbx" if write else "ucp_get_nbx")

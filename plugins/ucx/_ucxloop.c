@@ -108,18 +108,30 @@ static int64_t settle(void *r, int64_t code, check_fn check, free_fn rfree, prog
     return st;
 }
 
-/* The small-request path in one call: a put (then the endpoint flush, for remote completion)
-   or a get, progressing the worker while it reports work -- local work only, never a wait on
-   the peer. Returns 0 when done, a negative ucs_status_t on failure, or 1 (the put/get) / 2
-   (the flush) with *pending set to the request still in flight. */
+/* The small-request path in one call: a put and then the endpoint flush (for remote completion),
+   or a get, progressing the worker while it reports work -- local work only, never a wait on the
+   peer. Returns 0 when done, a negative ucs_status_t on failure, or 1 (the get) / 2 (the write's
+   flush) with *pending set to the request still in flight.
+   A put still in flight once local progress stops (it waits for the peer) is released -- UCX
+   frees it when it completes -- and the flush is issued at once: over tcp a put completes only on
+   the target's acknowledgement, and a flush issued after that cost a second round trip per write
+   (put, ack, then flush, ack); now both are out before the first ack and one round trip answers
+   them. The flush completes only when everything issued before it on the endpoint completed at
+   both ends, and fails if the endpoint does, as a batch relies on (rma_many). A put that local
+   progress finishes (a cma copy) is finished first: a flush issued behind an unfinished local
+   copy took UCX's slow path and was left in flight. */
 int64_t mpcomm_ucx_rma_one(rma_fn fn, check_fn check, free_fn rfree, progress_fn progress, flush_fn flush,
                            void *ep, void *worker, int64_t laddr, int64_t n, int64_t raddr, void *rkey,
                            const void *param, const void *fparam, int64_t write, void **pending)
 {
     int64_t st = settle(fn(ep, (void *)(intptr_t)laddr, (size_t)n, (uint64_t)raddr, rkey, param), 1, check,
                         rfree, progress, worker, pending);
-    if (st != 0 || !write)
+    if (!write || st < 0)
         return st;
+    if (st == 1) {
+        rfree(*pending);
+        *pending = NULL;
+    }
     return settle(flush(ep, fparam), 2, check, rfree, progress, worker, pending);
 }
 
@@ -168,6 +180,14 @@ struct mp_loop {
     int64_t handoff_at;   /* when the last request was handed off (mp_now_ns) */
     int64_t held_until;   /* a wake-up of the bookkeeping thread held until then (0: none held) */
     int64_t held;         /* wake-ups held (observability) */
+    int32_t poller;       /* 1 while a driver polls the worker itself (mpcomm_ucx_loop_wait) */
+    int32_t polling;      /* that driver is between its arm and the end of its poll: signal to wake it */
+    uint32_t park;        /* futex word the loop thread parks on while drivers poll; bumped to wake it */
+    int32_t parked;       /* the loop thread is parked (it does not poll the event fd) */
+    int64_t poller_left;  /* when the last polling driver left (mp_now_ns) */
+    int64_t parks;        /* times the loop thread parked (observability) */
+    int64_t polls;        /* polls a driver made on the event fd itself (observability) */
+    int64_t linger_ns;    /* park window (park_us), see mp_park */
 };
 
 /* One step of a short busy wait. Not sched_yield(): against a thread that never sleeps (a Python
@@ -204,15 +224,31 @@ static void mp_events(struct mp_loop *l) {
         syscall(SYS_futex, &l->events, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
+/* As mp_events, from a thread other than the polling driver: that driver sleeps in poll on the
+   event fd, not on `events`, so it is signalled. It sets `polling` before it reads `events` and
+   arms; one of the two sees the other's store (a signal before its arm makes arm answer BUSY). */
+static void mp_events_all(struct mp_loop *l) {
+    mp_events(l);
+    if (__atomic_load_n(&l->polling, __ATOMIC_SEQ_CST))
+        l->signal(l->worker);
+}
+
+/* Wake the loop thread if it is parked (stop, kicks, a new hold). */
+static void mp_unpark(struct mp_loop *l) {
+    __atomic_add_fetch(&l->park, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&l->parked, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &l->park, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
 /* A Python thread's progress did work that only drivers may be waiting for (the bookkeeping
    thread's own, which looks at its requests again itself): `events`, so each driver checks its
    request natively. */
-void mpcomm_ucx_loop_events(struct mp_loop *l) { mp_events(l); }
+void mpcomm_ucx_loop_events(struct mp_loop *l) { mp_events_all(l); }
 
 /* Python's wake-up of every driver (whatever it waits for): `kicks`, then `events`. */
 void mpcomm_ucx_loop_bump(struct mp_loop *l) {
     __atomic_add_fetch(&l->kicks, 1, __ATOMIC_SEQ_CST);
-    mp_events(l);
+    mp_events_all(l);
 }
 
 /* Wake the bookkeeping thread if it has undriven requests and asked (once per ask). */
@@ -248,8 +284,13 @@ static void mp_tell(struct mp_loop *l) {
  *     `asked` 0 means the thread was woken since and checks every status before it sleeps again.
  * Work with no hand-off in the last claim_ns (further chunks of a request the thread steps)
  * tells at once, as before. */
-static void mp_worked_on(struct mp_loop *l, int on_loop) {
-    mp_events(l);
+static void mp_worked_on(struct mp_loop *l, int on_loop, int polling_driver) {
+    /* Work done by anyone but the polling driver may have consumed the very event that driver
+       polls for: it is signalled (mp_events_all), or it would sleep out its wait step. */
+    if (polling_driver)
+        mp_events(l);
+    else
+        mp_events_all(l);
     if (!__atomic_load_n(&l->want, __ATOMIC_SEQ_CST) || !__atomic_load_n(&l->asked, __ATOMIC_SEQ_CST))
         return;
     int64_t claim = l->claim_ns;
@@ -259,8 +300,10 @@ static void mp_worked_on(struct mp_loop *l, int on_loop) {
             int64_t none = 0;
             if (__atomic_compare_exchange_n(&l->held_until, &none, until, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
                 __atomic_add_fetch(&l->held, 1, __ATOMIC_RELAXED);
-                if (!on_loop)
+                if (!on_loop) {
                     l->signal(l->worker);
+                    mp_unpark(l); /* parked, it releases the hold at its deadline all the same */
+                }
             }
             return;
         }
@@ -268,7 +311,7 @@ static void mp_worked_on(struct mp_loop *l, int on_loop) {
     mp_tell(l);
 }
 
-static void mp_worked(struct mp_loop *l) { mp_worked_on(l, 1); }
+static void mp_worked(struct mp_loop *l) { mp_worked_on(l, 1, 0); }
 
 /* The loop thread: release a held wake-up whose window is over (mp_tell). Returns the ns until
    the held one's deadline, or -1 when none is held. */
@@ -284,7 +327,7 @@ static int64_t mp_release(struct mp_loop *l, int64_t now) {
 }
 
 /* A Python thread's own progress call did work: tell whoever asked, as after the loop's own. */
-void mpcomm_ucx_loop_worked(struct mp_loop *l) { mp_worked_on(l, 0); }
+void mpcomm_ucx_loop_worked(struct mp_loop *l) { mp_worked_on(l, 0, 0); }
 
 /* Whether the bookkeeping thread has requests nobody drives (the transport, under its lock). */
 void mpcomm_ucx_loop_want(struct mp_loop *l, int64_t want) {
@@ -299,6 +342,10 @@ void mpcomm_ucx_loop_ask(struct mp_loop *l) { __atomic_store_n(&l->asked, 1, __A
 int64_t mpcomm_ucx_loop_handoff(struct mp_loop *l) {
     __atomic_store_n(&l->handoff_at, mp_now_ns(), __ATOMIC_SEQ_CST); /* its claim window starts */
     __atomic_store_n(&l->want, 1, __ATOMIC_SEQ_CST);
+    /* A parked loop thread is not woken: a driver polls (its poll sees the request's events), or
+       the loop polls again within linger_ns. The signal woke a sleeping loop once per request. */
+    if (__atomic_load_n(&l->parked, __ATOMIC_SEQ_CST))
+        return 0;
     return l->signal(l->worker);
 }
 
@@ -307,13 +354,41 @@ int64_t mpcomm_ucx_loop_handoff(struct mp_loop *l) {
 int64_t mpcomm_ucx_loop_kick(struct mp_loop *l) {
     mp_notify(l->nfd);
     mpcomm_ucx_loop_bump(l);
+    mp_unpark(l);
     return l->signal(l->worker);
 }
 
 /* Tell the loop to end (it returns from mpcomm_ucx_loop_run soon after; join its thread). */
 void mpcomm_ucx_loop_stop(struct mp_loop *l) {
     __atomic_store_n(&l->stop, 1, __ATOMIC_SEQ_CST);
+    mp_unpark(l);
     l->signal(l->worker);
+}
+
+/* The loop thread, about to sleep: while a driver polls the worker, or one left less than
+   linger_ns ago, park on `park` instead of polling the event fd -- two threads asleep on it
+   would both wake for every answer and take the worker's lock in turn. The window: a caller that
+   writes and waits in a loop leaves result() and is back within microseconds, and each return of
+   the loop thread to the event fd would wake it once more per request. Meanwhile nobody polls: a
+   peer's request, or one of ours nobody waits for, waits at most linger_ns (the claim window is
+   1 ms); while drivers poll, the loop looks once per linger_ns. Never past a held wake-up's
+   deadline (`left`, -1: none). 0 turns parking off. Returns 1 when it parked. */
+static int mp_park(struct mp_loop *l, int64_t now, int64_t left) {
+    uint32_t p = __atomic_load_n(&l->park, __ATOMIC_SEQ_CST);
+    int64_t since = now - __atomic_load_n(&l->poller_left, __ATOMIC_SEQ_CST), linger = l->linger_ns;
+    if (linger <= 0 || (!__atomic_load_n(&l->poller, __ATOMIC_SEQ_CST) && since >= linger))
+        return 0;
+    int64_t t = linger;
+    if (left >= 0 && left < t)
+        t = left;
+    __atomic_store_n(&l->parked, 1, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&l->stop, __ATOMIC_SEQ_CST)) {
+        struct timespec ts = {t / 1000000000, t % 1000000000};
+        syscall(SYS_futex, &l->park, FUTEX_WAIT_PRIVATE, p, &ts, NULL, 0);
+    }
+    __atomic_store_n(&l->parked, 0, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&l->parks, 1, __ATOMIC_RELAXED);
+    return 1;
 }
 
 /* Runs until stop: the progress thread's whole life, outside the interpreter. Returns 0. */
@@ -330,6 +405,10 @@ int64_t mpcomm_ucx_loop_run(struct mp_loop *l) {
         mp_release(l, now);
         if (now - last < l->spin_ns) {
             mp_relax();
+            continue;
+        }
+        if (mp_park(l, now, mp_release(l, now))) {
+            last = mp_now_ns();
             continue;
         }
         int8_t st = l->arm(l->worker);
@@ -353,16 +432,24 @@ int64_t mpcomm_ucx_loop_run(struct mp_loop *l) {
 }
 
 /* A driver (a result() waiter, GIL released): wait until Python kicks (`kicks` moves past
-   `seen_kicks`), or the loop did work (`events` moves past `seen`) and `req` -- the request the
+   `seen_kicks`), or work was done (`events` moves past `seen`) and `req` -- the request the
    driver waits for, NULL for any work -- is no longer in progress; at most timeout_ns (spinning
    spin_ns first). Returns 1 when woken so, 0 on timeout. Only the driver frees `req` (the
    transport's Python thread does not step a driven request), and close() waits until no driver
-   is in here (`drivers`) before it releases requests. */
+   is in here (`drivers`) before it releases requests.
+ * One driver at a time polls the worker itself (`poller`): it progresses, arms and polls the
+   worker's event fd, doing what the loop thread does (mp_worked: other drivers, the bookkeeping
+   thread, holds), while the loop thread parks (mp_park). So the answer to a request wakes its
+   waiter, not the loop thread and then, through `events`, the waiter: one wake-up less per
+   request, and no two threads taking the worker's lock in turn for every answer. The other
+   drivers sleep on `events`; when the poller leaves it bumps `events`, and one of them takes the
+   poll over. Work another thread's progress call did signals a polling driver (mp_events_all). */
 int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t seen_kicks, void *req, int64_t timeout_ns,
                              int64_t spin_ns) {
     uint32_t s = (uint32_t)seen, k = (uint32_t)seen_kicks;
     int64_t start = mp_now_ns(), end = start + (timeout_ns < 0 ? 0 : timeout_ns), now;
     int64_t r = 0;
+    int poller = 0;
     __atomic_add_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST);
     for (;;) {
         if (__atomic_load_n(&l->kicks, __ATOMIC_SEQ_CST) != k) {
@@ -375,12 +462,54 @@ int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t seen_kicks
                 r = 1;
                 break;
             }
-            s = e; /* work, but not ours: sleep on, without the GIL */
+            s = e; /* work, but not ours: wait on, without the GIL */
             continue;
         }
         now = mp_now_ns();
         if (now >= end)
             break;
+        if (!poller && l->linger_ns > 0 && !__atomic_load_n(&l->poller, __ATOMIC_SEQ_CST)) {
+            int32_t none = 0;
+            poller = __atomic_compare_exchange_n(&l->poller, &none, 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+            /* A loop thread asleep in poll would wake with this driver for the answer and take
+               the worker's lock as it comes: wake it now, while the request is in flight, to park. */
+            if (poller && !__atomic_load_n(&l->parked, __ATOMIC_SEQ_CST))
+                l->signal(l->worker);
+        }
+        if (poller) {
+            if (l->progress(l->worker)) {
+                mp_worked_on(l, 1, 1); /* as the loop's own; this driver's check comes at the top */
+                mp_release(l, mp_now_ns());
+                continue;
+            }
+            if (now - start < spin_ns) {
+                mp_relax();
+                continue;
+            }
+            __atomic_store_n(&l->polling, 1, __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&l->kicks, __ATOMIC_SEQ_CST) != k || __atomic_load_n(&l->events, __ATOMIC_SEQ_CST) != s) {
+                __atomic_store_n(&l->polling, 0, __ATOMIC_SEQ_CST);
+                continue;
+            }
+            int8_t st = l->arm(l->worker);
+            if (st == -15) { /* UCS_ERR_BUSY: events (or a signal) are pending: progress them */
+                __atomic_store_n(&l->polling, 0, __ATOMIC_SEQ_CST);
+                continue;
+            }
+            int64_t t = end - mp_now_ns(), left = mp_release(l, mp_now_ns());
+            if (left >= 0 && left < t)
+                t = left;
+            if (st != 0 && t > 1000000)
+                t = 1000000; /* a failed arm polls in 1 ms steps */
+            if (t < 0)
+                t = 0;
+            struct timespec ts = {t / 1000000000, t % 1000000000};
+            struct pollfd pfd = {(int)l->efd, POLLIN, 0};
+            ppoll(&pfd, 1, &ts, NULL);
+            __atomic_store_n(&l->polling, 0, __ATOMIC_SEQ_CST);
+            __atomic_add_fetch(&l->polls, 1, __ATOMIC_RELAXED);
+            continue;
+        }
         if (now - start < spin_ns) {
             mp_relax();
             continue;
@@ -388,7 +517,19 @@ int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t seen_kicks
         struct timespec t = {(end - now) / 1000000000, (end - now) % 1000000000};
         syscall(SYS_futex, &l->events, FUTEX_WAIT_PRIVATE, s, &t, NULL, 0);
     }
-    __atomic_sub_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST);
+    if (poller) {
+        __atomic_store_n(&l->poller_left, mp_now_ns(), __ATOMIC_SEQ_CST);
+        __atomic_store_n(&l->poller, 0, __ATOMIC_SEQ_CST);
+        /* A held wake-up is the loop thread's to release. Its signal may have been read by this
+           driver's arm while the loop slept in poll (it went there before this driver polled):
+           wake it, so it sleeps again no longer than the hold's deadline. */
+        if (mp_release(l, mp_now_ns()) >= 0) {
+            mp_unpark(l);
+            l->signal(l->worker);
+        }
+    }
+    if (__atomic_sub_fetch(&l->drivers, 1, __ATOMIC_SEQ_CST) > 0 && poller)
+        mp_events(l); /* the others: one of them polls now */
     return r;
 }
 

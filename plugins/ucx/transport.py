@@ -50,8 +50,9 @@ grace, its only timer) and reports them; it sleeps on an eventfd the loop
 writes only while there are requests of ours that no ``result()`` waiter
 drives (``want``) and it asked (``ask``, set before it checks statuses), so a
 pure target never wakes it. ``drive`` lets a ``result()`` waiter step and
-report its own request, waiting on the loop's event futex with the GIL
-released. Without the helper the Python thread progresses the worker itself
+report its own request with the GIL released: the first waiter polls the worker
+itself while the loop thread parks, the others wait on the loop's event futex.
+Without the helper the Python thread progresses the worker itself
 (``_progress_loop``: arm + ``select``, ``spin_us`` of polling). Requests up to ``inline_threshold`` bytes are
 issued on the posting thread (cma copies are synchronous and need nothing
 from the target); what is not done right after issuing is left to the
@@ -316,6 +317,10 @@ class UcxTransport(Transport):
         # caller to result() is then reported on the caller's thread. Callback-only users pay at most
         # this per wake-up (0: the Python thread is woken at once). As tcp's HANDOFF.
         "claim_us": 1000,
+        # A result() waiter polls the worker itself and the native loop parks meanwhile, and this long
+        # after the last waiter left (one wake-up less per request). Meanwhile a peer's request, or one
+        # of ours nobody waits for, waits at most this long (0: never parks; waiters wait on the loop).
+        "park_us": 250,
         "revoke_timeout": 2.0,  # seconds a target waits for an initiator to confirm a revocation
         "attach_timeout": 10.0,  # upper bound of an attach round trip (the request's deadline is shorter)
     }
@@ -330,6 +335,7 @@ class UcxTransport(Transport):
         self._spin = int(o["spin_us"]) / 1e6
         self._native_spin = max(0, int(o["native_spin_us"])) / 1e6
         self._claim = max(0, int(o["claim_us"])) / 1e6
+        self._park = max(0, int(o["park_us"])) / 1e6
         self._revoke_timeout = float(o["revoke_timeout"])
         self._attach_timeout = float(o["attach_timeout"])
         self._abort_grace = ctx.config.runtime.abort_grace_ms / 1000
@@ -424,6 +430,14 @@ class UcxTransport(Transport):
             # spin out their time slices: 4 KiB over tcp here had p90 3.5 ms, p99 10-16 ms with
             # it, and 113 us / 180 us with a mutex (p50 83 -> 68 us).
             env["USE_MT_MUTEX"] = "y"
+        if "UCX_ADAPTIVE_PROGRESS" not in os.environ and _native.load() is not None:
+            # UCX polls only "active" interfaces in progress; an inactive one's events go to UCX's
+            # async thread, which signals the worker. A target's tcp interface is never activated:
+            # it gets no UCP message, only UCT's own put requests, which UCP does not count. So each
+            # write to an idle target cost two wake-ups in a row: the async thread, then the native
+            # loop (the Python thread, which polls after each event, hid it). With every interface
+            # polled, the loop's poll wakes for the write itself.
+            env["ADAPTIVE_PROGRESS"] = "n"
         return env
 
     def start(self) -> dict[str, Any]:
@@ -439,7 +453,7 @@ class UcxTransport(Transport):
         # The worker's progress runs natively where the helper is built: nobody's GIL is needed for
         # a peer's emulated put/get (tcp) to be served. Python's thread then only steps this
         # process's own requests. Without the helper, the Python thread progresses (as before).
-        self._loop = self._worker.progress_loop(self._native_spin, self._claim)
+        self._loop = self._worker.progress_loop(self._native_spin, self._claim, self._park)
         if self._loop is not None:
             self._loop.start()
         self._thread = threading.Thread(target=self._progress_loop if self._loop is None else self._bookkeeping_loop,

@@ -155,7 +155,7 @@ def test_rma_one_reads_a_failed_request_status_as_the_signed_byte_it_is(lib: Any
 class _StandInLane:
     """A bound lane (struct mp_lane) over stand-in UCX functions: what it issued, what it reported."""
 
-    def __init__(self, check_status: int = 0, *, limit: int = 1 << 16) -> None:
+    def __init__(self, check_status: int = 0, *, limit: int = 1 << 16, flush_request: int = 0) -> None:
         mod = _native.module()
         if mod is None:
             pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
@@ -172,7 +172,7 @@ class _StandInLane:
             return 0x1000  # a request: check_status decides whether it is done
 
         self.keep = (RMA(rma), CHECK_BYTE(lambda r: check_status), FREE(lambda r: None), PROGRESS(lambda w: 0),
-                     FLUSH(lambda ep, p: 0))
+                     FLUSH(lambda ep, p: flush_request))
         lane = self.lane = _native.Lane()
         c = lane.call
         c.fn, c.check, c.rfree, c.progress, c.flush = (C.cast(k, C.c_void_p).value for k in self.keep)
@@ -213,9 +213,11 @@ def test_a_shut_gate_stops_the_lane_before_it_issues() -> None:
 
 
 def test_a_lane_request_left_in_flight_goes_to_on_pending() -> None:
-    s = _StandInLane(check_status=1)  # still in flight after local progress
+    # still in flight after local progress: the put is released and its flush issued at once,
+    # so what the lane leaves in flight is the flush (code 2)
+    s = _StandInLane(check_status=1, flush_request=0x2000)
     assert s.move(0, 0, 64) is False  # on_pending's answer
-    assert s.pending == [(1, 0x1000)] and s.ep_gate[1] == 0
+    assert s.pending == [(2, 0x2000)] and s.ep_gate[1] == 0
 
 
 def test_a_lane_signals_the_progress_thread_only_while_it_has_work() -> None:

@@ -187,28 +187,42 @@ def _claiming(claim_us: int) -> dict[str, Any]:
 def test_an_answer_that_beats_its_caller_to_result_is_reported_by_the_caller(make_engine: Any) -> None:
     """The race of docs/ucx.md: the target answers a handed-off write before its caller reaches
     result() (here the caller sleeps 30 ms first). Within the claim window the native loop holds
-    the Python thread's wake-up, so result() claims the request and reports it on its own thread."""
-    tgt = make_engine(TCP, transports=["ucx"])
-    buf = bytearray(1 << 20)
-    tgt.register(buf, name="kv")
-    ini = make_engine(_claiming(2_000_000), transports=["ucx"])  # 2 s: surely longer than the sleep
-    remote = ini.open(tgt.address, "kv", timeout=10)
-    src = ini.allocate(4096)
-    for _ in range(3):
-        ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
-    tr = ini.transports["ucx"]
-    woke, driven = tr.wakeups, tr.waiter_reports
-    for i in range(10):
-        src.view[:8] = i.to_bytes(8, "little")
-        fut = ini.write(src, remote, i * 4096, 4096)
-        time.sleep(0.03)  # the answer comes meanwhile
-        fut.result(5)
-    woke, driven = tr.wakeups - woke, tr.waiter_reports - driven
-    assert all(buf[i * 4096:i * 4096 + 8] == i.to_bytes(8, "little") for i in range(10))
-    # One whose answer came before its hand-off is reported by the posting thread (not counted as
-    # the waiter's; a third or more of them on a loaded machine): the Python thread reports none.
-    assert woke <= 2, f"the transport's Python thread woke {woke} times for 10 writes ({driven} claimed)"
-    assert driven >= 3, f"only {driven} of 10 writes were reported by their waiter"
+    the Python thread's wake-up, so result() claims the request and reports it on its own thread.
+    The target process is stopped while each write is posted and resumed 5 ms later: a write's
+    one round trip (its flush goes out with its put) is otherwise often over before the posting
+    thread hands it off, and the posting thread then reports it itself -- not this race."""
+    proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine(_claiming(2_000_000), transports=["ucx"])  # 2 s: surely longer than the sleep
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        for _ in range(3):
+            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+        tr = ini.transports["ucx"]
+        woke, driven = tr.wakeups, tr.waiter_reports
+        try:
+            for i in range(10):
+                src.view[:8] = i.to_bytes(8, "little")
+                os.kill(proc.pid, signal.SIGSTOP)
+                _wait_stopped(proc.pid)
+                threading.Timer(0.005, os.kill, (proc.pid, signal.SIGCONT)).start()
+                fut = ini.write(src, remote, i * 4096, 4096)
+                time.sleep(0.03)  # the answer comes meanwhile
+                fut.result(5)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        woke, driven = tr.wakeups - woke, tr.waiter_reports - driven
+        back = bytearray(10 * 4096)
+        ini.read(back, remote, 0).result(5)
+        assert all(back[i * 4096:i * 4096 + 8] == i.to_bytes(8, "little") for i in range(10))
+        # One whose answer came before its hand-off is reported by the posting thread (not counted
+        # as the waiter's): the Python thread reports none.
+        assert woke <= 2, f"the transport's Python thread woke {woke} times for 10 writes ({driven} claimed)"
+        assert driven >= 3, f"only {driven} of 10 writes were reported by their waiter"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_held_wake_up_is_released_when_the_claim_window_ends(make_engine: Any) -> None:
@@ -287,6 +301,102 @@ def test_a_busy_initiator_confirms_a_revocation_in_time(make_engine: Any, caplog
         assert not [r for r in caplog.records if "did not confirm" in r.getMessage()], "the region was quarantined"
         assert took < 2.0, f"unregister took {took:.2f} s"
         print(f"\nrevocation confirmed by a spinning initiator in {took * 1e3:.0f} ms")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("park_us", [100_000, 0], ids=["parks", "never-parks"])
+def test_a_waiter_polls_for_its_answer_and_the_loop_thread_stays_asleep(make_engine: Any, park_us: int) -> None:
+    """A result() waiter polls the worker itself (mpcomm_ucx_loop_wait's `poller`), and the native
+    loop parks meanwhile (and `park_us` after): the answer to a write wakes its waiter only, not the
+    loop thread and then the waiter. The target is stopped while each write is posted (resumed
+    2 ms later), so every write is waited for. With park_us 0 -- the loop polls for every waiter, as
+    before -- each answer ends a poll of the loop thread (`sleeps`): the control. Then 300 writes
+    back to back: none sleeps out the 1 s wait step (a progress call of another thread that
+    consumed the polling waiter's event signals it)."""
+    proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine({"plugins": {"ucx": {"tls": "tcp,self", "park_us": park_us}}}, transports=["ucx"])
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        for _ in range(20):
+            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+        tr = ini.transports["ucx"]
+        loop = tr._loop
+        n = 30
+        sleeps, driven = loop.sleeps, tr.waiter_reports
+        try:
+            for i in range(n):
+                os.kill(proc.pid, signal.SIGSTOP)
+                _wait_stopped(proc.pid)
+                threading.Timer(0.002, os.kill, (proc.pid, signal.SIGCONT)).start()
+                ini.write(src, remote, i * 4096, 4096).result(5)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        sleeps, driven = loop.sleeps - sleeps, tr.waiter_reports - driven
+        assert driven == n, f"{driven} of {n} writes were reported by their waiter"
+        if park_us:
+            assert sleeps <= 3, f"the loop thread's poll ended {sleeps} times for {n} waited-for writes"
+        else:
+            assert sleeps >= n, f"the control: the loop thread's poll ended only {sleeps} times for {n} writes"
+        worst = 0.0
+        for i in range(300):
+            t = time.monotonic()
+            ini.write(src, remote, (i % 16) * 4096, 4096).result(5)
+            worst = max(worst, time.monotonic() - t)
+        assert worst < 0.5, f"a write took {worst:.3f} s: its waiter slept out a wait step"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_COUNTING_TARGET = textwrap.dedent("""
+    import os, sys, mpcomm
+    e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
+    e.register(bytearray(1 << 20), name="kv")
+    print(e.address, flush=True)
+    def ucx_async_switches():  # UCX's async thread (named "async"): its voluntary context switches
+        n = 0
+        for t in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{t}/comm") as f:
+                if f.read().strip() != "async":
+                    continue
+            with open(f"/proc/self/task/{t}/status") as f:
+                n += int(next(x for x in f if x.startswith("voluntary_ctxt_switches")).split()[1])
+        return n
+    for line in sys.stdin:
+        print(ucx_async_switches(), flush=True)
+""")
+
+
+def test_an_idle_target_serves_each_write_without_ucx_async_thread(make_engine: Any) -> None:
+    """A target's tcp interface receives only UCT's own put requests, which never activate it
+    under UCX's adaptive progress: each write then woke UCX's async thread, which signalled the
+    worker for the native loop -- two wake-ups in a row per write. With the native loop the
+    transport turns adaptive progress off (UCX_ADAPTIVE_PROGRESS=n): the loop's poll takes the
+    write itself."""
+    proc = subprocess.Popen([sys.executable, "-c", _COUNTING_TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ini = make_engine(TCP, transports=["ucx"])
+        remote = ini.open(address, "kv", timeout=10)
+        src = ini.allocate(4096)
+        for _ in range(20):
+            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+
+        def async_switches() -> int:
+            proc.stdin.write("\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+            return int(proc.stdout.readline())  # type: ignore[union-attr]
+
+        before, n = async_switches(), 200
+        for i in range(n):
+            ini.write(src, remote, (i % 16) * 4096, 4096).result(5)
+        woke = async_switches() - before
+        assert woke <= n // 10, f"UCX's async thread woke {woke} times for {n} writes"
     finally:
         proc.kill()
         proc.wait()
