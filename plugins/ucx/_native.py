@@ -24,7 +24,7 @@ from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.ucx")
 
-ABI = 8
+ABI = 9
 MODULE = "mpcomm.plugins.ucx._mpcomm_ucxloop"
 
 _lock = threading.Lock()

@@ -17,7 +17,7 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 
-#define MP_ABI 8
+#define MP_ABI 9
 
 int mpcomm_ucx_abi(void) { return MP_ABI; }
 
