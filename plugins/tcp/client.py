@@ -260,6 +260,8 @@ class Conn:
         drive_poll = select.poll()  # a driver's wait for its reply (one driver at a time)
         drive_poll.register(sock.fileno(), select.POLLIN)
         self._drive_poll = drive_poll
+        head = bytearray(wire.RESP.size)
+        self._drive_head = (head, memoryview(head))
         with self.lock:
             self.sock = sock
             if self.broken:  # closed while we dialled
@@ -460,8 +462,10 @@ class Conn:
         sock = self.enter_drive(piece)
         if sock is None:
             return
-        try:
-            self.drive_entered(sock, piece, until)
+        try:  # drive_entered, inlined: this runs once per request waited on
+            self._drive(sock, piece, until)
+        except (OSError, MpcommError) as exc:
+            self._drive_failed(exc)
         finally:
             self.leave_drive()
 
@@ -482,14 +486,17 @@ class Conn:
         try:
             self._drive(sock, piece, until)
         except (OSError, MpcommError) as exc:
-            # Mid-frame: the stream can no longer be trusted; end the connection here.
-            if isinstance(exc, ProtocolError):
-                self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
-            err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
-                f"data connection to {self.pool.where} failed: {exc}")
-            with self.lock:
-                self._shut(socket.SHUT_RDWR)
-            self._fail_all(err, reader_started=True)
+            self._drive_failed(exc)
+
+    def _drive_failed(self, exc: OSError | MpcommError) -> None:
+        """A driver met a broken stream mid-frame: it can no longer be trusted; end the connection here."""
+        if isinstance(exc, ProtocolError):
+            self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
+        err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
+            f"data connection to {self.pool.where} failed: {exc}")
+        with self.lock:
+            self._shut(socket.SHUT_RDWR)
+        self._fail_all(err, reader_started=True)
 
     def leave_drive(self) -> None:
         """Hand the replies back: to the next driver (sticky) or, if some are due, to the reader."""
@@ -503,8 +510,7 @@ class Conn:
 
     def _drive(self, sock: socket.socket, piece: Piece, until: float) -> None:
         fd = sock.fileno()
-        head = bytearray(wire.RESP.size)
-        hv = memoryview(head)
+        head, hv = self._drive_head  # one driver at a time (``driving``): its header buffer is the connection's
         poller = self._drive_poll
         spin = self.pool.busy_ns
         short = None  # since when a reply has been only partly there
@@ -733,18 +739,27 @@ class Pool:
         self._lock = threading.Lock()
         self.closed = False
 
-    def pick(self, n: int = 1) -> list[Conn]:
-        """``n`` distinct connections (fewer if ``size`` is smaller), least loaded first."""
+    def pick_one(self) -> Conn:
+        """The least loaded connection, or a new one when all are busy and ``size`` allows (no
+        sort, no list: this runs once per request)."""
         with self._lock:
             if self.closed:
                 raise PeerConnectionError(f"connections to {self.where} were closed")
-            if n == 1:  # the least loaded one (no sort: this runs once per request)
-                best = min(self._conns, key=_load, default=None)
-                if best is not None and (best.load < self.BUSY or len(self._conns) >= self.size):
-                    return [best]
-                c = Conn(self)
-                self._conns.append(c)
-                return [c]
+            conns = self._conns
+            best = conns[0] if len(conns) == 1 else min(conns, key=_load, default=None)
+            if best is not None and (best.load < self.BUSY or len(conns) >= self.size):
+                return best
+            c = Conn(self)
+            conns.append(c)
+            return c
+
+    def pick(self, n: int = 1) -> list[Conn]:
+        """``n`` distinct connections (fewer if ``size`` is smaller), least loaded first."""
+        if n == 1:
+            return [self.pick_one()]
+        with self._lock:
+            if self.closed:
+                raise PeerConnectionError(f"connections to {self.where} were closed")
             conns = sorted(self._conns, key=_load)
             want = min(n, self.size)
             while len(conns) < want:
