@@ -248,7 +248,7 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(r);
 }
 
-/* await_reply(fd, flags, handoff_ns, idle_ns, max_ms) -> 1 a reply is there for the reader thread,
+/* await_reply(fd, flags, handoff_ns, look_ns, max_ms) -> 1 a reply is there for the reader thread,
  * 0 not yet (max_ms passed: the caller looks at its connection and comes back), 3 the connection
  * ended or failed (the reader meets it).
  *
@@ -263,12 +263,13 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
  * would compete with the driver for a CPU). It looks now and then, and takes a reply it found
  * there, undriven, at two looks handoff_ns apart: the same reply (its request id) both times.
  * Between looks it sleeps in ppoll() for the end of the connection only (POLLRDHUP: no data
- * wakes it). The time between looks doubles from handoff_ns up to idle_ns while the looks find
+ * wakes it). The time between looks doubles from handoff_ns up to look_ns while the looks find
  * a driver at work or nothing at all: a connection whose every reply is driven costs this
- * thread about 1/idle_ns wake-ups a second, not one every handoff_ns, each of which took a CPU
+ * thread about 1/look_ns wake-ups a second, not one every handoff_ns, each of which took a CPU
  * from the driver or the target's poller on a small machine (the p99 of back-to-back sync
- * requests). After idle_ns of looks that found neither a driver nor a reply, it sleeps in poll()
- * until bytes come, and then looks as before. */
+ * requests). The price: a reply nobody drives, after a stretch of driven ones, waits up to
+ * look_ns + handoff_ns. After 2 * look_ns of looks that found neither a driver nor a reply, it
+ * sleeps in poll() until bytes come, and then looks as before. */
 static int readable_now(int fd) {
     struct pollfd p = {.fd = fd, .events = POLLIN};
     int n = poll(&p, 1, 0);
@@ -303,7 +304,7 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
     long long a[5];
     Py_buffer flags;
     if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "await_reply(fd, flags, handoff_ns, idle_ns, max_ms) takes 5 arguments");
+        PyErr_SetString(PyExc_TypeError, "await_reply(fd, flags, handoff_ns, look_ns, max_ms) takes 5 arguments");
         return NULL;
     }
     if (int_args(args, 1, a) < 0 || int_args(args + 2, 3, a + 2) < 0 || writable(args[1], &flags, 2 * sizeof(int)) < 0)
@@ -311,7 +312,7 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
     int fd = (int)a[0], r = 0;
     const int *f = flags.buf;
     long long handoff = a[2] < 1000 ? 1000 : (a[2] > 1000000000LL ? 1000000000LL : a[2]);
-    long long idle = a[3] < handoff ? handoff : (a[3] > 1000000000LL ? 1000000000LL : a[3]);
+    long long look = a[3] < handoff ? handoff : (a[3] > 1000000000LL ? 1000000000LL : a[3]);
     long long max_ms = a[4] < 0 ? 0 : (a[4] > 1 << 30 ? 1 << 30 : a[4]);
     Py_BEGIN_ALLOW_THREADS
     long long end = now_ns() + max_ms * 1000000LL, quiet = 0, period = handoff;
@@ -344,7 +345,7 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
             seen = 0;
             continue;
         }
-        if (quiet >= idle) { /* nothing for a while: asleep until bytes come */
+        if (quiet >= 2 * look) { /* nothing for a while: asleep until bytes come */
             struct pollfd p = {.fd = fd, .events = POLLIN};
             long long ms = (end - t + 999999) / 1000000;
             int n = poll(&p, 1, (int)(ms > 1 << 30 ? 1 << 30 : ms));
@@ -376,7 +377,7 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
         if (__atomic_load_n(&f[0], __ATOMIC_ACQUIRE)) {
             seen = 0; /* a driver reads: its replies */
             quiet = 0;
-            period = period * 2 > idle ? idle : period * 2;
+            period = period * 2 > look ? look : period * 2;
             continue;
         }
         uint64_t id = 0;
@@ -388,7 +389,7 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
         if (k == 0) {
             seen = 0;
             quiet += wait;
-            period = period * 2 > idle ? idle : period * 2;
+            period = period * 2 > look ? look : period * 2;
             continue;
         }
         quiet = 0;

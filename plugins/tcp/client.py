@@ -70,6 +70,9 @@ STICKY_IDLE = 0.01
 _DRIVE_SLICE = 0.05  # a driver rechecks its request at least this often (another thread may report it)
 _DRIVE_MAX = 256 << 10  # replies larger than this are left to the reader thread
 _UNDRIVEN = 4  # replies nobody drove, in a row, after which the reader reads at once again
+#: The longest a reader leaves a driven connection unlooked at (await_reply's look_ns): its wake-ups
+#: per second while every reply is driven, against what the first reply nobody drives may wait.
+_LOOK_MAX = 0.02
 _REPARK_MS = 5000  # the reader's native wait returns this often to look at its connection (a shut socket wakes it at once)
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
@@ -399,9 +402,9 @@ class Conn:
         """
         fd = self.sock.fileno()  # type: ignore[union-attr]
         wait = busypoll.await_reply
-        handoff, idle = int(HANDOFF * 1e9), int(STICKY_IDLE * 1e9)
+        handoff, look = int(HANDOFF * 1e9), int(_LOOK_MAX * 1e9)
         while True:
-            r = wait(fd, self._flags, handoff, idle, _REPARK_MS)
+            r = wait(fd, self._flags, handoff, look, _REPARK_MS)
             with self.lock:
                 if self.broken or r == busypoll.AWAIT_END:
                     self.reading = True  # it meets the end and reports
