@@ -770,23 +770,12 @@ static int send_all(int fd, struct iovec *iov, size_t cnt, double end) {
 }
 
 /* ---- one connection ----------------------------------------------------------------------- */
-/* A connection's pause from busy-polling after a poll found itself preempted (spin_readable). */
-typedef struct {
-    double until;     /* no busy-polling before this time */
-    double pause;     /* the pause the next preemption starts (doubles while they keep coming) */
-    double last_trip; /* when a poll last found itself preempted */
-} Quiet;
-
-#define QUIET_FIRST 1e-3 /* the pause after a lone preemption */
-#define QUIET_MAX 1.0    /* the pause once preemptions keep coming (a CPU hog beside the poller) */
-#define QUIET_RESET 2.0  /* a preemption this long after the last one is a lone one again */
-
 typedef struct {
     Port *p;
     Conn *c;
     int fd;
     char why[512]; /* how the connection ended, for the log */
-    Quiet quiet; /* when this connection may busy-poll again after a preempted poll (spin_readable) */
+    double quiet_until; /* no busy-polling before this time (spin_readable) */
     char peer[64]; /* the initiator's node id, as HELLO and authentication proved it */
     size_t plen;
     double tokens, stamp; /* the connection's notification rate bucket (control.py _TokenBucket) */
@@ -1160,24 +1149,13 @@ static int do_notify(Ctx *x, uint64_t req_id, uint32_t rlen, uint64_t dlen, doub
  * 35 us. So a poll that finds itself preempted (a gap of more than 500 us between two looks: a
  * scheduler time slice lost to another runnable thread, not the few tens of us a sched_yield beside
  * the initiator's own poller costs; with 50 us a quiet 2-CPU machine tripped it in some runs and
- * answered in 70 us instead of 32) stops, and this connection blocks instead of polling for a
- * while: 1 ms after a lone preemption, doubling while they keep coming (within QUIET_RESET of
- * each other) up to a second. A CPU hog beside the poller reaches the second within a dozen
- * requests; a quiet machine's lone hiccup (a kernel thread, another process waking) no longer
- * costs every request of the next second a wake-up (25-30 us each: the p99 and the ops of
- * back-to-back sync requests, from run to run). */
-static void quiet_trip(Quiet *quiet, double now) {
-    quiet->pause = now - quiet->last_trip > QUIET_RESET ? QUIET_FIRST
-                 : (quiet->pause * 2 > QUIET_MAX ? QUIET_MAX : quiet->pause * 2);
-    quiet->last_trip = now;
-    quiet->until = now + quiet->pause;
-}
-
-static int spin_readable(int fd, long long budget_ns, Quiet *quiet) {
+ * answered in 70 us instead of 32) stops, and this connection blocks instead of polling for the
+ * next second. */
+static int spin_readable(int fd, long long budget_ns, double *quiet_until) {
     if (budget_ns <= 0)
         return 0;
     double now = mono();
-    if (now < quiet->until)
+    if (now < *quiet_until)
         return 0;
     if (__atomic_add_fetch(&spinners, 1, __ATOMIC_ACQ_REL) > spin_limit) {
         __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
@@ -1195,7 +1173,7 @@ static int spin_readable(int fd, long long budget_ns, Quiet *quiet) {
         }
         now = mono();
         if (now - last > 500e-6) {
-            quiet_trip(quiet, now);
+            *quiet_until = now + 1.0;
             break;
         }
         if (now >= end)
@@ -1253,7 +1231,7 @@ static int one(Ctx *x, int first) {
     Port *p = x->p;
     unsigned char h[REQ_SIZE];
     /* A poll that found the socket readable needs no second look (one system call less). */
-    int w = !first && spin_readable(x->fd, p->busy_ns, &x->quiet) ? 0
+    int w = !first && spin_readable(x->fd, p->busy_ns, &x->quiet_until) ? 0
                                                                          : wait_fd(x->fd, POLLIN, mono() + p->idle);
     if (w == IO_DEADLINE)
         return END_CLOSED; /* idle for idle_timeout_ms: it dials again when needed */
@@ -1508,7 +1486,7 @@ static PyObject *Port_run(Port *self, PyObject *args) {
     x.c = &c;
     x.fd = fd;
     x.why[0] = 0;
-    x.quiet = (Quiet){0, QUIET_FIRST, -1e9};
+    x.quiet_until = 0;
     x.plen = (size_t)plen < sizeof x.peer ? (size_t)plen : sizeof x.peer;
     memcpy(x.peer, peer, x.plen);
     x.tokens = self->notify_rate; /* a burst of notify_rate, as the control channel's bucket */
@@ -1641,32 +1619,7 @@ static PyObject *parse_head(PyObject *m, PyObject *args) {
                          (unsigned long long)q.off, (unsigned long long)q.n, q.left);
 }
 
-/* quiet_pauses(trip_times) -> the pause each preempted poll at those times (seconds, ascending)
- * starts on a fresh connection: spin_readable's rule, for the tests. */
-static PyObject *quiet_pauses(PyObject *m, PyObject *times) {
-    (void)m;
-    PyObject *seq = PySequence_Fast(times, "quiet_pauses takes a sequence of times");
-    if (!seq)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *out = PyList_New(n);
-    Quiet q = {0, QUIET_FIRST, -1e9};
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        double t = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
-        PyObject *v = t == -1.0 && PyErr_Occurred() ? NULL : (quiet_trip(&q, t), PyFloat_FromDouble(q.pause));
-        if (!v) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, i, v);
-    }
-    Py_DECREF(seq);
-    return out;
-}
-
 static PyMethodDef module_methods[] = {
-    {"quiet_pauses", quiet_pauses, METH_O,
-     "quiet_pauses(trip_times) -> the busy-polling pause each preempted poll starts (the tests)"},
     {"set_spin_limit", set_spin_limit, METH_O, "How many connections may busy-poll at once."},
     {"parse_head", parse_head, METH_VARARGS,
      "parse_head(header, now, max_request_s) -> the decoded header; ValueError where the loop closes"},

@@ -367,17 +367,3 @@ def test_without_the_built_module_the_python_server_serves() -> None:
     out = subprocess.run([sys.executable, "-c", _NO_COMPILER], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "served by python | not installed" in out.stdout, out.stdout
-
-
-def test_a_lone_preempted_poll_pauses_busy_polling_for_a_millisecond_not_a_second() -> None:
-    """spin_readable's rule (the module's quiet_pauses): a poll that found itself preempted stops a
-    connection's busy-polling for 1 ms, doubling while preemptions keep coming (within 2 s of each
-    other) up to 1 s. One hiccup on a quiet machine used to cost every request of the next second a
-    wake-up (the run-to-run spread of back-to-back sync requests); a CPU hog beside the poller
-    still reaches the full second within a dozen requests."""
-    pauses = dataport.load().quiet_pauses
-    assert pauses([0.0]) == [0.001]
-    hog = [i * 0.0005 for i in range(14)]  # preempted at every poll
-    got = pauses(hog)
-    assert got[:11] == [0.001 * 2**i for i in range(11)][:10] + [1.0] and got[-1] == 1.0
-    assert pauses([0.0, 0.003, 10.0, 10.001]) == [0.001, 0.002, 0.001, 0.002]  # lone again after 2 s
