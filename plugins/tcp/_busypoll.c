@@ -59,6 +59,7 @@ int mpcomm_tcp_spin_readable(int fd, long long budget_ns) {
 #include <stdint.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 static int spin_limit = 1;
 static int spinners = 0;
@@ -248,7 +249,7 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(r);
 }
 
-/* await_reply(fd, flags, handoff_ns, look_ns, max_ms) -> 1 a reply is there for the reader thread,
+/* await_reply(fd, flags, handoff_ns, look_ns, max_ms[, bell]) -> 1 a reply is there for the reader thread,
  * 0 not yet (max_ms passed: the caller looks at its connection and comes back), 3 the connection
  * ended or failed (the reader meets it).
  *
@@ -268,7 +269,9 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
  * thread about 1/look_ns wake-ups a second, not one every handoff_ns, each of which took a CPU
  * from the driver or the target's poller on a small machine (the p99 of back-to-back sync
  * requests). The price: a reply nobody drives, after a stretch of driven ones, waits up to
- * look_ns + handoff_ns. After 2 * look_ns of looks that found neither a driver nor a reply, it
+ * look_ns + handoff_ns. bell (an eventfd, or -1) is rung when a driver hands the replies to
+ * this thread (it left with requests pending): it wakes the sleep between looks at once, and
+ * the wait goes on as the flags now say. After 2 * look_ns of looks that found neither a driver nor a reply, it
  * sleeps in poll() until bytes come, and then looks as before. */
 static int readable_now(int fd) {
     struct pollfd p = {.fd = fd, .events = POLLIN};
@@ -303,11 +306,13 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
     (void)self;
     long long a[5];
     Py_buffer flags;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "await_reply(fd, flags, handoff_ns, look_ns, max_ms) takes 5 arguments");
+    long long bell = -1;
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "await_reply(fd, flags, handoff_ns, look_ns, max_ms[, bell]) takes 5 or 6 arguments");
         return NULL;
     }
-    if (int_args(args, 1, a) < 0 || int_args(args + 2, 3, a + 2) < 0 || writable(args[1], &flags, 2 * sizeof(int)) < 0)
+    if (int_args(args, 1, a) < 0 || int_args(args + 2, 3, a + 2) < 0 || (nargs == 6 && int_args(args + 5, 1, &bell) < 0)
+        || writable(args[1], &flags, 2 * sizeof(int)) < 0)
         return NULL;
     int fd = (int)a[0], r = 0;
     const int *f = flags.buf;
@@ -362,13 +367,24 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
         long long wait = period < end - t ? period : end - t;
         struct timespec ts = {wait / 1000000000LL, wait % 1000000000LL};
         if (!hup) {
-            struct pollfd p = {.fd = fd, .events = POLLRDHUP};
-            int n = ppoll(&p, 1, &ts, NULL);
+            struct pollfd p[2] = {{.fd = fd, .events = POLLRDHUP}, {.fd = (int)bell, .events = POLLIN}};
+            int n = ppoll(p, bell >= 0 ? 2 : 1, &ts, NULL);
             if (n < 0 && errno != EINTR) {
                 r = 3;
                 break;
             }
-            if (n > 0)
+            if (n > 0 && bell >= 0 && p[1].revents) {
+                uint64_t rung;
+                if (read((int)bell, &rung, sizeof rung) < 0 && errno != EAGAIN && errno != EINTR) {
+                    r = 3;
+                    break;
+                }
+                period = handoff;
+                seen = 0;
+                if (!p[0].revents)
+                    continue; /* handed the replies: the flags say how to wait now */
+            }
+            if (n > 0 && p[0].revents)
                 hup = 1; /* the peer ended its side (replies may still precede the end): look now, and
                             sleep plainly from here on (the condition stays set) */
         } else {

@@ -42,6 +42,7 @@ import fcntl
 import itertools
 import json
 import math
+import os
 import select
 import socket
 import struct
@@ -130,6 +131,10 @@ class Conn:
         self.driven = 0  # replies a driver read (diagnostics and tests)
         #: Replies the reader took in a row after leaving them to a driver for HANDOFF.
         self.undriven = 0
+        #: The reader's doorbell (an eventfd, -1 until its native wait makes it; the reader closes
+        #: it under ``lock``): leave_drive rings it when it hands pending replies to the reader,
+        #: which sleeps between its looks at a sticky connection for up to _LOOK_MAX.
+        self._bell = -1
         #: [driving, sticky] for the reader's native wait (busypoll.await_reply), under ``lock``.
         self._flags = array("i", (0, int(self.sticky)))
         threading.Thread(target=self._writer, name=f"mpcomm-tcp-w-{pool.where}", daemon=True).start()
@@ -357,6 +362,10 @@ class Conn:
         except (OSError, MpcommError) as exc:
             err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
                 f"data connection to {self.pool.where} failed: {exc}")
+        with self.lock:
+            bell, self._bell = self._bell, -1
+        if bell >= 0:
+            os.close(bell)
         self._fail_all(err or PeerConnectionError("connection closed"), reader_started=True)
 
     def _wait_turn(self) -> None:
@@ -403,8 +412,12 @@ class Conn:
         fd = self.sock.fileno()  # type: ignore[union-attr]
         wait = busypoll.await_reply
         handoff, look = int(HANDOFF * 1e9), int(_LOOK_MAX * 1e9)
+        if self._bell < 0:
+            bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            with self.lock:
+                self._bell = bell
         while True:
-            r = wait(fd, self._flags, handoff, look, _REPARK_MS)
+            r = wait(fd, self._flags, handoff, look, _REPARK_MS, self._bell)
             with self.lock:
                 if self.broken or r == busypoll.AWAIT_END:
                     self.reading = True  # it meets the end and reports
@@ -510,6 +523,8 @@ class Conn:
             self._flags[0], self._flags[1] = 0, self.sticky
             if not self.sticky:
                 self.rcv.notify()
+                if self._bell >= 0:
+                    os.eventfd_write(self._bell, 1)  # the native reader: its turn now, not at its next look
 
     def _drive(self, sock: socket.socket, piece: Piece, until: float) -> None:
         fd = sock.fileno()

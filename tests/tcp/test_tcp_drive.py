@@ -210,3 +210,30 @@ def test_the_reader_of_a_connection_whose_replies_are_driven_rarely_wakes(spawn:
     per_s = (_voluntary_switches(reader.native_id) - before) / (time.monotonic() - t0)
     assert sum(c.driven for c in _conns(ini)) >= n - 10  # they were driven
     assert per_s < 250, f"the reader woke {per_s:.0f} times a second over {n} driven requests"
+
+
+def test_a_driver_that_leaves_requests_pending_hands_them_to_the_reader_at_once(spawn: Any,
+                                                                              make_engine: Any) -> None:
+    """After a stretch of driven requests the reader looks only every 20 ms; a driver that leaves with
+    another request pending (nobody waits on it) rings the reader, which reads its reply at once."""
+    if busypoll.load() is None or busypoll.await_reply is None:
+        pytest.skip("the reader waits on its condition (no compiled await_reply)")
+    target = spawn()
+    ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
+    remote = ini.open(target.address, "kv")
+    src = ini.allocate(8192)
+    lags: list[float] = []
+    for _ in range(15):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.06:  # driven: the reader's looks grow apart
+            ini.write(src, remote, 0, 4096).result(10)
+        done = threading.Event()
+        first = ini.write(src, remote, 0, 4096)
+        second = ini.write(src, remote, 4096, 4096, local_offset=4096)  # nobody waits on it
+        second.add_done_callback(lambda _t: done.set())
+        first.result(10)  # its driver leaves with the second one pending
+        left = time.monotonic()
+        assert done.wait(10)
+        lags.append(time.monotonic() - left)
+    lags.sort()
+    assert lags[len(lags) // 2] < 0.005, f"replies left to the reader waited {lags}"
