@@ -283,12 +283,13 @@ class Transfer(Future):  # type: ignore[type-arg]
                     log.exception("transport %s failed in drive()", t.name)
                 if self.outcome is not None or (end is not None and time.monotonic() >= end):
                     break
-            if end is not None:
-                timeout = max(end - time.monotonic(), 0)
-            # The outcome is in (the usual end of a drive): nothing to wait on.
+            # The outcome is in (the usual end of a drive): nothing to wait on, no clock to read.
             wake = self._wake_for_waiter() if self.outcome is None else None
-            if wake is not None and wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
-                wake.release()  # pass it on to the next waiter
+            if wake is not None:
+                if end is not None:
+                    timeout = max(end - time.monotonic(), 0)
+                if wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+                    wake.release()  # pass it on to the next waiter
         finally:
             # Uncounted, and settled (settle()'s step) if the outcome is in, under one hold of the lock.
             with self._lock:

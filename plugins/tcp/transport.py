@@ -445,8 +445,8 @@ class TcpTransport(Transport):
         connection's reader, and so is the rest of the request.
         """
         plist = op.state
-        if not plist or staging_state(op) is not None:
-            return
+        if type(plist) is not list or not plist:
+            return  # not posted yet, or staged (a Staged stands there, with its own host requests)
         if len(plist) == 1:
             conn = plist[0].conn
             if conn is not None:
