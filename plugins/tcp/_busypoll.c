@@ -270,9 +270,9 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
  * from the driver or the target's poller on a small machine (the p99 of back-to-back sync
  * requests). The price: a reply nobody drives, after a stretch of driven ones, waits up to
  * look_ns + handoff_ns. bell (an eventfd, or -1) is rung when a driver hands the replies to
- * this thread (it left with requests pending): it wakes the sleep between looks at once, and
- * the wait goes on as the flags now say. After 2 * look_ns of looks that found neither a driver nor a reply, it
- * sleeps in poll() until bytes come, and then looks as before. */
+ * this thread (it left with requests pending): it ends the sleep between looks, and the wait
+ * goes on as the flags say handoff_ns later. After 2 * look_ns of looks that found neither a
+ * driver nor a reply, it sleeps in poll() until bytes come, and then looks as before. */
 static int readable_now(int fd) {
     struct pollfd p = {.fd = fd, .events = POLLIN};
     int n = poll(&p, 1, 0);
@@ -381,8 +381,14 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
                 }
                 period = handoff;
                 seen = 0;
-                if (!p[0].revents)
-                    continue; /* handed the replies: the flags say how to wait now */
+                if (!p[0].revents) {
+                    /* Handed the replies: the flags say how to wait now, handoff_ns from now (as the
+                     * 1 ms looks did): a caller that drives its next frames at once (a batch of
+                     * several groups, driven in turn) takes them itself; the rest are this thread's. */
+                    struct timespec h = {handoff / 1000000000LL, handoff % 1000000000LL};
+                    nanosleep(&h, NULL);
+                    continue;
+                }
             }
             if (n > 0 && p[0].revents)
                 hup = 1; /* the peer ended its side (replies may still precede the end): look now, and
