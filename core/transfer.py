@@ -168,6 +168,11 @@ class Transfer(Future):  # type: ignore[type-arg]
     _cbs_ran = False
     _waiters_n = 0  # threads blocked in result()/exception() (under _lock)
     _left_to_waiter = False  # the engine left settling to a waiter (no completion-thread push)
+    #: Held until the outcome is recorded; a result() waiter with no outcome after its drive
+    #: blocks on it, and whoever records the outcome releases it: the waiter wakes directly,
+    #: not through the completion thread. Made (under _lock) by the first waiter that has to
+    #: block: a request whose waiter drove it to its end never needs one.
+    _wake: Any = None
     # The Future base (its Condition and fields) is built only when something asks for it
     # (see _future): result(), done() and the rest answer from the outcome without it.
     _built = False  # the Future base exists
@@ -180,10 +185,6 @@ class Transfer(Future):  # type: ignore[type-arg]
         self.dispatch = _dispatch
         self._callbacks: list[Callable[[Transfer], Any]] = []
         self._lock = threading.Lock()
-        # Released by whoever records the outcome: result() waiters wake on it
-        # directly, without waiting for the completion thread.
-        self._wake = threading.Lock()
-        self._wake.acquire()
 
     def __repr__(self) -> str:
         return f"<Transfer {self.status.value} via={self.transport} bytes={self.bytes_moved}>"
@@ -288,17 +289,27 @@ class Transfer(Future):  # type: ignore[type-arg]
                     log.exception("transport %s failed in drive()", t.name)
                 if self.outcome is not None or (end is not None and time.monotonic() >= end):
                     break
-            if end is not None:
-                timeout = max(end - time.monotonic(), 0)
-            # The outcome is in (the usual end of a drive): the wake lock is released already.
-            if self.outcome is None and self._wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
-                self._wake.release()  # pass it on to the next waiter
+            # The outcome is in (the usual end of a drive): nothing to wait on, no clock to read.
+            wake = self._wake_for_waiter() if self.outcome is None else None
+            if wake is not None:
+                if end is not None:
+                    timeout = max(end - time.monotonic(), 0)
+                if wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+                    wake.release()  # pass it on to the next waiter
         finally:
+            # Uncounted, and settled (settle()'s step) if the outcome is in, under one hold of the lock.
             with self._lock:
                 self._waiters_n -= 1
+                settled_here = not self._settled and self.outcome is not None
+                if settled_here:
+                    self._settled = True
+                    self._apply()
+                    built = self._built
+            if settled_here and built:
+                self._to_future()
         if self.outcome is not None:
             # Settled here: the engine may have left that to this waiter (leave_to_waiter).
-            if self.settle() and self._left_to_waiter and self.dispatch is not None:
+            if settled_here and self._left_to_waiter and self.dispatch is not None:
                 with self._lock:
                     left = bool(self._callbacks)
                 if left:
@@ -308,6 +319,18 @@ class Transfer(Future):  # type: ignore[type-arg]
         # No report in time. A handle no engine owns (or one settled another
         # way, e.g. cancel()) may still be resolved through the Future itself.
         return 0 if self.dispatch is not None else timeout
+
+    def _wake_for_waiter(self) -> Any:
+        """The wake lock a waiter blocks on (made here, held, by the first one); None once the
+        outcome is in."""
+        with self._lock:
+            if self.outcome is not None:
+                return None
+            wake = self._wake
+            if wake is None:
+                wake = self._wake = threading.Lock()
+                wake.acquire()
+            return wake
 
     def _driven(self) -> tuple[Any, ...]:
         """The posted units a waiter may drive (Transport.drive): this request's own."""
@@ -324,9 +347,11 @@ class Transfer(Future):  # type: ignore[type-arg]
         outcome, so a waiter that saw no outcome was not counted here.
         """
         with self._lock:
-            self._left_to_waiter = (self._waiters_n > 0 and not self._callbacks
-                                    and "on_settled" not in self.__dict__)
-            return self._left_to_waiter
+            return self._leave_to_waiter_locked()
+
+    def _leave_to_waiter_locked(self) -> bool:
+        self._left_to_waiter = self._waiters_n > 0 and not self._callbacks and "on_settled" not in self.__dict__
+        return self._left_to_waiter
 
     def result(self, timeout: float | None = None) -> Any:
         left = self._await_outcome(timeout)
@@ -437,8 +462,24 @@ class Transfer(Future):  # type: ignore[type-arg]
             if self.outcome is not None:
                 return False
             self.outcome = (error, nbytes)
-        self._wake.release()
+            wake = self._wake  # None: no waiter blocks (one makes it under this lock)
+        if wake is not None:
+            wake.release()
         return True
+
+    def record_outcome_for_waiter(self, error: BaseException | None, nbytes: int) -> bool | None:
+        """:meth:`record_outcome` and :meth:`leave_to_waiter` under one hold of the lock (the engine's
+        own handles, once per request): None if an outcome was recorded already, else whether a
+        ``result()`` waiter settles it."""
+        with self._lock:
+            if self.outcome is not None:
+                return None
+            self.outcome = (error, nbytes)
+            wake = self._wake
+            left = self._leave_to_waiter_locked()
+        if wake is not None:
+            wake.release()
+        return left
 
     def drop_operation(self) -> None:
         """Forget the engine's Operation (it was released), keeping what :attr:`request` needs."""

@@ -93,9 +93,16 @@ class Endings:
         batch = unit.batch
         if batch is None:
             t = unit.transfer
-            if not t.record_outcome(error, nbytes):
-                return  # resolved already (an unconfirmed timeout): the resources are free now
-            self._push(unit)
+            if t.dispatch is self.dispatch:
+                # Recorded, and whether a result() waiter settles it, under one hold of its lock.
+                left = t.record_outcome_for_waiter(error, nbytes)
+                if left is None:
+                    return  # resolved already (an unconfirmed timeout): the resources are free now
+            elif not t.record_outcome(error, nbytes):
+                return
+            else:
+                left = False  # a completion queue's poller settles it
+            self._push(unit, left)
             return
         if isinstance(unit, Operation):
             unit.transfer.record_outcome(error, nbytes)
@@ -103,13 +110,18 @@ class Endings:
         if batch.part_ended():
             self._batch_done(batch)
 
-    def _push(self, op: Operation) -> None:
+    def _push(self, op: Operation, left: bool | None = None) -> None:
+        """Hand a recorded outcome on: to the completion thread, unless the posting thread or a
+        ``result()`` waiter settles it. ``left``: the waiter's part already decided
+        (:meth:`Transfer.record_outcome_for_waiter`); None: decide it here."""
         with op.lock:
             if op.posting or op.handed:
                 return  # the posting thread settles it when post() returns
             op.handed = True
         t = op.transfer
-        if t.dispatch is self.dispatch and t.leave_to_waiter():
+        if left is None:
+            left = t.dispatch is self.dispatch and t.leave_to_waiter()
+        if left:
             return  # the thread blocked in result() settles it: no completion-thread hop
         t.dispatch.push(t)
 

@@ -61,6 +61,7 @@ int mpcomm_tcp_spin_readable(int fd, long long budget_ns) {
 #include <stdint.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 static int spin_limit = 1;
 static int spinners = 0;
@@ -199,12 +200,41 @@ static uint64_t be64(const unsigned char *p) {
     return v;
 }
 
+/* Peek at up to RESP_SIZE bytes of fd into h without waiting, and while nothing is there keep
+ * peeking for up to budget_ns (when a poller slot is free; sched_yield between looks, as
+ * mpcomm_tcp_spin_readable). The peek is the look: a spin that found the reply has its header
+ * already, one system call less per request than poll() followed by a peek. recv's answer:
+ * bytes peeked, 0 the end, -1 with errno (EAGAIN: nothing came). */
+static ssize_t peek_spin(int fd, unsigned char *h, long long budget_ns) {
+    ssize_t got = recv(fd, h, RESP_SIZE, MSG_PEEK | MSG_DONTWAIT);
+    if (got >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) || budget_ns <= 0)
+        return got;
+    if (__atomic_add_fetch(&spinners, 1, __ATOMIC_ACQ_REL) > spin_limit) {
+        __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
+        errno = EAGAIN;
+        return -1;
+    }
+    long long end = now_ns() + budget_ns;
+    for (;;) {
+        sched_yield(); /* a thread sharing this CPU runs: the peer we wait for may be it */
+        got = recv(fd, h, RESP_SIZE, MSG_PEEK | MSG_DONTWAIT);
+        if (got >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) || now_ns() >= end)
+            break;
+    }
+    int saved = errno;
+    __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
+    errno = saved;
+    return got;
+}
+
 /* next_reply(fd, spin_ns, wait_ms, max_len, head) -> 1 a reply header is in head (consumed; its
  * body, if any, is whole in the socket buffer), 0 nothing yet, 2 a reply only partly there,
  * 3 not for a driver: the end of the connection, an error, or a header that is not a whole
  * OK/ERR/PARTIAL reply of at most max_len body bytes (the reader thread deals with it).
  *
- * Waits by polling up to spin_ns (when a poller slot is free), else up to wait_ms in poll(). */
+ * Waits by peeking up to spin_ns (peek_spin, when a poller slot is free), else up to wait_ms in
+ * poll() and one peek after it. A write's reply (no body) found by the spin costs the peeks and
+ * one recv: no poll. */
 static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     static const arg_rule rules[] = {FD_ARG, NS_ARG, MS_ARG, {0, LLONG_MAX, 0, 0}, BUF_ARG(RESP_SIZE)};
@@ -215,40 +245,43 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
     int fd = (int)a[0], r;
     unsigned char *h = head.buf;
     Py_BEGIN_ALLOW_THREADS
-    r = counted_spin(fd, a[1]);
-    if (r == 0) {
+    ssize_t got = peek_spin(fd, h, a[1]);
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
-        r = poll(&p, 1, a[2] < 0 ? 0 : (a[2] > 1 << 30 ? 1 << 30 : (int)a[2]));
+        int n = poll(&p, 1, a[2] < 0 ? 0 : (a[2] > 1 << 30 ? 1 << 30 : (int)a[2]));
+        if (n < 0 && errno != EINTR)
+            got = -2; /* poll failed: not for a driver */
+        else
+            got = n > 0 ? recv(fd, h, RESP_SIZE, MSG_PEEK | MSG_DONTWAIT) : -1;
+        if (n <= 0 && got == -1)
+            errno = EAGAIN;
     }
-    if (r < 0)
-        r = errno == EINTR ? 0 : 3;
-    else if (r > 0) {
-        ssize_t got = recv(fd, h, RESP_SIZE, MSG_PEEK | MSG_DONTWAIT);
-        if (got < 0)
-            r = (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : 3;
-        else if (got == 0)
-            r = 3;
-        else if (got < RESP_SIZE)
+    if (got == -2)
+        r = 3;
+    else if (got < 0)
+        r = (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : 3;
+    else if (got == 0)
+        r = 3;
+    else if (got < RESP_SIZE)
+        r = 2;
+    else if (h[0] != 'M' || h[1] != 'R' || h[2] > 2 || be64(h + 16) > (uint64_t)(a[3] < 0 ? 0 : a[3]))
+        r = 3;
+    else {
+        uint64_t length = be64(h + 16);
+        int avail = 0;
+        /* avail >= RESP_SIZE + length, written so that it cannot wrap (max_len is the caller's) */
+        if (length > 0 && (ioctl(fd, FIONREAD, &avail) < 0 || avail < RESP_SIZE
+                           || (uint64_t)avail - RESP_SIZE < length))
             r = 2;
-        else if (h[0] != 'M' || h[1] != 'R' || h[2] > 2 || be64(h + 16) > (uint64_t)(a[3] < 0 ? 0 : a[3]))
-            r = 3;
-        else {
-            uint64_t length = be64(h + 16);
-            int avail = 0;
-            /* avail >= RESP_SIZE + length, written so that it cannot wrap (max_len is the caller's) */
-            if (length > 0 && (ioctl(fd, FIONREAD, &avail) < 0 || avail < RESP_SIZE
-                               || (uint64_t)avail - RESP_SIZE < length))
-                r = 2;
-            else
-                r = recv(fd, h, RESP_SIZE, MSG_DONTWAIT) == RESP_SIZE ? 1 : 3;
-        }
+        else
+            r = recv(fd, h, RESP_SIZE, MSG_DONTWAIT) == RESP_SIZE ? 1 : 3;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&head);
     return PyLong_FromLong(r);
 }
 
-/* await_reply(fd, flags, handoff_ns, idle_ns, max_ms) -> 1 a reply is there for the reader thread,
+/* await_reply(fd, flags, handoff_ns, look_ns, max_ms[, bell]) -> 1 a reply is there for the reader thread,
  * 0 not yet (max_ms passed: the caller looks at its connection and comes back), 3 the connection
  * ended or failed (the reader meets it).
  *
@@ -259,10 +292,19 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
  *   driving: a driver reads replies now;
  *   sticky:  the last replies were read by a driver, so the next ones are left to a driver;
  *   neither: a reply is the reader's at once (it waits in poll() on the socket).
- * With either set this thread does not watch the socket (its wake-up at every reply would
- * compete with the driver for a CPU): it looks every handoff_ns and takes a reply it found
- * there, undriven, at two looks in a row. After idle_ns with nothing there it sleeps in poll()
- * until bytes come, and then looks as before. */
+ * With either set this thread does not watch the socket for data (its wake-up at every reply
+ * would compete with the driver for a CPU). It looks now and then, and takes a reply it found
+ * there, undriven, at two looks handoff_ns apart: the same reply (its request id) both times.
+ * Between looks it sleeps in ppoll() for the end of the connection only (POLLRDHUP: no data
+ * wakes it). The time between looks doubles from handoff_ns up to look_ns while the looks find
+ * a driver at work or nothing at all: a connection whose every reply is driven costs this
+ * thread about 1/look_ns wake-ups a second, not one every handoff_ns, each of which took a CPU
+ * from the driver or the target's poller on a small machine (the p99 of back-to-back sync
+ * requests). The price: a reply nobody drives, after a stretch of driven ones, waits up to
+ * look_ns + handoff_ns. bell (an eventfd, or -1) is rung when a driver hands the replies to
+ * this thread (it left with requests pending): it ends the sleep between looks, and the wait
+ * goes on as the flags say handoff_ns later. After 2 * look_ns of looks that found neither a
+ * driver nor a reply, it sleeps in poll() until bytes come, and then looks as before. */
 static int readable_now(int fd) {
     struct pollfd p = {.fd = fd, .events = POLLIN};
     int n = poll(&p, 1, 0);
@@ -281,6 +323,17 @@ static int readable_now(int fd) {
     return 1;
 }
 
+static int peek_id(int fd, uint64_t *id) {
+    unsigned char h[RESP_SIZE];
+    ssize_t got = recv(fd, h, RESP_SIZE, MSG_PEEK | MSG_DONTWAIT);
+    if (got == 0)
+        return -1; /* the end of the stream */
+    if (got < 0)
+        return (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : -1;
+    *id = got == RESP_SIZE ? be64(h + 8) : UINT64_MAX; /* a partial header: matched by length */
+    return 1;
+}
+
 static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     /* handoff and idle bounded so that quiet (< idle before each += handoff) cannot wrap */
@@ -288,15 +341,25 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
                                      {0, 1LL << 62, 0, 0}, MS_ARG};
     long long a[5];
     Py_buffer flags;
-    if (TAKE_ARGS("await_reply(fd, flags, handoff_ns, idle_ns, max_ms)", rules, a, &flags) < 0)
+    static const arg_rule bell_rule[] = {FD_ARG};
+    static const char usage[] = "await_reply(fd, flags, handoff_ns, look_ns, max_ms[, bell])";
+    long long bell = -1;
+    /* bell (an eventfd a leaving driver rings, or -1) is optional: the first five by the rules */
+    if (take_args(usage, rules, 5, args, nargs == 6 ? 5 : nargs, a, &flags) < 0)
         return NULL;
+    if (nargs == 6 && take_args(usage, bell_rule, 1, args + 5, 1, &bell, NULL) < 0) {
+        PyBuffer_Release(&flags);
+        return NULL;
+    }
     int fd = (int)a[0], r = 0;
     const int *f = flags.buf;
-    long long handoff = a[2] < 1000 ? 1000 : a[2], idle = a[3] < 0 ? 0 : a[3];
+    long long handoff = a[2] < 1000 ? 1000 : (a[2] > 1000000000LL ? 1000000000LL : a[2]);
+    long long look = a[3] < handoff ? handoff : (a[3] > 1000000000LL ? 1000000000LL : a[3]);
     long long max_ms = a[4] < 0 ? 0 : (a[4] > 1 << 30 ? 1 << 30 : a[4]);
     Py_BEGIN_ALLOW_THREADS
-    long long end = now_ns() + max_ms * 1000000LL, quiet = 0;
-    int seen = 0;
+    long long end = now_ns() + max_ms * 1000000LL, quiet = 0, period = handoff;
+    int seen = 0, hup = 0;
+    uint64_t seen_id = 0;
     for (;;) {
         long long t = now_ns();
         if (t >= end)
@@ -320,9 +383,11 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
                     break;
                 }
             }
+            period = handoff;
+            seen = 0;
             continue;
         }
-        if (quiet >= idle) { /* nothing for a while: asleep until bytes come */
+        if (quiet >= 2 * look) { /* nothing for a while: asleep until bytes come */
             struct pollfd p = {.fd = fd, .events = POLLIN};
             long long ms = (end - t + 999999) / 1000000;
             int n = poll(&p, 1, (int)(ms > 1 << 30 ? 1 << 30 : ms));
@@ -332,32 +397,68 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
             }
             quiet = 0;
             seen = 0;
+            period = handoff;
             if (n == 0)
                 continue;
         }
-        struct timespec ts = {handoff / 1000000000LL, handoff % 1000000000LL};
-        nanosleep(&ts, NULL);
+        long long wait = period < end - t ? period : end - t;
+        struct timespec ts = {wait / 1000000000LL, wait % 1000000000LL};
+        if (!hup) {
+            struct pollfd p[2] = {{.fd = fd, .events = POLLRDHUP}, {.fd = (int)bell, .events = POLLIN}};
+            int n = ppoll(p, bell >= 0 ? 2 : 1, &ts, NULL);
+            if (n < 0 && errno != EINTR) {
+                r = 3;
+                break;
+            }
+            if (n > 0 && bell >= 0 && p[1].revents) {
+                uint64_t rung;
+                if (read((int)bell, &rung, sizeof rung) < 0 && errno != EAGAIN && errno != EINTR) {
+                    r = 3;
+                    break;
+                }
+                period = handoff;
+                seen = 0;
+                if (!p[0].revents) {
+                    /* Handed the replies: the flags say how to wait now, handoff_ns from now (as the
+                     * 1 ms looks did): a caller that drives its next frames at once (a batch of
+                     * several groups, driven in turn) takes them itself; the rest are this thread's. */
+                    struct timespec h = {handoff / 1000000000LL, handoff % 1000000000LL};
+                    nanosleep(&h, NULL);
+                    continue;
+                }
+            }
+            if (n > 0 && p[0].revents)
+                hup = 1; /* the peer ended its side (replies may still precede the end): look now, and
+                            sleep plainly from here on (the condition stays set) */
+        } else {
+            nanosleep(&ts, NULL);
+        }
         if (__atomic_load_n(&f[0], __ATOMIC_ACQUIRE)) {
             seen = 0; /* a driver reads: its replies */
             quiet = 0;
+            period = period * 2 > look ? look : period * 2;
             continue;
         }
-        int k = readable_now(fd);
+        uint64_t id = 0;
+        int k = peek_id(fd, &id);
         if (k < 0) {
             r = 3;
             break;
         }
         if (k == 0) {
             seen = 0;
-            quiet += handoff;
+            quiet += wait;
+            period = period * 2 > look ? look : period * 2;
             continue;
         }
         quiet = 0;
-        if (seen) { /* there at two looks in a row, nobody drove it */
+        if (seen && id == seen_id) { /* the same reply at two looks in a row: nobody drove it */
             r = 1;
             break;
         }
-        seen = 1;
+        seen = 1; /* look again, handoff_ns from now */
+        seen_id = id;
+        period = handoff;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&flags);

@@ -42,6 +42,7 @@ import fcntl
 import itertools
 import json
 import math
+import os
 import select
 import socket
 import struct
@@ -70,6 +71,9 @@ STICKY_IDLE = 0.01
 _DRIVE_SLICE = 0.05  # a driver rechecks its request at least this often (another thread may report it)
 _DRIVE_MAX = 256 << 10  # replies larger than this are left to the reader thread
 _UNDRIVEN = 4  # replies nobody drove, in a row, after which the reader reads at once again
+#: The longest a reader leaves a driven connection unlooked at (await_reply's look_ns): its wake-ups
+#: per second while every reply is driven, against what the first reply nobody drives may wait.
+_LOOK_MAX = 0.02
 _REPARK_MS = 5000  # the reader's native wait returns this often to look at its connection (a shut socket wakes it at once)
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
@@ -127,6 +131,10 @@ class Conn:
         self.driven = 0  # replies a driver read (diagnostics and tests)
         #: Replies the reader took in a row after leaving them to a driver for HANDOFF.
         self.undriven = 0
+        #: The reader's doorbell (an eventfd, -1 until its native wait makes it; the reader closes
+        #: it under ``lock``): leave_drive rings it when it hands pending replies to the reader,
+        #: which sleeps between its looks at a sticky connection for up to _LOOK_MAX.
+        self._bell = -1
         #: [driving, sticky] for the reader's native wait (busypoll.await_reply), under ``lock``.
         self._flags = array("i", (0, int(self.sticky)))
         threading.Thread(target=self._writer, name=f"mpcomm-tcp-w-{pool.where}", daemon=True).start()
@@ -260,6 +268,8 @@ class Conn:
         drive_poll = select.poll()  # a driver's wait for its reply (one driver at a time)
         drive_poll.register(sock.fileno(), select.POLLIN)
         self._drive_poll = drive_poll
+        head = bytearray(wire.RESP.size)
+        self._drive_head = (head, memoryview(head))
         with self.lock:
             self.sock = sock
             if self.broken:  # closed while we dialled
@@ -352,6 +362,10 @@ class Conn:
         except (OSError, MpcommError) as exc:
             err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
                 f"data connection to {self.pool.where} failed: {exc}")
+        with self.lock:
+            bell, self._bell = self._bell, -1
+        if bell >= 0:
+            os.close(bell)
         self._fail_all(err or PeerConnectionError("connection closed"), reader_started=True)
 
     def _wait_turn(self) -> None:
@@ -397,9 +411,13 @@ class Conn:
         """
         fd = self.sock.fileno()  # type: ignore[union-attr]
         wait = busypoll.await_reply
-        handoff, idle = int(HANDOFF * 1e9), int(STICKY_IDLE * 1e9)
+        handoff, look = int(HANDOFF * 1e9), int(_LOOK_MAX * 1e9)
+        if self._bell < 0:
+            bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            with self.lock:
+                self._bell = bell
         while True:
-            r = wait(fd, self._flags, handoff, idle, _REPARK_MS)
+            r = wait(fd, self._flags, handoff, look, _REPARK_MS, self._bell)
             with self.lock:
                 if self.broken or r == busypoll.AWAIT_END:
                     self.reading = True  # it meets the end and reports
@@ -460,8 +478,10 @@ class Conn:
         sock = self.enter_drive(piece)
         if sock is None:
             return
-        try:
-            self.drive_entered(sock, piece, until)
+        try:  # drive_entered, inlined: this runs once per request waited on
+            self._drive(sock, piece, until)
+        except (OSError, MpcommError) as exc:
+            self._drive_failed(exc)
         finally:
             self.leave_drive()
 
@@ -482,14 +502,17 @@ class Conn:
         try:
             self._drive(sock, piece, until)
         except (OSError, MpcommError) as exc:
-            # Mid-frame: the stream can no longer be trusted; end the connection here.
-            if isinstance(exc, ProtocolError):
-                self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
-            err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
-                f"data connection to {self.pool.where} failed: {exc}")
-            with self.lock:
-                self._shut(socket.SHUT_RDWR)
-            self._fail_all(err, reader_started=True)
+            self._drive_failed(exc)
+
+    def _drive_failed(self, exc: OSError | MpcommError) -> None:
+        """A driver met a broken stream mid-frame: it can no longer be trusted; end the connection here."""
+        if isinstance(exc, ProtocolError):
+            self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
+        err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
+            f"data connection to {self.pool.where} failed: {exc}")
+        with self.lock:
+            self._shut(socket.SHUT_RDWR)
+        self._fail_all(err, reader_started=True)
 
     def leave_drive(self) -> None:
         """Hand the replies back: to the next driver (sticky) or, if some are due, to the reader."""
@@ -500,11 +523,12 @@ class Conn:
             self._flags[0], self._flags[1] = 0, self.sticky
             if not self.sticky:
                 self.rcv.notify()
+                if self._bell >= 0:
+                    os.eventfd_write(self._bell, 1)  # the native reader: its turn now, not at its next look
 
     def _drive(self, sock: socket.socket, piece: Piece, until: float) -> None:
         fd = sock.fileno()
-        head = bytearray(wire.RESP.size)
-        hv = memoryview(head)
+        head, hv = self._drive_head  # one driver at a time (``driving``): its header buffer is the connection's
         poller = self._drive_poll
         spin = self.pool.busy_ns
         short = None  # since when a reply has been only partly there
@@ -733,18 +757,27 @@ class Pool:
         self._lock = threading.Lock()
         self.closed = False
 
-    def pick(self, n: int = 1) -> list[Conn]:
-        """``n`` distinct connections (fewer if ``size`` is smaller), least loaded first."""
+    def pick_one(self) -> Conn:
+        """The least loaded connection, or a new one when all are busy and ``size`` allows (no
+        sort, no list: this runs once per request)."""
         with self._lock:
             if self.closed:
                 raise PeerConnectionError(f"connections to {self.where} were closed")
-            if n == 1:  # the least loaded one (no sort: this runs once per request)
-                best = min(self._conns, key=_load, default=None)
-                if best is not None and (best.load < self.BUSY or len(self._conns) >= self.size):
-                    return [best]
-                c = Conn(self)
-                self._conns.append(c)
-                return [c]
+            conns = self._conns
+            best = conns[0] if len(conns) == 1 else min(conns, key=_load, default=None)
+            if best is not None and (best.load < self.BUSY or len(conns) >= self.size):
+                return best
+            c = Conn(self)
+            conns.append(c)
+            return c
+
+    def pick(self, n: int = 1) -> list[Conn]:
+        """``n`` distinct connections (fewer if ``size`` is smaller), least loaded first."""
+        if n == 1:
+            return [self.pick_one()]
+        with self._lock:
+            if self.closed:
+                raise PeerConnectionError(f"connections to {self.where} were closed")
             conns = sorted(self._conns, key=_load)
             want = min(n, self.size)
             while len(conns) < want:

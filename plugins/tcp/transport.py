@@ -64,6 +64,8 @@ from .staging import Staged
 from .staging import state_of as staging_state
 
 KiB, MiB = 1 << 10, 1 << 20
+#: A peer epoch's hex text -> its integer, as the request header carries it (parsed once, not per request).
+_EPOCHS: dict[str, int] = {}
 
 #: Inclusive ranges of every numeric option; a value outside is a ConfigError naming it.
 OPTION_RANGES: dict[str, tuple[float, float]] = {
@@ -253,7 +255,7 @@ class TcpTransport(Transport):
     @staticmethod
     def _submit(pool: Pool, conn: Any, piece: Piece, inline: bool) -> None:
         while not conn.submit(piece, inline):
-            conn = pool.pick(1)[0]  # that one was closing (idle, broken): dial another
+            conn = pool.pick_one()  # that one was closing (idle, broken): dial another
 
     def post(self, op: Any) -> None:
         if op.length == 0:
@@ -307,9 +309,15 @@ class TcpTransport(Transport):
         rid = next_id()
         note = op.notification
         name = b"" if note is None else str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
+        epoch = _EPOCHS.get(remote.epoch)
+        if epoch is None:
+            epoch = _EPOCHS[remote.epoch] = int(remote.epoch, 16)
+            if len(_EPOCHS) > 1024:
+                _EPOCHS.clear()  # bounded; the epochs in use come back on their next request
+                _EPOCHS[remote.epoch] = epoch
         head = memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_READ if read else wire.OP_WRITE,
                                         0 if note is None else wire.FLAG_NOTE, len(name), rid,
-                                        remote.region_id, remote.token, int(remote.epoch, 16), op.remote_offset,
+                                        remote.region_id, remote.token, epoch, op.remote_offset,
                                         length, op.deadline_wall))
         part = op.local.view[op.local_offset : op.local_offset + length]
         views = [head] if read else [head, part]
@@ -319,7 +327,7 @@ class TcpTransport(Transport):
         piece = Piece(rid, read, views, [part] if read else [], _Reporter(op), 0, length)
         op.state = [piece]
         try:
-            self._submit(pool, pool.pick(1)[0], piece, read or length <= self._inline)
+            self._submit(pool, pool.pick_one(), piece, read or length <= self._inline)
         except MpcommError as exc:
             piece.report(exc, None, True)
         if op.aborted:  # aborted while we posted: reach the piece abort() could not see yet
@@ -461,8 +469,8 @@ class TcpTransport(Transport):
         connection's reader, and so is the rest of the request.
         """
         plist = op.state
-        if not plist or staging_state(op) is not None:
-            return
+        if type(plist) is not list or not plist:
+            return  # not posted yet, or staged (a Staged stands there, with its own host requests)
         if len(plist) == 1:
             conn = plist[0].conn
             if conn is not None:

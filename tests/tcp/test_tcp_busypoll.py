@@ -223,3 +223,64 @@ def test_every_entry_point_refuses_an_fd_outside_a_c_int() -> None:
         assert m.next_reply(a.fileno(), -5, -5, -1, head) == busypoll.REPLY_NONE
         assert time.monotonic() - t0 < 1
         assert m.await_reply(a.fileno(), array.array("i", [1, 0]), 2**63 - 1, 2**63 - 1, -1) == busypoll.AWAIT_NONE
+
+
+@needs_module
+def test_next_reply_takes_a_reply_that_arrives_while_it_spins() -> None:
+    """The driver's spin looks by peeking (no poll first): a reply that comes mid-spin is taken, whole."""
+    nr = busypoll.next_reply
+    assert nr is not None
+    a, b = socket.socketpair()
+    with a, b:
+        head = bytearray(wire.RESP.size)
+        threading.Timer(0.002, lambda: b.sendall(_reply(wire.ST_OK, 11))).start()
+        t0 = time.monotonic()
+        assert nr(a.fileno(), 2_000_000_000, 0, 1 << 20, head) == busypoll.REPLY_GOT
+        assert time.monotonic() - t0 < 1.5  # taken when it came, not at the end of the spin
+        assert wire.RESP.unpack(head)[4] == 11
+        b.sendall(_reply(wire.ST_OK, 12)[:5])  # a header partly there ends the spin: short, nothing consumed
+        assert nr(a.fileno(), 2_000_000_000, 0, 1 << 20, head) == busypoll.REPLY_SHORT
+        assert a.recv(5, socket.MSG_DONTWAIT) == _reply(wire.ST_OK, 12)[:5]
+
+
+@needs_module
+def test_await_reply_takes_a_reply_only_when_the_same_one_sat_there_at_two_looks() -> None:
+    """On a sticky connection, replies that a driver takes between the reader's looks are not the
+    reader's, even when some reply is there at every look: only one nobody took is."""
+    wait = busypoll.await_reply
+    assert wait is not None
+    look = 0.2  # the reader looks every 200 ms (handoff = look: a constant period)
+    a, b = socket.socketpair()
+    with a, b:
+        flags = array.array("i", (0, 1))  # not driving, sticky
+        out: list[tuple[int, float]] = []
+        t0 = time.monotonic()
+        th = threading.Thread(target=lambda: out.append((wait(a.fileno(), flags, int(look * 1e9), int(look * 1e9),
+                                                              5000), time.monotonic() - t0)))
+        th.start()
+        b.sendall(_reply(wire.ST_OK, 1))
+        time.sleep(look / 2)  # half way between the reader's looks (at 200, 400, 600... ms)
+        for rid in (2, 3, 4):  # between two looks, a "driver" takes the reply and the next one comes
+            if rid > 2:
+                time.sleep(look)
+            assert a.recv(wire.RESP.size) == _reply(wire.ST_OK, rid - 1)
+            b.sendall(_reply(wire.ST_OK, rid))
+        replaced = time.monotonic() - t0
+        th.join(10)
+        assert out and out[0][0] == busypoll.AWAIT_REPLY
+        assert out[0][1] > replaced  # not before the last one sat there, untaken, at two looks
+
+
+@needs_module
+def test_await_reply_sees_the_end_of_a_sticky_connection_at_once() -> None:
+    """Between its looks the reader sleeps for the connection's end (not for data): a peer that
+    ends it wakes it at once, not at its next look."""
+    wait = busypoll.await_reply
+    assert wait is not None
+    a, b = socket.socketpair()
+    with a, b:
+        flags = array.array("i", (0, 1))
+        threading.Timer(0.05, b.close).start()
+        t0 = time.monotonic()
+        assert wait(a.fileno(), flags, 2_000_000_000, 2_000_000_000, 10_000) == busypoll.AWAIT_END
+        assert time.monotonic() - t0 < 1.5

@@ -21,7 +21,7 @@ from tcp_support import wait_for
 
 import mpcomm
 from mpcomm.errors import ProtocolError
-from mpcomm.plugins.tcp import wire
+from mpcomm.plugins.tcp import busypoll, wire
 from mpcomm.plugins.tcp.server import Server
 from mpcomm.plugins.tcp.transport import TcpTransport
 
@@ -181,3 +181,59 @@ def test_a_malformed_reply_fails_its_request_at_once_and_only_its_connection(
             ini.write(b"a" * 4096, remote, 0, timeout=30).result(30)
         assert time.monotonic() - t0 < 10  # an error, not the request's 30 s deadline
     assert not [c for c in _conns(ini) if not c.broken]  # each connection that carried a lie is gone
+
+
+def _voluntary_switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+def test_the_reader_of_a_connection_whose_replies_are_driven_rarely_wakes(spawn: Any, make_engine: Any) -> None:
+    """Back-to-back requests waited on with result(): the connection's reader thread looks at it
+    now and then (at most every 20 ms once the looks find drivers at work), not every 1 ms: each of
+    its wake-ups takes a CPU from the driver or the target on a small machine (the p99 tail)."""
+    if busypoll.load() is None or busypoll.await_reply is None:
+        pytest.skip("the reader waits on its condition (no compiled await_reply)")
+    target = spawn()
+    ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
+    remote = ini.open(target.address, "kv")
+    src = ini.allocate(4096)
+    for _ in range(200):
+        ini.write(src, remote, 0, 4096).result(10)
+    (reader,) = [t for t in threading.enumerate() if t.name.startswith("mpcomm-tcp-r-")]
+    assert reader.native_id is not None
+    before, t0 = _voluntary_switches(reader.native_id), time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < 1.0:
+        ini.write(src, remote, 0, 4096).result(10)
+        n += 1
+    per_s = (_voluntary_switches(reader.native_id) - before) / (time.monotonic() - t0)
+    assert sum(c.driven for c in _conns(ini)) >= n - 10  # they were driven
+    assert per_s < 250, f"the reader woke {per_s:.0f} times a second over {n} driven requests"
+
+
+def test_a_driver_that_leaves_requests_pending_hands_them_to_the_reader_at_once(spawn: Any,
+                                                                              make_engine: Any) -> None:
+    """After a stretch of driven requests the reader looks only every 20 ms; a driver that leaves with
+    another request pending (nobody waits on it) rings the reader, which reads its reply at once."""
+    if busypoll.load() is None or busypoll.await_reply is None:
+        pytest.skip("the reader waits on its condition (no compiled await_reply)")
+    target = spawn()
+    ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
+    remote = ini.open(target.address, "kv")
+    src = ini.allocate(8192)
+    lags: list[float] = []
+    for _ in range(15):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.06:  # driven: the reader's looks grow apart
+            ini.write(src, remote, 0, 4096).result(10)
+        done = threading.Event()
+        first = ini.write(src, remote, 0, 4096)
+        second = ini.write(src, remote, 4096, 4096, local_offset=4096)  # nobody waits on it
+        second.add_done_callback(lambda _t: done.set())
+        first.result(10)  # its driver leaves with the second one pending
+        left = time.monotonic()
+        assert done.wait(10)
+        lags.append(time.monotonic() - left)
+    lags.sort()
+    assert lags[len(lags) // 2] < 0.005, f"replies left to the reader waited {lags}"
