@@ -59,7 +59,8 @@ class CopyLoop:
     """The Python fallback; :class:`NativeLoop` overrides every method with one C call."""
 
     native = False
-    #: ``mover(...)`` -> ShmTransport.inline_path's move in C, or None (the transport's closure serves).
+    #: ``mover(...)`` -> the shm fast path (ShmTransport.inline_path's move, in C), or None: no fast
+    #: path, every request takes the transport's general path.
     mover: Any = None
     #: ``alive_page() -> fd``: this process's alive page (_copyloop.c, "Owner liveness"), or None:
     #: initiators poll this process's pidfd after each copy instead.

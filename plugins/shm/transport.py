@@ -26,17 +26,20 @@ Two routes, chosen per region when an initiator first touches it:
   on this route are enforced by the initiator's mpcomm, not by the kernel
   (docs/security.md says what to do where members are not trusted).
 
-**Copies** go through the copy loop (:mod:`._copyloop`): a small C helper
-compiled at first use and called through ``ctypes`` (GIL released), or the
-same functions in Python when no compiler exists. Requests up to
-``inline_threshold`` bytes are copied on the caller's thread inside
-:meth:`ShmTransport.post` — that needs no peer round trip, and a thread hop
-costs more than it saves; larger ones run on the engine's workers, split into
-``stripes`` pieces from ``stripe_threshold`` on. Long copies go ``chunk`` bytes
-at a time and check for abort, deadline and revocation between chunks
-(``inflight_cancel``). :meth:`ShmTransport.post_many` checks a whole
-:class:`~mpcomm.transport.OperationGroup` against the mapping in one
-vectorised pass and copies it with one native call per ``chunk`` bytes.
+**Copies** go through the copy loop (:mod:`._copyloop`): a small C module built
+at install (GIL released while bytes move), or the same functions in Python when
+none was built. A request takes one of two paths (docs/shm.md, "Paths"): the
+*fast path*, a bound pair's move in C (:meth:`ShmTransport.inline_path`, the
+copy loop's ``mover``; none without the C module), or the *general path*,
+:meth:`ShmTransport.post` / :meth:`ShmTransport.post_many`: checked against
+the mapping, then copied now on the calling thread (up to ``inline_threshold``
+bytes: a thread hop costs more than it saves) or handed over (the posted ring
+a ``result()`` caller claims, else worker threads; ``stripes`` pieces from
+``stripe_threshold`` on). Long copies go ``chunk`` bytes at a time and check
+for abort, deadline and revocation between chunks (``inflight_cancel``). A
+batch (:class:`~mpcomm.transport.OperationGroup`) is checked against the
+mapping in one vectorised pass and copied with one native call per ``chunk``
+bytes.
 
 On a host with more than one NUMA node, copies handed to threads run on
 threads pinned to the CPUs of the node that holds the destination memory
