@@ -310,6 +310,8 @@ class ShmTransport(Transport):
         self._chunk = max(int(o["chunk"]), PAGE)
         self._caller_stripes = bool(o["caller_stripes"])
         self._bounce_size = max(int(o["bounce_size"]), PAGE)
+        # The general path copies up to this many bytes now in one native call (copy mode: never).
+        self._one_call = -1 if self.copy_mode else self._chunk
         self._use_cma = bool(o["cma"]) and not _native.cma_available()
         self._loop = _copyloop.get() if o["native"] else _copyloop.fallback()
         # Per process (the helper thread is the copy loop's): the last transport started sets it.
@@ -1030,10 +1032,45 @@ class ShmTransport(Transport):
 
         Now: up to ``inline_threshold`` on the poster (a hop costs more than it
         saves), and below ``stripe_threshold`` on a worker that attached; CUDA
-        memory is never on the poster (post() sent it to a worker). Else handed
-        over in pieces, ``stripes`` of them from ``stripe_threshold`` on.
+        memory is never on the poster (post() sent it to a worker). Up to one
+        chunk of host memory is one native call, held as the fast path holds it:
+        up to 64 KiB under the mapping's lock (a revocation sets ``m.error``
+        under it), longer counted in ``inflight`` (the revocation waits for it).
+        Else handed over in pieces, ``stripes`` of them from ``stripe_threshold`` on.
         """
         n = op.length
+        host = op.local.kind == "host" and m.kind != "cuda_ipc"
+        if n <= self._one_call and host and (n <= self._inline or not posting):
+            # One native call, few frames: after a large copy the caches are cold and every
+            # Python step costs a miss.
+            la, ra = op.local.address + op.local_offset, m.base + op.remote_offset
+            rc = 0
+            if n <= _SMALL:
+                lock = m.lock
+                lock.acquire()
+                try:
+                    err = m.error
+                    if err is None:
+                        rc = self._move(m, write, la, ra, n)
+                finally:
+                    lock.release()
+            else:
+                err = m.enter()
+                if err is None:
+                    try:
+                        rc = self._move(m, write, la, ra, n)
+                    finally:
+                        m.exit()
+            if err is not None:
+                e = _again(err, op.remote)
+                if posting:
+                    raise e
+                op.fail(e)
+            elif rc:
+                op.fail(self._rc_error(rc, op.kind, op.remote, m))
+            else:
+                op.complete(n)
+            return
         err = m.enter()
         if err is not None:
             e = _again(err, op.remote)
@@ -1041,14 +1078,13 @@ class ShmTransport(Transport):
                 raise e
             op.fail(e)
             return
-        if n <= self._inline or not posting and (n < self._stripe_threshold or op.local.kind != "host"
-                                                 or m.kind == "cuda_ipc"):
+        if n <= self._inline or not posting and (n < self._stripe_threshold or not host):
             try:
-                if op.local.kind != "host" or m.kind == "cuda_ipc":
+                if host:
+                    self._chunks(op, m, write, op.local.address + op.local_offset, m.base + op.remote_offset, n)
+                else:
                     self._device_move(m, write, op.local, op.local_offset, op.remote_offset, n, op.remote,
                                       op.deadline)
-                else:
-                    self._chunks(op, m, write, op.local.address + op.local_offset, m.base + op.remote_offset, n)
             except BaseException as exc:  # noqa: BLE001 - reported through the operation
                 m.exit()
                 op.fail(self._map_error(exc, op, m))
