@@ -914,7 +914,7 @@ class ShmTransport(Transport):
     def post(self, op: Operation) -> None:
         r = op.remote
         m = self._maps.get((r.epoch, r.region_id))
-        if m is None or op.local.kind != "host" or r.kind != "host":
+        if m is None or op.local.kind != "host" or r.kind != "host" or m.kind == "cuda_ipc":
             if m is None and op.length == 0 and op.local.kind == "host" and r.kind == "host":
                 op.complete(0)
                 return
@@ -965,7 +965,7 @@ class ShmTransport(Transport):
             return None
         m = self._maps.get((remote.epoch, remote.region_id))
         write = kind == "write"
-        if m is None or remote.token != m.token or not (m.can_write if write else m.can_read):
+        if m is None or m.kind == "cuda_ipc" or remote.token != m.token or not (m.can_write if write else m.can_read):
             return None
         lock = m.lock
         return mover(lock.acquire, lock.release, _MAPPING_ERROR, m.enter, m.exit, m, m.size, m.base, local.address,
