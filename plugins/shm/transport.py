@@ -922,20 +922,7 @@ class ShmTransport(Transport):
             # waits on either, a worker does (then the same _launch).
             self._off_thread(self._attach_then, op)
             return
-        write = op.kind == "write"
-        self._admit(op, m, write)
-        self._launch(op, m, write, True)
-
-    def _admit(self, op: Operation, m: _Mapping, write: bool) -> None:
-        """``op`` against what the target granted at attach (token, access, its size) and against the
-        local region, where the copy takes its addresses from (the engine checked the descriptor)."""
-        r, n = op.remote, op.length
-        if r.token != m.token or not (m.can_write if write else m.can_read) or \
-                not 0 <= op.remote_offset <= m.size - n:
-            raise self._refusal(op, m, write)
-        if not 0 <= op.local_offset <= op.local.size - n:
-            raise OutOfBoundsError(f"[{op.local_offset}, {op.local_offset + n}) is outside the local region "
-                                   f"{op.local.name!r} of {op.local.size} bytes", region=op.local.name)
+        self._launch(op, m, op.kind == "write", True)
 
     def post_inline(self, kind: str, local: Region, local_offset: int, remote: Any, remote_offset: int,
                     length: int) -> bool:
@@ -1005,9 +992,7 @@ class ShmTransport(Transport):
             if op.abort_exc is not None:
                 raise op.abort_exc
             m = self._mapping(op.remote, op.peer, op.deadline)
-            write = op.kind == "write"
-            self._admit(op, m, write)
-            self._launch(op, m, write, False)
+            self._launch(op, m, op.kind == "write", False)
         except BaseException as exc:  # noqa: BLE001 - reported through the operation
             op.fail(exc)
 
@@ -1023,14 +1008,18 @@ class ShmTransport(Transport):
             return PermissionDeniedError(f"region {r.name!r} on {r.address} may not be "
                                          f"{'written' if write else 'read'} (target grants {m.access!r})",
                                          region=r.name, peer=r.address)
-        # The engine checked the descriptor; the mapping knows the size the target registered.
-        return OutOfBoundsError(f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside region "
-                                f"{r.name!r} of {m.size} bytes on {r.address}", region=r.name, peer=r.address)
+        if not 0 <= op.remote_offset <= m.size - op.length:
+            # The engine checked the descriptor; the mapping knows the size the target registered.
+            return OutOfBoundsError(f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside region "
+                                    f"{r.name!r} of {m.size} bytes on {r.address}", region=r.name, peer=r.address)
+        return OutOfBoundsError(f"[{op.local_offset}, {op.local_offset + op.length}) is outside the local region "
+                                f"{op.local.name!r} of {op.local.size} bytes", region=op.local.name)
 
     def _launch(self, op: Operation, m: _Mapping, write: bool, posting: bool) -> None:
         """Copy ``op`` now on this thread, or hand it over (``posting``: this thread is the poster's).
 
-        Now: up to ``inline_threshold`` on the poster (a hop costs more than it
+        First the one check of a request against its mapping (a refusal raises). Now: up to
+        ``inline_threshold`` on the poster (a hop costs more than it
         saves), and below ``stripe_threshold`` on a worker that attached; CUDA
         memory is never on the poster (post() sent it to a worker). Up to one
         chunk of host memory is one native call, held as the fast path holds it:
@@ -1039,6 +1028,11 @@ class ShmTransport(Transport):
         Else handed over in pieces, ``stripes`` of them from ``stripe_threshold`` on.
         """
         n = op.length
+        # What the target granted at attach (token, access, its size), and the local region the
+        # copy takes its addresses from (the engine checked the descriptor, not the mapping).
+        if op.remote.token != m.token or not (m.can_write if write else m.can_read) or \
+                not 0 <= op.remote_offset <= m.size - n or not 0 <= op.local_offset <= op.local.size - n:
+            raise self._refusal(op, m, write)
         host = op.local.kind == "host" and m.kind != "cuda_ipc"
         if n <= self._one_call and host and (n <= self._inline or not posting):
             # One native call, few frames: after a large copy the caches are cold and every
