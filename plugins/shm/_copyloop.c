@@ -772,15 +772,15 @@ static PyObject *py_cma_many(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 /* mover(acquire, release, error, enter, exit, mapping, size, base, laddr, lsize, pidfd, limit, small,
- *       write, cma, pid) -> move(lo, ro, n) -> bool: ShmTransport.inline_path's move
- * (plugins/shm/transport.py, which builds it and keeps the Python closure where this module
- * is missing) without its Python frame, about a fifth of a bound 4 KiB write. The same
- * steps in the same order: both ranges against the sizes held here (mp_fits), then a copy
+ *       write, cma, pid) -> move(lo, ro, n) -> bool: the shm transport's one fast path,
+ * ShmTransport.inline_path's move (plugins/shm/transport.py builds it; without this module
+ * there is no fast path and requests take the general path). In order: both ranges against
+ * the sizes held here (mp_fits), then a copy
  * up to `small` bytes under the mapping's lock after error(mapping) said None (the
  * revocation sets it under that lock), a longer one between enter() (None: admitted) and
  * exit(); True once the bytes landed and the owner is alive. What it calls on the mapping
  * comes as objects, no attribute name is read here. Anything but exact ints declines
- * (False), as a range that does not fit: the caller's slower lane decides. */
+ * (False), as a range that does not fit: the general path decides. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;

@@ -3,10 +3,10 @@
 :func:`get` returns one :class:`CopyLoop` per process. The compiled one is
 ``_copyloop.c`` (next to this file), built when mpcomm was installed into the
 extension module ``mpcomm.plugins.shm._mpcomm_copyloop`` (setup.py; nothing is
-compiled at run time). Its batch functions are called through ``ctypes.CDLL``
-on the same file — which releases the GIL for the whole call, so a batch of N
-pieces costs one call outside the interpreter — and its single copies through
-the module (no ctypes argument conversion).
+compiled at run time). Its copies, batch copies and the fast path's move are
+the module's functions (a batch releases the GIL for the whole call, so N
+pieces cost one call outside the interpreter; a copy past 64 KiB releases it
+too); the posted ring's calls go through ``ctypes.CDLL`` on the same file.
 
 Without the module (the install had no compiler) or with
 ``MPCOMM_SHM_NATIVE=0`` the Python fallback does the same work with one
@@ -59,7 +59,8 @@ class CopyLoop:
     """The Python fallback; :class:`NativeLoop` overrides every method with one C call."""
 
     native = False
-    #: ``mover(...)`` -> ShmTransport.inline_path's move in C, or None (the transport's closure serves).
+    #: ``mover(...)`` -> the shm fast path (ShmTransport.inline_path's move, in C), or None: no fast
+    #: path, every request takes the transport's general path.
     mover: Any = None
     #: ``alive_page() -> fd``: this process's alive page (_copyloop.c, "Owner liveness"), or None:
     #: initiators poll this process's pidfd after each copy instead.
@@ -184,11 +185,14 @@ class CopyLoop:
 
 
 class NativeLoop(CopyLoop):
-    """The compiled helper: each method is one ctypes call (GIL released)."""
+    """The compiled helper: the module's functions (the copies, the batch check and the fast path's
+    mover; no ctypes argument conversion, about 1 us a call saved), and through ``ctypes`` on the
+    same file the few calls that block or are only asked rarely (the posted ring, ``check``).
+    The module's ABI was checked at load, so every function named here is there."""
 
     native = True
 
-    def __init__(self, lib: ctypes.CDLL, path: str, module: Any = None) -> None:
+    def __init__(self, lib: ctypes.CDLL, path: str, module: Any) -> None:
         super().__init__(f"compiled copy loop ({path})")
         self.path = path
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -200,33 +204,22 @@ class NativeLoop(CopyLoop):
             return f
 
         self.alive = fn("mp_alive", ci)  # type: ignore[method-assign,assignment]
-        self.copy = fn("mp_copy", vp, vp, i64, ci)  # type: ignore[method-assign]
-        self.cma = fn("mp_cma", ci, ci, vp, vp, i64, ci)  # type: ignore[method-assign]
         self._check = fn("mp_check", vp, vp, i64, i64)
-        self._check2 = fn("mp_check2", vp, vp, vp, i64, i64, i64)
-        self._copy_many = fn("mp_copy_many", vp, i64, vp, vp, i64, vp, vp, i64, i64, i64, ci)
-        self._cma_many = fn("mp_cma_many", ci, ci, vp, i64, vp, vp, i64, vp, vp, i64, i64, i64, ci)
         self._share = fn("mp_share_config", i64, i64)
         #: Posted copies (see _posted.py): ctypes calls, so each releases the GIL.
         self.posted_claim = fn("mp_posted_claim", vp, i64)
         self.posted_kick = fn("mp_posted_kick", vp)
         self.posted_take = fn("mp_posted_take", vp, vp, i64, vp, i64)
-        if module is not None:
-            # The same C functions without ctypes' argument conversion: the single-request path.
-            self.copy = module.copy  # type: ignore[method-assign]
-            self.cma = module.cma  # type: ignore[method-assign]
-            # And the batch calls: each ctypes call cost about 1 us, two per batch (check2, copy_many).
-            # These hold the arrays' buffers for the call and refuse arrays shorter than n.
-            if hasattr(module, "copy_many"):
-                self.check2 = self._check2_module  # type: ignore[method-assign]
-                self.copy_many = module.copy_many  # type: ignore[method-assign]
-                self.cma_many = module.cma_many  # type: ignore[method-assign]
-                self._check2_fast = module.check2
-            self.mover = getattr(module, "mover", None)
-            if hasattr(module, "alive_page"):
-                self.alive_page = module.alive_page
-                self.watch = module.watch  # type: ignore[method-assign]
-                self.unwatch = module.unwatch  # type: ignore[method-assign]
+        self.copy = module.copy  # type: ignore[method-assign]
+        self.cma = module.cma  # type: ignore[method-assign]
+        # The batch calls hold the arrays' buffers for the call and refuse arrays shorter than n.
+        self._check2 = module.check2
+        self.copy_many = module.copy_many  # type: ignore[method-assign]
+        self.cma_many = module.cma_many  # type: ignore[method-assign]
+        self.mover = module.mover
+        self.alive_page = module.alive_page
+        self.watch = module.watch  # type: ignore[method-assign]
+        self.unwatch = module.unwatch  # type: ignore[method-assign]
 
     def share(self, min_bytes: int, spin_us: int) -> int:  # type: ignore[override]
         return int(self._share(max(int(min_bytes), 0), max(int(spin_us), 0) * 1000))
@@ -236,27 +229,10 @@ class NativeLoop(CopyLoop):
         return (r, 0) if r >= 0 else (-1, -1 - r)
 
     def check2(self, roffs: Any, loffs: Any, lens: Any, n: int, rsize: int, lsize: int) -> tuple[str, int, int]:
-        r = self._check2(_addr(roffs), _addr(loffs), _addr(lens), n, rsize, lsize)
+        r = self._check2(roffs, loffs, lens, n, rsize, lsize)
         if r < 0:
             return "", -1, -1 - r
         return ("remote", r, 0) if r < n else ("local", r - n, 0)
-
-    def _check2_module(self, roffs: Any, loffs: Any, lens: Any, n: int, rsize: int,
-                       lsize: int) -> tuple[str, int, int]:
-        r = self._check2_fast(roffs, loffs, lens, n, rsize, lsize)
-        if r < 0:
-            return "", -1, -1 - r
-        return ("remote", r, 0) if r < n else ("local", r - n, 0)
-
-    def copy_many(self, dst: int, dsize: int, doffs: Any, src: int, ssize: int, soffs: Any, lens: Any, start: int,
-                  n: int, budget: int, pidfd: int) -> int:
-        return self._copy_many(dst, dsize, _addr(doffs), src, ssize, _addr(soffs), _addr(lens), start, n, budget,
-                               pidfd)
-
-    def cma_many(self, pid: int, write: int, local: int, lsize: int, loffs: Any, remote: int, rsize: int, roffs: Any,
-                 lens: Any, start: int, n: int, budget: int, pidfd: int) -> int:
-        return self._cma_many(pid, write, local, lsize, _addr(loffs), remote, rsize, _addr(roffs), _addr(lens), start,
-                              n, budget, pidfd)
 
 
 _lock = threading.Lock()

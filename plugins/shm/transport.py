@@ -26,17 +26,20 @@ Two routes, chosen per region when an initiator first touches it:
   on this route are enforced by the initiator's mpcomm, not by the kernel
   (docs/security.md says what to do where members are not trusted).
 
-**Copies** go through the copy loop (:mod:`._copyloop`): a small C helper
-compiled at first use and called through ``ctypes`` (GIL released), or the
-same functions in Python when no compiler exists. Requests up to
-``inline_threshold`` bytes are copied on the caller's thread inside
-:meth:`ShmTransport.post` — that needs no peer round trip, and a thread hop
-costs more than it saves; larger ones run on the engine's workers, split into
-``stripes`` pieces from ``stripe_threshold`` on. Long copies go ``chunk`` bytes
-at a time and check for abort, deadline and revocation between chunks
-(``inflight_cancel``). :meth:`ShmTransport.post_many` checks a whole
-:class:`~mpcomm.transport.OperationGroup` against the mapping in one
-vectorised pass and copies it with one native call per ``chunk`` bytes.
+**Copies** go through the copy loop (:mod:`._copyloop`): a small C module built
+at install (GIL released while bytes move), or the same functions in Python when
+none was built. A request takes one of two paths (docs/shm.md, "Paths"): the
+*fast path*, a bound pair's move in C (:meth:`ShmTransport.inline_path`, the
+copy loop's ``mover``; none without the C module), or the *general path*,
+:meth:`ShmTransport.post` / :meth:`ShmTransport.post_many`: checked against
+the mapping, then copied now on the calling thread (up to ``inline_threshold``
+bytes: a thread hop costs more than it saves) or handed over (the posted ring
+a ``result()`` caller claims, else worker threads; ``stripes`` pieces from
+``stripe_threshold`` on). Long copies go ``chunk`` bytes at a time and check
+for abort, deadline and revocation between chunks (``inflight_cancel``). A
+batch (:class:`~mpcomm.transport.OperationGroup`) is checked against the
+mapping in one vectorised pass and copied with one native call per ``chunk``
+bytes.
 
 On a host with more than one NUMA node, copies handed to threads run on
 threads pinned to the CPUs of the node that holds the destination memory
@@ -126,7 +129,7 @@ _MAX_KEYS = 4096  # revoke keys accepted in one revoke request
 _MAX_REVOKED = 4096  # revoked (epoch, region id) pairs remembered for a clear error without a round trip
 _FD_CLIENTS = 64  # fd-socket clients served at once
 _FD_TIMEOUT = 1.0  # seconds an fd-socket client gets per step (one recv, one send: an initiator sends at once)
-_SMALL = 64 << 10  # single requests up to this size copy under the mapping's lock (one lock, no counter)
+_SMALL = 64 << 10  # the fast path copies up to this size under the mapping's lock (one lock, no counter)
 _CLAIM_WINDOW = 50e-6  # seconds a posted copy waits for its result() caller before a worker takes it
 #: _Mapping.error, read by the C move under the mapping's lock (beside the class: no name in C).
 _MAPPING_ERROR = operator.attrgetter("error")
@@ -307,9 +310,10 @@ class ShmTransport(Transport):
         self._chunk = max(int(o["chunk"]), PAGE)
         self._caller_stripes = bool(o["caller_stripes"])
         self._bounce_size = max(int(o["bounce_size"]), PAGE)
+        # The general path copies up to this many bytes now in one native call (copy mode: never).
+        self._one_call = -1 if self.copy_mode else self._chunk
         self._use_cma = bool(o["cma"]) and not _native.cma_available()
         self._loop = _copyloop.get() if o["native"] else _copyloop.fallback()
-        self._copy1, self._cma1 = self._loop.copy, self._loop.cma  # bound once: the small-request path
         # Per process (the helper thread is the copy loop's): the last transport started sets it.
         self._helper_min = self._loop.share(int(o["copy_helper_min"]), int(o["copy_helper_spin_us"]))
         self._serve_cma = False
@@ -780,24 +784,6 @@ class ShmTransport(Transport):
         m.device, m.ipc_base = device, base
         return m
 
-    def _device_op(self, op: Operation) -> None:
-        """Worker: one request with CUDA memory on either side (attaching first if needed)."""
-        m: _Mapping | None = None
-        try:
-            m, write = self._attached(op)
-            err = m.enter()
-            if err is not None:
-                raise _again(err, op.remote)
-            try:
-                self._device_move(m, write, op.local, op.local_offset, op.remote_offset, op.length, op.remote,
-                                  op.deadline)
-            finally:
-                m.exit()
-        except BaseException as exc:  # noqa: BLE001 - reported through the operation
-            op.fail(self._map_error(exc, op, m) if m is not None else exc)
-            return
-        op.complete(op.length)
-
     def _device_move(self, m: _Mapping, write: bool, local: Region, lo: int, ro: int, n: int, r: Any,
                      deadline: float) -> None:
         """Copy ``n`` bytes between ``local`` (host or CUDA) and the mapping, CUDA on one side at least.
@@ -918,111 +904,46 @@ class ShmTransport(Transport):
         return m
 
     # -- data path ------------------------------------------------------------------
+    #
+    # One general path: post() / post_many() check the request against the mapping, then
+    # _launch() / _launch_many() either copy now, on the calling thread, or hand the copy
+    # over (_hand_over: the posted ring a result() caller may claim, else worker threads).
+    # Beside it one fast path: inline_path()'s bound move, _copyloop.c's mover (none
+    # without the compiled module: then every request takes the general path).
 
     def post(self, op: Operation) -> None:
-        n = op.length
         r = op.remote
-        if op.local.kind != "host" or r.kind != "host":
-            self._off_thread(self._device_op, op)  # CUDA copies run on a worker, never on the poster
-            return
         m = self._maps.get((r.epoch, r.region_id))
-        if m is None:
-            if n == 0:
+        if m is None or op.local.kind != "host" or r.kind != "host" or m.kind == "cuda_ipc":
+            if m is None and op.length == 0 and op.local.kind == "host" and r.kind == "host":
                 op.complete(0)
                 return
+            # Attaching is a control round trip and CUDA copies wait on a stream: post() never
+            # waits on either, a worker does (then the same _launch).
             self._off_thread(self._attach_then, op)
             return
-        write = op.kind == "write"
-        off = op.remote_offset
-        if r.token != m.token or not (m.can_write if write else m.can_read) or not 0 <= off <= m.size - n:
-            raise self._refusal(op, m, write)
-        if not 0 <= op.local_offset <= op.local.size - n:  # checked again at the point of use
-            raise OutOfBoundsError(f"[{op.local_offset}, {op.local_offset + n}) is outside the local region "
-                                   f"{op.local.name!r} of {op.local.size} bytes", region=op.local.name)
-        if n <= _SMALL and not self.copy_mode:
-            local = op.local.address + op.local_offset
-            remote = m.base + off
-            lock = m.lock
-            lock.acquire()
-            try:
-                err = m.error
-                if err is None:
-                    if m.kind == "map":
-                        rc = self._copy1(remote, local, n, m.pidfd) if write else \
-                            self._copy1(local, remote, n, m.pidfd)
-                    else:
-                        rc = self._cma1(m.pid, write, local, remote, n, m.pidfd)
-            finally:
-                lock.release()
-            if err is not None:
-                raise _again(err, r)
-            if rc:
-                op.fail(self._rc_error(rc, op.kind, r, m))
-            else:
-                op.complete(n)
-            return
-        self._start(op, m, write, True)
-
-    def _inline_map(self, kind: str, remote: Any) -> _Mapping | None:
-        """The mapping an inline copy of ``kind`` may use for ``remote`` (attached, same token, access), or None."""
-        if self.copy_mode:
-            return None
-        m = self._maps.get((remote.epoch, remote.region_id))
-        if m is None or remote.token != m.token or not (m.can_write if kind == "write" else m.can_read):
-            return None
-        return m
+        self._launch(op, m, op.kind == "write", True)
 
     def inline_path(self, kind: str, local: Region, remote: Any) -> Any:
-        """The small-request copy of :meth:`post` for one pair, the mapping resolved once (see Transport.inline_path).
+        """The fast path: one pair's move with the mapping resolved once (see Transport.inline_path).
 
-        The move declines (False) whatever :meth:`post` would refuse, fail or hand to a
-        worker (longer than ``inline_threshold`` or one chunk); a copy that ran into a dead
-        peer is redone by :meth:`post`, which reports it.
-
-        A revocation sets ``m.error`` under the mapping's lock, so each call
-        sees it: copies up to 64 KiB run under that lock, longer ones (up to
-        one chunk) count themselves in ``inflight``, which the revocation
-        waits for.
+        ``_copyloop.c``'s mover: it checks both ranges (``mp_fits``) against the
+        sizes held here, copies up to 64 KiB under the mapping's lock (a
+        revocation sets ``m.error`` under it), longer ones up to a chunk
+        counted in ``inflight`` (which the revocation waits for), then the
+        owner's liveness. None without the compiled module, in copy mode, or
+        before the region is attached: the general path serves those.
         """
-        m = self._inline_map(kind, remote)
-        if m is None or local.kind != "host" or remote.kind != "host":
+        mover = self._loop.mover
+        if mover is None or self.copy_mode or local.kind != "host" or remote.kind != "host":
             return None
+        m = self._maps.get((remote.epoch, remote.region_id))
         write = kind == "write"
-        limit = min(self._inline, self._chunk)
-        lock, size, base, laddr, lsize, pidfd = m.lock, m.size, m.base, local.address, local.size, m.pidfd
-        copy1, cma1, pid, cma = self._copy1, self._cma1, m.pid, m.kind != "map"
-        if self._loop.mover is not None:  # the same move in C (_copyloop.c's mover): no Python frame
-            return self._loop.mover(lock.acquire, lock.release, _MAPPING_ERROR, m.enter, m.exit, m, size, base, laddr,
-                                    lsize, pidfd, limit, _SMALL, write, cma, pid)
-
-        def move(lo: int, ro: int, n: int) -> bool:
-            # Both ranges against the sizes held here, whatever the caller checked: the rule of
-            # mpcomm.engine.checks (n <= size and off <= size - n), which cannot wrap.
-            if not (0 <= n <= limit and 0 <= ro <= size - n and 0 <= lo <= lsize - n):
-                return False
-            long = n > _SMALL
-            if long:
-                if m.enter() is not None:
-                    return False
-            else:
-                lock.acquire()
-                if m.error is not None:
-                    lock.release()
-                    return False
-            try:
-                if cma:
-                    rc = cma1(pid, write, laddr + lo, base + ro, n, pidfd)
-                elif write:
-                    rc = copy1(base + ro, laddr + lo, n, pidfd)
-                else:
-                    rc = copy1(laddr + lo, base + ro, n, pidfd)
-            finally:
-                if long:
-                    m.exit()
-                else:
-                    lock.release()
-            return not rc
-        return move
+        if m is None or m.kind == "cuda_ipc" or remote.token != m.token or not (m.can_write if write else m.can_read):
+            return None
+        lock = m.lock
+        return mover(lock.acquire, lock.release, _MAPPING_ERROR, m.enter, m.exit, m, m.size, m.base, local.address,
+                     local.size, m.pidfd, min(self._inline, self._chunk), _SMALL, write, m.kind != "map", m.pid)
 
     def _workers(self, node: int | None) -> Any:
         """The threads to copy into memory on NUMA node ``node``: pinned to that node's CPUs.
@@ -1053,24 +974,14 @@ class ShmTransport(Transport):
             raise EngineClosedError(f"cannot schedule the shm request: {exc}") from exc
 
     def _attach_then(self, op: Operation) -> None:
-        """Worker: attach (a control round trip, within the op's deadline), then run the request."""
+        """Worker: attach (a control round trip, within the op's deadline), then the general path."""
         try:
-            m, write = self._attached(op)
-            self._start(op, m, write, False)
+            if op.abort_exc is not None:
+                raise op.abort_exc
+            m = self._mapping(op.remote, op.peer, op.deadline)
+            self._launch(op, m, op.kind == "write", False)
         except BaseException as exc:  # noqa: BLE001 - reported through the operation
             op.fail(exc)
-
-    def _attached(self, op: Operation) -> tuple[_Mapping, bool]:
-        """Worker: the mapping of ``op``'s remote region (attaching first, within the op's deadline),
-        checked against ``op``: token, rights and the remote range. Returns (mapping, write)."""
-        if op.abort_exc is not None:
-            raise op.abort_exc
-        m = self._mapping(op.remote, op.peer, op.deadline)
-        write = op.kind == "write"
-        if op.remote.token != m.token or not (m.can_write if write else m.can_read) or \
-                not 0 <= op.remote_offset <= m.size - op.length:
-            raise self._refusal(op, m, write)
-        return m, write
 
     @staticmethod
     def _refusal(op: Operation, m: _Mapping, write: bool) -> MpcommError:
@@ -1084,38 +995,77 @@ class ShmTransport(Transport):
             return PermissionDeniedError(f"region {r.name!r} on {r.address} may not be "
                                          f"{'written' if write else 'read'} (target grants {m.access!r})",
                                          region=r.name, peer=r.address)
-        # The engine checked the descriptor; the mapping knows the size the target registered.
-        return OutOfBoundsError(f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside region "
-                                f"{r.name!r} of {m.size} bytes on {r.address}", region=r.name, peer=r.address)
+        if not 0 <= op.remote_offset <= m.size - op.length:
+            # The engine checked the descriptor; the mapping knows the size the target registered.
+            return OutOfBoundsError(f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside region "
+                                    f"{r.name!r} of {m.size} bytes on {r.address}", region=r.name, peer=r.address)
+        return OutOfBoundsError(f"[{op.local_offset}, {op.local_offset + op.length}) is outside the local region "
+                                f"{op.local.name!r} of {op.local.size} bytes", region=op.local.name)
 
-    def _start(self, op: Operation, m: _Mapping, write: bool, posting: bool) -> None:
-        """A request that is not small: inline up to ``inline_threshold``, else on the workers."""
+    def _launch(self, op: Operation, m: _Mapping, write: bool, posting: bool) -> None:
+        """Copy ``op`` now on this thread, or hand it over (``posting``: this thread is the poster's).
+
+        First the one check of a request against its mapping (a refusal raises). Now: up to
+        ``inline_threshold`` on the poster (a hop costs more than it
+        saves), and below ``stripe_threshold`` on a worker that attached; CUDA
+        memory is never on the poster (post() sent it to a worker). Up to one
+        chunk of host memory is one native call, held as the fast path holds it:
+        up to 64 KiB under the mapping's lock (a revocation sets ``m.error``
+        under it), longer counted in ``inflight`` (the revocation waits for it).
+        Else handed over in pieces, ``stripes`` of them from ``stripe_threshold`` on.
+        """
         n = op.length
-        r = op.remote
+        # What the target granted at attach (token, access, its size), and the local region the
+        # copy takes its addresses from (the engine checked the descriptor, not the mapping).
+        if op.remote.token != m.token or not (m.can_write if write else m.can_read) or \
+                not 0 <= op.remote_offset <= m.size - n or not 0 <= op.local_offset <= op.local.size - n:
+            raise self._refusal(op, m, write)
+        host = op.local.kind == "host" and m.kind != "cuda_ipc"
+        if n <= self._one_call and host and (n <= self._inline or not posting):
+            # One native call, few frames: after a large copy the caches are cold and every
+            # Python step costs a miss.
+            la, ra = op.local.address + op.local_offset, m.base + op.remote_offset
+            rc = 0
+            if n <= _SMALL:
+                lock = m.lock
+                lock.acquire()
+                try:
+                    err = m.error
+                    if err is None:
+                        rc = self._move(m, write, la, ra, n)
+                finally:
+                    lock.release()
+            else:
+                err = m.enter()
+                if err is None:
+                    try:
+                        rc = self._move(m, write, la, ra, n)
+                    finally:
+                        m.exit()
+            if err is not None:
+                e = _again(err, op.remote)
+                if posting:
+                    raise e
+                op.fail(e)
+            elif rc:
+                op.fail(self._rc_error(rc, op.kind, op.remote, m))
+            else:
+                op.complete(n)
+            return
         err = m.enter()
         if err is not None:
-            e = _again(err, r)
+            e = _again(err, op.remote)
             if posting:
                 raise e
             op.fail(e)
             return
-        local = op.local.address + op.local_offset
-        remote = m.base + op.remote_offset
-        if n <= self._inline or not posting and n < self._stripe_threshold:
-            # On the caller's thread (or the worker that attached): no hop.
+        if n <= self._inline or not posting and (n < self._stripe_threshold or not host):
             try:
-                if n <= self._chunk and not self.copy_mode:
-                    # One native call, few frames: after a copy this large the
-                    # caches are cold and every Python step costs a miss.
-                    if m.kind == "map":
-                        rc = self._copy1(remote, local, n, m.pidfd) if write else \
-                            self._copy1(local, remote, n, m.pidfd)
-                    else:
-                        rc = self._cma1(m.pid, write, local, remote, n, m.pidfd)
-                    if rc:
-                        raise self._rc_error(rc, op.kind, r, m)
+                if host:
+                    self._chunks(op, m, write, op.local.address + op.local_offset, m.base + op.remote_offset, n)
                 else:
-                    self._chunks(op, m, write, local, remote, n)
+                    self._device_move(m, write, op.local, op.local_offset, op.remote_offset, n, op.remote,
+                                      op.deadline)
             except BaseException as exc:  # noqa: BLE001 - reported through the operation
                 m.exit()
                 op.fail(self._map_error(exc, op, m))
@@ -1123,6 +1073,8 @@ class ShmTransport(Transport):
             m.exit()
             op.complete(n)
             return
+        local = op.local.address + op.local_offset
+        remote = m.base + op.remote_offset
         pieces = 1
         if n >= self._stripe_threshold and self._stripes > 1:
             pieces = max(1, min(self._stripes, n // (self._stripe_threshold // 2)))
@@ -1131,9 +1083,7 @@ class ShmTransport(Transport):
         starts = list(range(0, n, step))
         st = _Pieces(left=len(starts), mapping=m)
         op.state = st
-        submit = self._workers(m.numa if write else op.local.numa_node).submit
-        if posting and self._posted is not None:
-            submit = self._claimable(st.jobs, submit)
+        submit = self._hand_over(m.numa if write else op.local.numa_node, st.jobs if posting else None)
         # Striped: the workers take all pieces but the first, which the caller
         # copies itself (one thread hop less; the caller's core is not idle).
         inline_first = len(starts) > 1 and self._caller_stripes
@@ -1147,6 +1097,24 @@ class ShmTransport(Transport):
         if inline_first:
             self._piece(op, st, write, local, remote, min(step, n))
 
+    def _hand_over(self, node: int | None, jobs: list[Any] | None) -> Any:
+        """How a copy leaves this thread: ``submit(fn, *args)``. With ``jobs`` (the poster's) and the
+        ring, each copy waits for its result() caller to claim it (``drive``), else a ring worker
+        takes it after the claim window; otherwise (ring full, no ring: the Python copy loop or a
+        NUMA host) the threads of :meth:`_workers`."""
+        submit = self._workers(node).submit
+        posted = self._posted
+        if jobs is None or posted is None:
+            return submit
+
+        def claimable(fn: Any, *args: Any) -> None:
+            job = posted.post(fn, *args)
+            if job is None:
+                submit(fn, *args)  # no free slot: the workers
+            else:
+                jobs.append(job)
+        return claimable
+
     # -- vectorised batches ------------------------------------------------------------
 
     def post_many(self, group: OperationGroup) -> None:
@@ -1156,17 +1124,19 @@ class ShmTransport(Transport):
         if m is None:
             self._off_thread(self._attach_then_many, group)
             return
-        self._start_many(group, m, True)
+        self._launch_many(group, m, True)
 
     def _attach_then_many(self, g: OperationGroup) -> None:
         try:
             if g.abort_exc is not None:
                 raise g.abort_exc
-            self._start_many(g, self._mapping(g.remote, g.peer, g.deadline), False)
+            self._launch_many(g, self._mapping(g.remote, g.peer, g.deadline), False)
         except BaseException as exc:  # noqa: BLE001 - reported through the group
             g.fail(exc)
 
-    def _start_many(self, g: OperationGroup, m: _Mapping, posting: bool) -> None:
+    def _launch_many(self, g: OperationGroup, m: _Mapping, posting: bool) -> None:
+        """_launch for a batch: checked in one pass, then copied now (up to ``inline_threshold`` bytes of
+        host memory on the poster; everything on a worker that attached) or handed over whole."""
         r = g.remote
         n = g.count
         write = g.kind == "write"
@@ -1192,27 +1162,11 @@ class ShmTransport(Transport):
             self._run_many(g, m, write)
             return
         try:
-            submit = self._workers(m.numa if write else g.local.numa_node).submit
-            if self._posted is not None:
-                g.state = []
-                submit = self._claimable(g.state, submit)
-            submit(self._run_many, g, m, write)
+            g.state = []  # the posted copy, for drive()
+            self._hand_over(m.numa if write else g.local.numa_node, g.state)(self._run_many, g, m, write)
         except RuntimeError as exc:  # the executor is shut down
             m.exit()
             raise EngineClosedError(f"cannot schedule the shm batch: {exc}") from exc
-
-    def _claimable(self, jobs: list[Any], fallback: Any) -> Any:
-        """A submit that leaves each copy for the result() caller to claim (``jobs``), else ``fallback``."""
-        posted = self._posted
-        assert posted is not None
-
-        def submit(fn: Any, *args: Any) -> None:
-            job = posted.post(fn, *args)
-            if job is None:
-                fallback(fn, *args)  # no free slot: the engine's workers, as before
-            else:
-                jobs.append(job)
-        return submit
 
     def drive(self, op: Any, until: float) -> None:
         """The result() caller runs the posted copies of ``op`` nobody started yet, one at a time, on
@@ -1282,19 +1236,22 @@ class ShmTransport(Transport):
     def _chunks(self, op: Operation, m: _Mapping, write: bool, local: int, remote: int, length: int) -> None:
         """Copy ``length`` bytes a chunk at a time, stopping for abort, deadline or revocation."""
         chunk = self._chunk
+        copy = self._copy if self.copy_mode else self._move
         pos = 0
-        while pos < length:
+        while True:
             if op.abort_exc is not None:
                 raise op.abort_exc
             if m.error is not None:
                 raise m.error
-            if pos and time.monotonic() > op.deadline:
-                raise _deadline_passed(op, f"shm {op.kind} of {length} bytes passed its deadline after {pos} bytes")
             k = min(chunk, length - pos)
-            rc = self._copy(m, write, local + pos, remote + pos, k)
+            rc = copy(m, write, local + pos, remote + pos, k)
             if rc:
                 raise self._rc_error(rc, op.kind, op.remote, m)
             pos += k
+            if pos >= length:
+                return
+            if time.monotonic() > op.deadline:
+                raise _deadline_passed(op, f"shm {op.kind} of {length} bytes passed its deadline after {pos} bytes")
 
     def _piece(self, op: Operation, st: _Pieces, write: bool, local: int, remote: int, length: int) -> None:
         err: BaseException | None = None

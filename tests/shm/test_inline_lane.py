@@ -214,44 +214,57 @@ def test_landed_handle_is_a_full_future(lane_pair: Any) -> None:
     assert order == ["completed"]
 
 
-def test_the_bound_move_in_c_decides_as_the_python_closure() -> None:
-    """With the compiled copy loop the bound move is _copyloop.c's mover, without it the transport's
-    closure: the same outcome for every (lo, ro, n) near the edges, the same bytes, and both decline
-    once the target revoked the region."""
+def test_the_bound_move_in_c_decides_as_the_one_rule() -> None:
+    """The shm fast path is _copyloop.c's mover: for every (lo, ro, n) near the edges it moves
+    exactly when both ranges fit (checks.fits), the right bytes and nothing else, and it declines
+    once the target revoked the region. Without the compiled copy loop there is no fast path (no
+    Python twin): inline_path is None, post_inline declines, and the request lands through the
+    general path."""
+    from mpcomm.engine import checks
+
     target = mpcomm.Engine(transports=["shm"])
     fast = mpcomm.Engine(transports=["shm"])
     slow = mpcomm.Engine({"plugins": {"shm": {"native": False}}}, transports=["shm"])
     try:
         kv = target.allocate(1 << 16, name="kv")
-        movers = []
-        for e in (fast, slow):
-            remote = e.open(target.address, "kv")
-            src = e.allocate(1 << 15, name="src")
-            src.view[:] = bytes(range(256)) * 128
-            e.write(src, remote, 0, 64).result(5)  # attaches
-            movers.append(e.transports["shm"].inline_path("write", src, remote))
-        c_move, py_move = movers
-        if type(c_move).__name__ != "Mover":
+        remote = fast.open(target.address, "kv")
+        src = fast.allocate(1 << 15, name="src")
+        src.view[:] = bytes(range(256)) * 128
+        fast.write(src, remote, 0, 64).result(5)  # attaches
+        move = fast.transports["shm"].inline_path("write", src, remote)
+        if type(move).__name__ != "Mover":
             pytest.skip("the compiled copy loop is not in use here")
-        assert type(py_move).__name__ == "function"
         edges = [0, 1, 4095, 4096, (1 << 15) - 1, 1 << 15, (1 << 15) + 1, (1 << 16) - 1, 1 << 16, (1 << 16) + 1,
                  -1, 2**31, 2**32, 2**63 - 1, 2**64 - 1, -(2**63)]
+        data = bytes(src.view)
         for lo in edges:
             for ro in edges:
                 for n in edges:
                     kv.view[:] = b"\0" * (1 << 16)
-                    got = c_move(lo, ro, n)
-                    after_c = bytes(kv.view)
-                    kv.view[:] = b"\0" * (1 << 16)
-                    assert py_move(lo, ro, n) == got, (lo, ro, n)
-                    assert bytes(kv.view) == after_c, (lo, ro, n)
-        for odd in (True, 1.0, "1", None):  # not an exact int: the C move declines, the slower lane decides
-            assert c_move(0, 0, odd) is False
+                    fits = checks.fits(lo, n, 1 << 15) and checks.fits(ro, n, 1 << 16)
+                    assert move(lo, ro, n) is fits, (lo, ro, n)
+                    want = bytearray(1 << 16)
+                    if fits:
+                        want[ro:ro + n] = data[lo:lo + n]
+                    assert bytes(kv.view) == bytes(want), (lo, ro, n)
+        for odd in (True, 1.0, "1", None):  # not an exact int: the C move declines, the general path decides
+            assert move(0, 0, odd) is False
         with pytest.raises(TypeError):
-            c_move(0, 0)
+            move(0, 0)
+
+        premote = slow.open(target.address, "kv")
+        psrc = slow.allocate(1 << 15, name="src")
+        psrc.view[:4096] = b"\x77" * 4096
+        shm = slow.transports["shm"]
+        assert slow.write(psrc, premote, 0, 64).result(5) == 64  # attaches
+        assert shm.inline_path("write", psrc, premote) is None
+        assert shm.post_inline("write", psrc, 0, premote, 0, 4096) is False
+        t = slow.write(psrc, premote, 8192, 4096)
+        assert t.result(5) == 4096 and t.transport == "shm"
+        assert bytes(kv.view[8192:12288]) == b"\x77" * 4096
+
         target.unregister(kv)
-        assert c_move(0, 0, 64) is False and c_move(0, 0, 1 << 15) is False
-        assert py_move(0, 0, 64) is False and py_move(0, 0, 1 << 15) is False
+        assert move(0, 0, 64) is False and move(0, 0, 1 << 15) is False
     finally:
         for e in (fast, slow, target):
             e.close(timeout=5)
