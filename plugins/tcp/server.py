@@ -275,24 +275,44 @@ class Server:
     # -- single requests ---------------------------------------------------------------
 
     def _write(self, sock: socket.socket, req_id: int, region_id: int, token: int, epoch: str, offset: int,
-               length: int, end: float) -> None:
+               length: int, end: float, carried: tuple[int, int, bytearray] | None = None) -> None:
+        """A WRITE; ``carried``: the note it carries (note length, name length, name + note), read by
+        :meth:`_write_note`. The region, then the note, are admitted before a payload byte lands."""
+        held = None
         try:
             region = self._check(region_id, token, epoch, offset, length, end, "w")
+            if carried is not None:
+                try:
+                    held = self._note_admit(carried[0])
+                except MpcommError:
+                    region.release()
+                    raise
         except MpcommError as exc:
             self._drain(sock, length, end + self.grace)
             self._refuse(sock, req_id, exc, end)
             return
         try:
             pos = self._recv_region(sock, region.slice(offset, length), end)
+        except BaseException:
+            if held is not None:
+                self.notes.cancel(held)
+            raise
         finally:
             region.release()
         if pos < length:
             # The deadline passed mid-payload: the lease is released; what is
             # left of the frame must drain within the grace, else we close.
+            if held is not None:
+                self.notes.cancel(held)
             self._drain(sock, length - pos, end + self.grace)
             self._refuse(sock, req_id, TransferTimeout(
-                f"deadline passed after {pos} of {length} bytes; the range is partly written"), end)
+                f"deadline passed after {pos} of {length} bytes; the range is partly written"
+                + ("" if held is None else " and the notification was not delivered")), end)
             return
+        if carried is not None:
+            _, name_len, raw = carried
+            name = bytes(raw[:name_len]).decode("utf-8", "replace")
+            self.notes.commit(held, self._conn.who, name, bytes(raw[name_len:]))
         self._reply(sock, wire.ST_OK, req_id, 0, end=end)
 
     def _write_note(self, sock: socket.socket, req_id: int, region_id: int, token: int, epoch: str, offset: int,
@@ -314,36 +334,7 @@ class Server:
             raise ProtocolError(f"notification of {note_len} bytes (the limit is {wire.MAX_NOTIFY})")
         raw = bytearray(name_len + note_len)
         recv_into_by(sock, memoryview(raw), end + self.grace, "tcp notification")
-        try:
-            region = self._check(region_id, token, epoch, offset, length, end, "w")
-        except MpcommError as exc:
-            self._drain(sock, length, end + self.grace)
-            self._refuse(sock, req_id, exc, end)
-            return
-        try:
-            held = self._note_admit(note_len)
-        except MpcommError as exc:
-            region.release()
-            self._drain(sock, length, end + self.grace)
-            self._refuse(sock, req_id, exc, end)
-            return
-        try:
-            pos = self._recv_region(sock, region.slice(offset, length), end)
-        except BaseException:
-            self.notes.cancel(held)
-            raise
-        finally:
-            region.release()
-        if pos < length:
-            self.notes.cancel(held)
-            self._drain(sock, length - pos, end + self.grace)
-            self._refuse(sock, req_id, TransferTimeout(
-                f"deadline passed after {pos} of {length} bytes; the range is partly written and the "
-                "notification was not delivered"), end)
-            return
-        name = bytes(raw[:name_len]).decode("utf-8", "replace")
-        self.notes.commit(held, self._conn.who, name, bytes(raw[name_len:]))
-        self._reply(sock, wire.ST_OK, req_id, 0, end=end)
+        self._write(sock, req_id, region_id, token, epoch, offset, length, end, (note_len, name_len, raw))
 
     def _note_admit(self, note_len: int) -> Any:
         """Admit a carried note, in _dataport.c note_admit's order: limits.max_notify_bytes
