@@ -35,6 +35,17 @@ class Op(Operation):
     deadline_entry: Any = None
     tracked = False
     released = False
+    probe: str | None = None  # the health probe slot it holds (see Retries._end_probe)
+
+
+class BoundOp(Op):
+    """A request posted through its pair's binding (:meth:`BoundPairs._cached`): it starts
+    claimed (POSTED, nobody else can see it yet), holding its slot, on its first candidate.
+    Class-level, so making one writes none of them."""
+
+    stage = POSTED
+    holds_slot = True
+    attempt = 0
 
 
 class Slots:
@@ -56,6 +67,14 @@ class Slots:
     def waiting(self) -> int:
         """Threads waiting for a slot now (``Engine.stats()``'s queue backlog counts them)."""
         return self._waiting
+
+    def try_acquire(self) -> bool:
+        """A slot if one is free now, else False (the per-request path: no keyword parsing)."""
+        with self._lock:
+            if self._free:
+                self._free -= 1
+                return True
+            return False
 
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         with self._lock:
