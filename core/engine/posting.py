@@ -132,12 +132,10 @@ class Posting:
     def _track(self, unit: Any) -> None:
         if unit.tracked:
             return
-        with self._inflight_lock:
-            self._inflight.add(unit)
+        self._inflight.add(unit)
         unit.tracked = True
-        if unit.done and unit.released:  # finished between post() and here
-            with self._inflight_lock:
-                self._inflight.discard(unit)
+        if unit.done and unit.released:  # finished between post() and here (_release saw tracked False)
+            self._inflight.discard(unit)
 
     def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
         unit.stage = FINISHED
