@@ -89,7 +89,9 @@ class DeadlineTimer:
                     if left <= 0:
                         break
                     self._wakes_at = when
-                    self._cond.wait(left)
+                    # (A lock's wait takes at most TIMEOUT_MAX, ~292 years: a longer request timeout
+                    # raised OverflowError here and ended this thread, and every later deadline with it.)
+                    self._cond.wait(min(left, threading.TIMEOUT_MAX))
                 self._wakes_at = -math.inf  # awake: it looks at the heap before it sleeps again
                 if self._closed:
                     return

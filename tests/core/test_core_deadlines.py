@@ -92,3 +92,15 @@ def test_cancels_from_many_threads_without_the_mutex_keep_the_heap_bounded() -> 
     assert fired.wait(2), "a live deadline was lost to a racing compaction"
     timer.cancel(live)
     timer.close()
+
+
+def test_a_deadline_beyond_the_longest_lock_wait_does_not_end_the_timer_thread() -> None:
+    """A request timeout of 1e10 s is valid (positive, finite); the thread's wait towards it used
+    to raise OverflowError (over threading.TIMEOUT_MAX), and no later deadline fired."""
+    timer = DeadlineTimer()
+    timer.schedule(time.monotonic() + 1e10, lambda: None)
+    time.sleep(0.1)  # the thread is asleep towards it
+    hit = threading.Event()
+    timer.schedule(time.monotonic() + 0.05, hit.set)
+    assert hit.wait(2), "the timer thread died on a far deadline"
+    timer.close()
