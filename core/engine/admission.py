@@ -82,9 +82,9 @@ class Admission:
                                  request)
 
     def new_op(self, kind: str, local: Region, lo: int, remote: RemoteRegion, ro: int, length: int,
-            timeout: float, dispatch: Dispatch, request: Request | None = None) -> Operation:
+            timeout: float, dispatch: Dispatch, request: Request | None = None, cls: type[Op] = Op) -> Operation:
         now = time.monotonic()
-        op = Op(kind, local, lo, remote, ro, length, now + timeout, time.time() + timeout, sink=self._reported)
+        op = cls(kind, local, lo, remote, ro, length, now + timeout, time.time() + timeout, None, self._reported)
         t = Transfer(request, _dispatch=dispatch)
         t.operation = op
         op.transfer = t
@@ -127,7 +127,7 @@ class Admission:
         """Lease the local region and take a queue_depth slot; raise (holding nothing) if either fails."""
         unit.local.acquire()
         if self._raise_on_full:
-            ok = self.slots.acquire(blocking=False)
+            ok = self.slots.try_acquire()
         else:
             ok = self.slots.acquire(timeout=max(0.0, unit.deadline - time.monotonic()))
         if not ok:

@@ -32,7 +32,7 @@ from ..remote import RemoteRegion
 from ..transfer import Landed, LandedOrigin, Transfer
 from ..transport import Operation, Transport
 from . import fastlane
-from .units import POSTED
+from .units import BoundOp
 
 if TYPE_CHECKING:
     from ..control import PeerLink
@@ -128,13 +128,11 @@ class BoundPairs:
                 local.acquire()
             except RegionClosedError:
                 return None
-            if not self.slots.acquire(blocking=False):
+            if not self.slots.try_acquire():
                 local.release()  # full: the full path waits for a slot or raises, as configured
                 return None
-            op = self.new_op(kind, local, lo, remote, ro, n, timeout, self.dispatch)
-            op.holds_slot = True
-            op.stage = POSTED  # nobody else can see it yet: no claim to race
-            op.attempt = 0
+            # Born POSTED (nobody else can see it yet: no claim to race), holding its slot, attempt 0.
+            op = self.new_op(kind, local, lo, remote, ro, n, timeout, self.dispatch, None, BoundOp)
             self.hand_routed(op, b.link, b.transport, b.cands, b.rule, b.names, True)
             return op.transfer
         if type(lo) is not int or type(ro) is not int or type(n) is not int:

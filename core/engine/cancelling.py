@@ -53,8 +53,7 @@ class Cancelling:
             member.dispatch.push(member)
 
     def units(self) -> list[Any]:
-        with self._inflight_lock:
-            return list(self._inflight)
+        return list(self._inflight)  # one C call: a snapshot (see Pipeline._inflight)
 
     def abort_peer(self, address: str, error: BaseException) -> None:
         for unit in self.units():

@@ -57,16 +57,24 @@ class DeadlineTimer:
         return entry
 
     def cancel(self, entry: list[Any]) -> None:
-        """Forget a scheduled call (no-op if it already ran or was cancelled)."""
-        with self._mutex:
-            if entry[2] is None:
-                return
-            entry[2] = None
-            self._dead += 1
-            if self._dead > 64 and self._dead * 2 > len(self._heap):
-                self._heap = [e for e in self._heap if e[2] is not None]
-                heapq.heapify(self._heap)
-                self._dead = 0
+        """Forget a scheduled call (no-op if it already ran or was cancelled).
+
+        Once per request, so without the mutex in the usual case: the entry's call is dropped
+        by one store (atomic under the GIL; the entry keeps no reference to the request), which
+        is all a cancel ever promised -- a call the thread already took runs either way, as it
+        did when this took the lock. ``_dead`` counts unlocked: a lost update only moves the
+        next compaction a little, and each compaction counts the heap anew.
+        """
+        if entry[2] is None:
+            return
+        entry[2] = None
+        dead = self._dead = self._dead + 1
+        if dead > 64 and dead * 2 > len(self._heap):
+            with self._mutex:
+                if self._dead * 2 > len(self._heap):  # (not compacted meanwhile by another canceller)
+                    self._heap = [e for e in self._heap if e[2] is not None]
+                    heapq.heapify(self._heap)
+                    self._dead = 0
 
     def _run(self) -> None:
         while True:
@@ -81,7 +89,9 @@ class DeadlineTimer:
                     if left <= 0:
                         break
                     self._wakes_at = when
-                    self._cond.wait(left)
+                    # (A lock's wait takes at most TIMEOUT_MAX, ~292 years: a longer request timeout
+                    # raised OverflowError here and ended this thread, and every later deadline with it.)
+                    self._cond.wait(min(left, threading.TIMEOUT_MAX))
                 self._wakes_at = -math.inf  # awake: it looks at the heap before it sleeps again
                 if self._closed:
                     return

@@ -51,10 +51,10 @@ class Endings:
         dl = unit.deadline_entry
         if dl is not None:
             self.timer.cancel(dl)
-        self._end_probe(unit)
+        if getattr(unit, "probe", None) is not None:  # (most hold no probe slot: no call)
+            self._end_probe(unit)
         if unit.tracked:
-            with self._inflight_lock:
-                self._inflight.discard(unit)
+            self._inflight.discard(unit)
         if not unit.released:
             unit.released = True
             self._unhold(unit)

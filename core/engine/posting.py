@@ -126,18 +126,27 @@ class Posting:
         if not unit.done:
             # Tracked (for close() and peer loss) only when it outlives post():
             # requests finished inline never touch the table or the timer.
-            self._track(unit)
-            self._arm(unit)
+            self._outlived(unit)
+
+    def _outlived(self, unit: Any) -> None:
+        """_track and _arm in one step, for a unit still pending after post() (once per such request)."""
+        if not unit.tracked:
+            self._inflight.add(unit)
+            unit.tracked = True
+        if unit.deadline_entry is None:
+            unit.deadline_entry = self.timer.schedule(unit.deadline, lambda u=unit: self._on_deadline(u))
+        if unit.done:  # finished meanwhile: _release may have run before either step above
+            self.timer.cancel(unit.deadline_entry)
+            if unit.released:
+                self._inflight.discard(unit)
 
     def _track(self, unit: Any) -> None:
         if unit.tracked:
             return
-        with self._inflight_lock:
-            self._inflight.add(unit)
+        self._inflight.add(unit)
         unit.tracked = True
-        if unit.done and unit.released:  # finished between post() and here
-            with self._inflight_lock:
-                self._inflight.discard(unit)
+        if unit.done and unit.released:  # finished between post() and here (_release saw tracked False)
+            self._inflight.discard(unit)
 
     def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
         unit.stage = FINISHED

@@ -116,8 +116,10 @@ class Pipeline(Admission, Planning, BoundPairs, Posting, Retries, Stripes, Timeo
         self.default_timeout = cfg.request_timeout
         self._grace = cfg.runtime.abort_grace_ms / 1000
         self._lazy = cfg.memory.registration == "lazy"
+        # The units that outlived post() (for close() and peer loss). No lock: add, discard and
+        # list() of a set of objects with identity hashing are each one C call, which no other
+        # thread interleaves (the GIL; a free-threaded build locks the set itself).
         self._inflight: set[Any] = set()
-        self._inflight_lock = threading.Lock()
         self._routes: dict[tuple[Any, ...], tuple[tuple[Transport, ...], str, tuple[str, ...]]] = {}
         self._backlog: dict[str, deque[Any]] = {}
         self._backlog_lock = threading.Lock()

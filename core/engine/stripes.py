@@ -97,8 +97,7 @@ class Stripes:
             op.batch.status = TransferStatus.POSTED
         if self.e.telemetry.enabled:
             self.e.telemetry.on_post(op, transfer.transport)
-        with self._inflight_lock:
-            self._inflight.add(op)
+        self._inflight.add(op)
         op.posting = inline
         self._arm(op)  # before posting: a stripe transport may wait on the peer in post()
         for sub in subs:

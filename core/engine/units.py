@@ -35,50 +35,72 @@ class Op(Operation):
     deadline_entry: Any = None
     tracked = False
     released = False
+    probe: str | None = None  # the health probe slot it holds (see Retries._end_probe)
+
+
+class BoundOp(Op):
+    """A request posted through its pair's binding (:meth:`BoundPairs._cached`): it starts
+    claimed (POSTED, nobody else can see it yet), holding its slot, on its first candidate.
+    Class-level, so making one writes none of them."""
+
+    stage = POSTED
+    holds_slot = True
+    attempt = 0
 
 
 class Slots:
-    """A counting semaphore for ``runtime.queue_depth`` whose uncontended path is
-    one C-level lock (``threading.BoundedSemaphore`` is a Python Condition)."""
+    """A counting semaphore for ``runtime.queue_depth`` whose uncontended path takes no lock:
+    a free slot is a token in a list, taken by ``pop()`` and given back by ``append()`` (each
+    one C call, atomic under the GIL). Only a thread that has to wait takes the lock, to sleep
+    on the condition; a release wakes it when someone waits."""
 
     def __init__(self, n: int) -> None:
         self.capacity = n
-        self._free = n
+        self._tokens: list[None] = [None] * n
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._waiting = 0
+        self._waiting = 0  # under _lock; read by release() without it (see there)
 
     @property
     def in_use(self) -> int:
-        return self.capacity - self._free
+        return self.capacity - len(self._tokens)
 
     @property
     def waiting(self) -> int:
         """Threads waiting for a slot now (``Engine.stats()``'s queue backlog counts them)."""
         return self._waiting
 
+    def try_acquire(self) -> bool:
+        """A slot if one is free now, else False (the per-request path: no lock, no keyword parsing)."""
+        try:
+            self._tokens.pop()
+        except IndexError:
+            return False
+        return True
+
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        if self.try_acquire():
+            return True
+        if not blocking:
+            return False
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            if self._free:
-                self._free -= 1
-                return True
-            if not blocking:
-                return False
-            deadline = None if timeout is None else time.monotonic() + timeout
+            # Counted before it looks again: a release that did not see the count came before
+            # that look, so its token is seen; one that did takes the lock to notify, which it
+            # gets only once this thread sleeps on the condition.
             self._waiting += 1
             try:
-                while not self._free:
+                while not self.try_acquire():
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return False
                     self._cond.wait(left)
-                self._free -= 1
                 return True
             finally:
                 self._waiting -= 1
 
     def release(self) -> None:
-        with self._lock:
-            self._free += 1
-            if self._waiting:
+        self._tokens.append(None)
+        if self._waiting:
+            with self._lock:
                 self._cond.notify()

@@ -69,3 +69,38 @@ def test_the_timer_thread_sleeps_through_deadlines_later_than_the_one_it_waits_f
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
         timer.close()
+
+
+def test_cancels_from_many_threads_without_the_mutex_keep_the_heap_bounded() -> None:
+    """cancel() takes no lock in the usual case (once per request): cancels racing each other,
+    schedule() and the timer thread still leave no pile of dead entries, and no live call is lost."""
+    timer = DeadlineTimer()
+    fired = threading.Event()
+    far = time.monotonic() + 3600
+
+    def churn() -> None:
+        for i in range(3000):
+            timer.cancel(timer.schedule(far + i, lambda: None))
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    live = timer.schedule(time.monotonic() + 0.05, fired.set)
+    for t in threads:
+        t.join()
+    assert len(timer._heap) < 400, f"{len(timer._heap)} entries kept after 12000 cancels"
+    assert fired.wait(2), "a live deadline was lost to a racing compaction"
+    timer.cancel(live)
+    timer.close()
+
+
+def test_a_deadline_beyond_the_longest_lock_wait_does_not_end_the_timer_thread() -> None:
+    """A request timeout of 1e10 s is valid (positive, finite); the thread's wait towards it used
+    to raise OverflowError (over threading.TIMEOUT_MAX), and no later deadline fired."""
+    timer = DeadlineTimer()
+    timer.schedule(time.monotonic() + 1e10, lambda: None)
+    time.sleep(0.1)  # the thread is asleep towards it
+    hit = threading.Event()
+    timer.schedule(time.monotonic() + 0.05, hit.set)
+    assert hit.wait(2), "the timer thread died on a far deadline"
+    timer.close()
