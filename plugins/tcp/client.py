@@ -73,7 +73,7 @@ _DRIVE_MAX = 256 << 10  # replies larger than this are left to the reader thread
 _UNDRIVEN = 4  # replies nobody drove, in a row, after which the reader reads at once again
 #: The longest a reader leaves a driven connection unlooked at (await_reply's look_ns): its wake-ups
 #: per second while every reply is driven, against what the first reply nobody drives may wait.
-_LOOK_MAX = 0.02
+LOOK_MAX = 0.02
 _REPARK_MS = 5000  # the reader's native wait returns this often to look at its connection (a shut socket wakes it at once)
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
@@ -133,7 +133,7 @@ class Conn:
         self.undriven = 0
         #: The reader's doorbell (an eventfd, -1 until its native wait makes it; the reader closes
         #: it under ``lock``): leave_drive rings it when it hands pending replies to the reader,
-        #: which sleeps between its looks at a sticky connection for up to _LOOK_MAX.
+        #: which sleeps between its looks at a sticky connection for up to LOOK_MAX.
         self._bell = -1
         #: [driving, sticky] for the reader's native wait (busypoll.await_reply), under ``lock``.
         self._flags = array("i", (0, int(self.sticky)))
@@ -411,7 +411,7 @@ class Conn:
         """
         fd = self.sock.fileno()  # type: ignore[union-attr]
         wait = busypoll.await_reply
-        handoff, look = int(HANDOFF * 1e9), int(_LOOK_MAX * 1e9)
+        handoff, look = int(HANDOFF * 1e9), int(LOOK_MAX * 1e9)
         if self._bell < 0:
             bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             with self.lock:

@@ -336,7 +336,12 @@ def test_a_waiter_polls_for_its_answer_and_the_loop_thread_stays_asleep(make_eng
         finally:
             os.kill(proc.pid, signal.SIGCONT)
         sleeps, driven = loop.sleeps - sleeps, tr.waiter_reports - driven
-        assert driven == n, f"{driven} of {n} writes were reported by their waiter"
+        if park_us:
+            assert driven == n, f"{driven} of {n} writes were reported by their waiter"
+        else:
+            # The control's loop thread polls beside the waiter: a waiter preempted past the claim
+            # window (a loaded machine) leaves its answer to the loop, as designed.
+            assert driven >= n - 3, f"{driven} of {n} writes were reported by their waiter"
         if park_us:
             assert sleeps <= 3, f"the loop thread's poll ended {sleeps} times for {n} waited-for writes"
         else:
