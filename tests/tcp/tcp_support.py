@@ -95,6 +95,18 @@ class Target(TargetProcess):
             raise
 
 
+def raw_to(engine: mpcomm.Engine, node: str = "raw-client") -> socket.socket:
+    """A data connection to an engine of this process's tcp port, HELLO sent as ``node`` and
+    authenticated (no secret): :meth:`Target.raw` for an in-process engine."""
+    port = engine.info().transports["tcp"]["port"]
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    ident, epoch = wire.ident(node), wire.ident(engine.epoch)
+    s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, ident, epoch))
+    client_authenticate(s, "", time.monotonic() + 5, wire.context(ident, epoch))
+    s.settimeout(5)
+    return s
+
+
 def req(op: int = wire.OP_READ, *, remote: mpcomm.RemoteRegion | None = None, region_id: int = 0, token: int = 0,
         epoch: int = 0, offset: int = 0, length: int = 0, deadline: float | None = None, count: int = 0,
         req_id: int = 1, magic: bytes = wire.REQ_MAGIC) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tcp_support import Target, closed, error_code, reply, req
+from tcp_support import Target, closed, error_code, raw_to, reply, req
 
 import mpcomm
 from mpcomm.control import PeerLink
@@ -307,18 +307,6 @@ def test_the_native_queue_holds_notes_for_the_callbacks_in_order() -> None:
 
 # -- generated frames against a server in this process (a crash would end the test run) ----------
 
-def _raw_to(engine: mpcomm.Engine) -> socket.socket:
-    from mpcomm.auth import client_authenticate
-
-    port = engine.info().transports["tcp"]["port"]
-    s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    node, epoch = wire.ident("fuzz-client"), wire.ident(engine.epoch)
-    s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, node, epoch))
-    client_authenticate(s, "", time.monotonic() + 5, wire.context(node, epoch))
-    s.settimeout(5)
-    return s
-
-
 @pytest.fixture(scope="module")
 def small_target() -> Any:
     e = mpcomm.Engine({"limits": {"max_notify_bytes": 1000, "max_queued_notifications": 4}}, transports=["tcp"])
@@ -334,7 +322,7 @@ def small_target() -> Any:
        body=st.integers(0, 2048))
 def test_generated_notify_frames_get_an_answer_or_a_closed_connection(small_target: mpcomm.Engine, count: int,
                                                                       length: int, body: int) -> None:
-    s = _raw_to(small_target)
+    s = raw_to(small_target, "fuzz-client")
     try:
         s.sendall(req(wire.OP_NOTIFY, count=count, length=length, req_id=5) + b"n" * body)
         if count > 1024 or length > MAX_NOTIFY:
@@ -353,7 +341,7 @@ def test_generated_notify_frames_get_an_answer_or_a_closed_connection(small_targ
                 break
     finally:
         s.close()
-    t = _raw_to(small_target)  # the port still serves
+    t = raw_to(small_target, "fuzz-client")  # the port still serves
     t.sendall(_notify(2, payload=b"ok", rid=9))
     assert reply(t)[:2] == (wire.ST_OK, 9)
     t.close()

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tcp_support import Target, closed, error_code, reply
+from tcp_support import Target, closed, error_code, raw_to, reply
 
 import mpcomm
 from mpcomm.control import NotificationQueue
@@ -228,18 +228,6 @@ def test_the_native_queue_holds_room_for_a_note_whose_data_lands_first() -> None
 
 # -- generated frames against servers in this process (a crash would end the test run) -----------
 
-def _raw_to(engine: mpcomm.Engine) -> socket.socket:
-    from mpcomm.auth import client_authenticate
-
-    port = engine.info().transports["tcp"]["port"]
-    s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    node, epoch = wire.ident("gen-client"), wire.ident(engine.epoch)
-    s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 0, node, epoch))
-    client_authenticate(s, "", time.monotonic() + 5, wire.context(node, epoch))
-    s.settimeout(5)
-    return s
-
-
 @pytest.fixture(scope="module", params=SERVERS)
 def small_targets(request: pytest.FixtureRequest) -> Any:
     cfg = _config(request.param, max_notify_bytes=1000, max_queued_notifications=4)
@@ -259,7 +247,7 @@ def test_generated_noting_frames_get_an_answer_or_a_closed_connection(small_targ
                                                                       body: int, offset: int, n: int) -> None:
     engine, buf, region = small_targets
     buf[:] = bytes(len(buf))
-    s = _raw_to(engine)
+    s = raw_to(engine, "gen-client")
     try:
         head = wire.REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, wire.FLAG_NOTE, count, 5, region.id, region.token,
                              int(engine.epoch, 16), offset, n, time.time() + 10)
@@ -286,7 +274,7 @@ def test_generated_noting_frames_get_an_answer_or_a_closed_connection(small_targ
                 break
     finally:
         s.close()
-    t = _raw_to(engine)  # the port still serves
+    t = raw_to(engine, "gen-client")  # the port still serves
     t.sendall(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_WRITE, wire.FLAG_NOTE, 2, 9, region.id, region.token,
                             int(engine.epoch, 16), 0, 2, time.time() + 10) + wire.NOTE_LEN.pack(2) + b"kvokok")
     assert reply(t)[:2] == (wire.ST_OK, 9)
