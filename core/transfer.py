@@ -715,8 +715,9 @@ class Batch(Transfer):
             last = self.left == 0
         if last:
             for _, part in self.parts:
-                if isinstance(part, OperationGroup):
-                    part.release_owner()
+                release = getattr(part, "release_owner", None)  # a group (Operation parts: not yet)
+                if release is not None:
+                    release()
         return last
 
     def take_handover(self) -> bool:

@@ -441,7 +441,7 @@ def int64_array(values: Any, count: int | None, what: str, copy: bool = True) ->
 PENDING, DONE, FAILED = 0, 1, 2
 
 
-class _HeldUntilEnded:
+class HeldUntilEnded:
     """An attribute the engine sets on a group to the handle that owns it (``batch``, ``transfer``).
 
     Held strongly while the group may still be working, so a batch whose caller
@@ -536,9 +536,9 @@ class OperationGroup:
         self.member_handles: list[tuple[int, list[Any]]] = []
 
     #: The engine's back references to the :class:`~mpcomm.Batch` that owns the group (see
-    #: :class:`_HeldUntilEnded`); None for a group no batch owns.
-    batch = _HeldUntilEnded()
-    transfer = _HeldUntilEnded()
+    #: :class:`HeldUntilEnded`); None for a group no batch owns.
+    batch = HeldUntilEnded()
+    transfer = HeldUntilEnded()
 
     def release_owner(self) -> None:
         """Every part of the owning batch ended: hold it weakly from now (the batch calls this;

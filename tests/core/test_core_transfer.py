@@ -497,7 +497,9 @@ def test_numpy_integers_are_offsets_and_lengths(kv: Any) -> None:
     assert buf[8:24] == b"\x05" * 16
 
 
-@pytest.mark.parametrize("how", ["submit", "write_many", "read_many", "prepared", "members"])
+@pytest.mark.parametrize("how", ["submit", "write_many", "read_many", "prepared", "members", pytest.param(
+    "submit-notify", marks=pytest.mark.xfail(strict=True, reason="a notifying request is an Operation part: the "
+                                             "engine's op.batch still names the batch (engine change pending)"))])
 def test_a_finished_batch_and_its_groups_are_freed_without_the_cyclic_gc(make_engine: Any, how: str) -> None:
     """Batch -> parts -> group -> batch (the engine's back reference) and member -> group ->
     member_handles -> member were cycles: every finished batch waited for the cycle collector.
@@ -517,6 +519,9 @@ def test_a_finished_batch_and_its_groups_are_freed_without_the_cyclic_gc(make_en
     def one() -> mpcomm.Batch:
         if how == "submit":
             return ini.submit([Request("write", src, remote, o, o, n) for o, n in zip(offs, lens)])
+        if how == "submit-notify":  # a lone notifying request beside a group
+            return ini.submit([Request("write", src, remote, o, o, n, notify=b"n" if o == 0 else None)
+                               for o, n in zip(offs, lens)])
         if how in ("write_many", "members"):
             return ini.write_many(src, remote, offs, offs, lens)
         if how == "read_many":
