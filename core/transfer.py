@@ -703,10 +703,22 @@ class Batch(Transfer):
     staged = False
 
     def part_ended(self) -> bool:
-        """One part ended: True for the last one."""
+        """One part ended: True for the last one.
+
+        After the last one the engine reads no part's back reference to this batch any
+        more (each part's ending calls this as its last use of it), so the groups hold
+        it weakly from then on: the batch keeps its groups for :meth:`index_state`, and
+        a strong reference back made every finished batch a cycle for the collector.
+        """
         with self._lock:
             self.left -= 1
-            return self.left == 0
+            last = self.left == 0
+        if last:
+            for _, part in self.parts:
+                release = getattr(part, "release_owner", None)  # a group (Operation parts: not yet)
+                if release is not None:
+                    release()
+        return last
 
     def take_handover(self) -> bool:
         """True for the one caller that hands the finished batch on: never while it is being
@@ -836,3 +848,6 @@ def resolve_members(group: OperationGroup) -> None:
             else:
                 m.record_outcome(group.errors.get(i) or CancelledError(), 0)
             m.finish_inline()
+            # Settled: the engine's cancel no longer needs its group, and group ->
+            # member_handles -> member -> group would keep both for the cycle collector.
+            m.group = None

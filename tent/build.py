@@ -79,10 +79,16 @@ def _checkout_of(pkg: Path) -> Path | None:
 
 def native_root(pkg_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where the provider of this mpcomm lives (its MPCOMM_ROOT): the package dir of a wheel
-    install, or :func:`editable_root` of the checkout an editable install imports from."""
+    install, or :func:`editable_root` of the checkout an editable install imports from.
+
+    A checkout's package dir is never its provider root, whatever files stand there: setup.py
+    and :func:`main` build an editable install's provider into build/native/ only, so a
+    lib/libmpcomm.so.1 or native-status.json in core/ can only be an old scheme's leftover
+    (:data:`OLD_LAYOUT`; ``mpcomm doctor`` names them). Preferring them loaded an old library.
+    The rule is the layout, not file times: a git checkout or a copy resets those, so an old
+    build can look newer than the sources, and a wheel's times say nothing at all.
+    """
     pkg = _package_dir(pkg_dir)
-    if (pkg / "lib" / SONAME).exists() or (pkg / STATUS_FILE).exists():
-        return pkg
     checkout = _checkout_of(pkg)
     return editable_root(checkout) if checkout is not None else pkg
 
@@ -155,8 +161,8 @@ def build_native(dest: str | os.PathLike[str], src: str | os.PathLike[str] = NAT
 
 
 #: What an older build scheme wrote into the package dir itself. An editable install now builds the
-#: provider into the checkout's build/native/; left in the package dir (core/), these shadow it:
-#: native_root() takes the package dir wherever they stand, so an old libmpcomm is loaded.
+#: provider into the checkout's build/native/; left in the package dir (core/), they are ignored by
+#: native_root() but waste space and confuse a reader (and older mpcomm versions loaded them).
 OLD_LAYOUT = (STATUS_FILE, "lib", "include")
 
 
@@ -186,8 +192,8 @@ def stale_artefacts(pkg_dir: str | os.PathLike[str] | None = None) -> list[tuple
     for name in OLD_LAYOUT:
         path = pkg / name
         if path.is_symlink() or path.exists():
-            out.append((path, f"left by an old build scheme; it shadows {editable_root(checkout)}, so an old "
-                              "libmpcomm would be loaded", f"remove it (rm -r {path})"))
+            out.append((path, f"left by an old build scheme; the provider is {editable_root(checkout)}, this "
+                              "copy is never loaded (older mpcomm versions loaded it instead)", f"remove it (rm -r {path})"))
     st = native_status(pkg)
     if st["built"]:
         lib = Path(st["library"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,19 @@ def _checkout(root: Path) -> Path:
     return root / "core"
 
 
+def _layout(root: Path, version: str) -> Path:
+    """A provider root as build_native lays it out (real files, not a working library); its library."""
+    (root / "lib").mkdir(parents=True)
+    (root / "lib" / build.SONAME).write_bytes(f"\x7fELF a build of {version}".encode())
+    (root / "include").mkdir()
+    (root / "include" / "mpcomm.h").write_text(f"// {version}\n")
+    (root / build.STATUS_FILE).write_text(json.dumps({"built": True, "version": version}))
+    return root / "lib" / build.SONAME
+
+
 def _old_layout(pkg: Path) -> None:
     """What the old scheme built into the package dir itself."""
-    (pkg / "lib").mkdir()
-    (pkg / "lib" / build.SONAME).write_bytes(b"\x7fELF an old build")
-    (pkg / "include").mkdir()
-    (pkg / "include" / "mpcomm.h").write_text("// old\n")
-    (pkg / build.STATUS_FILE).write_text(json.dumps({"built": True, "version": "1.0.0"}))
+    _layout(pkg, "1.0.0")
 
 
 def _warned(checks: list[Any]) -> dict[str, Any]:
@@ -48,7 +55,7 @@ def test_an_old_layout_in_a_checkout_is_named_with_what_to_do(tmp_path: Path) ->
     pkg = _checkout(tmp_path)
     assert [c.status for c in stale_native_checks(str(pkg), {})] == ["pass"]
     _old_layout(pkg)
-    assert build.native_root(pkg) == pkg  # what made an old libmpcomm load: the stale files win
+    assert build.native_root(pkg) == build.editable_root(tmp_path)  # named, never loaded
     warned = _warned(stale_native_checks(str(pkg), {}))
     assert set(warned) == {str(pkg / build.STATUS_FILE), str(pkg / "lib"), str(pkg / "include")}
     for path, check in warned.items():
@@ -60,10 +67,33 @@ def test_an_old_layout_in_a_checkout_is_named_with_what_to_do(tmp_path: Path) ->
     assert [c.status for c in stale_native_checks(str(pkg), {})] == ["pass"]
 
 
-def test_a_provider_older_than_its_source_is_named(tmp_path: Path) -> None:
+def test_a_checkout_takes_its_build_native_never_an_old_build_in_its_package_dir(tmp_path: Path) -> None:
+    """The old files in core/ used to win over build/native/, so an old libmpcomm was loaded."""
     pkg = _checkout(tmp_path)
     _old_layout(pkg)
-    lib, src = pkg / "lib" / build.SONAME, tmp_path / "tent" / "native" / "mpcomm.cpp"
+    root = build.editable_root(tmp_path)
+    assert build.native_root(pkg) == root
+    st = build.native_status(pkg)
+    assert not st["built"] and st["root"] == str(root), st  # not built yet, and says so: the old one is not taken
+    lib = _layout(root, build.PROVIDER_VERSION)
+    st = build.native_status(pkg)
+    assert st["built"] and st["library"] == str(lib) and st["version"] == build.PROVIDER_VERSION, st
+    # Newer file times do not bring the old build back (a checkout or a copy resets them).
+    later = time.time() + 3600
+    for path in (pkg / "lib" / build.SONAME, pkg / build.STATUS_FILE):
+        os.utime(path, (later, later))
+    assert build.native_root(pkg) == root and build.native_status(pkg)["library"] == str(lib)
+    # A wheel's package dir holds the same files legitimately: there it is the provider root.
+    wheel = tmp_path / "site-packages" / "mpcomm"
+    wheel.mkdir(parents=True)
+    _old_layout(wheel)
+    assert build.native_root(wheel) == wheel and build.native_status(wheel)["version"] == "1.0.0"
+
+
+def test_a_provider_older_than_its_source_is_named(tmp_path: Path) -> None:
+    pkg = _checkout(tmp_path)
+    lib = _layout(build.editable_root(tmp_path), build.PROVIDER_VERSION)
+    src = tmp_path / "tent" / "native" / "mpcomm.cpp"
     os.utime(lib, (src.stat().st_mtime - 60, src.stat().st_mtime - 60))
     warned = _warned(stale_native_checks(str(pkg), {}))
     assert warned[str(lib)].value == f"{lib}: older than its source {src}"

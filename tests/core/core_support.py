@@ -13,9 +13,25 @@ import threading
 import types
 from typing import Any, ClassVar
 
+import pytest
+
 import mpcomm
 from mpcomm import Availability, Capabilities, Operation, Transport, TransportContext
+from mpcomm.engine import fastlane
 from mpcomm.testing import TargetProcess, plugin_module  # noqa: F401 - re-exported for the core tests
+
+#: The largest int64: where the C lane's integers end.
+I64 = (1 << 63) - 1
+
+
+def fastlane_c(name: str | None = None) -> Any:
+    """The C lane (``_fastlane.c``'s module), or its function ``name``; skips the test where
+    it is not in use (not built, or disabled by MPCOMM_FASTLANE=0), saying why."""
+    mod = fastlane.module()
+    got = mod if name is None else getattr(mod, name, None)
+    if got is None:
+        pytest.skip(f"the C lane is not in use: {fastlane.status()}")
+    return got
 
 # -- a target engine in a subprocess ------------------------------------------------
 

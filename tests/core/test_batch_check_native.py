@@ -14,26 +14,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpcomm.engine import checks, fastlane
+from core_support import I64, fastlane_c
 
-I64 = (1 << 63) - 1
+from mpcomm.engine import checks
+
 EDGES = [0, 1, -1, 4095, 4096, 4097, 2**31, 2**32, I64, I64 - 1, -I64 - 1, -2]
 VALUES = st.one_of(st.sampled_from(EDGES), st.integers(-(1 << 63), I64))
 SIZES = st.one_of(st.sampled_from([0, 1, 4096, 2**32, I64]), st.integers(0, I64))
 
 
-def native() -> object:
-    mod = fastlane.module()
-    scan = getattr(mod, "first_bad", None)
-    if scan is None:
-        pytest.skip(f"the C lane is not in use: {fastlane.status()}")
-    return scan
-
-
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(rows=st.lists(st.tuples(VALUES, VALUES, VALUES), min_size=1, max_size=6), lsize=SIZES, rsize=SIZES)
 def test_the_c_scan_names_the_first_bad_index_as_the_python_rule(rows: list, lsize: int, rsize: int) -> None:
-    scan = native()
+    scan = fastlane_c("first_bad")
     lo, ro, ln = (array("q", col) for col in zip(*rows))
     python = checks.first_bad(list(lo), list(ro), list(ln), lsize, rsize)  # lists: the Python rule
     expected = next((i for i, (a, b, n) in enumerate(rows) if checks.span(a, b, n, lsize, rsize) is None), -1)
@@ -43,7 +36,7 @@ def test_the_c_scan_names_the_first_bad_index_as_the_python_rule(rows: list, lsi
 
 
 def test_the_c_scan_refuses_what_it_cannot_read_exactly() -> None:
-    scan = native()
+    scan = fastlane_c("first_bad")
     q = array("q", [0])
     with pytest.raises(TypeError):
         scan(array("i", [0]), q, q, 8, 8)  # not int64

@@ -22,9 +22,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from core_support import fastlane_c
 
 import mpcomm
-from mpcomm.engine import checks, fastlane
+from mpcomm.engine import checks
 from mpcomm.engine.bound import Binding, native_step
 from mpcomm.health import HealthTracker
 from mpcomm.memory import Region
@@ -35,10 +36,7 @@ LSIZE, RSIZE = 1 << 16, 1 << 15
 
 
 def _native() -> Any:
-    mod = fastlane.module()
-    if mod is None:
-        pytest.skip(f"the C inline lane is not built here: {fastlane.reason}")
-    return mod
+    return fastlane_c()
 
 
 class _Pipe:

@@ -21,20 +21,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core_support import I64, fastlane_c
+
 import mpcomm
 from mpcomm import Request
-from mpcomm.engine import fastlane, planning
+from mpcomm.engine import planning
 
-I64 = (1 << 63) - 1
 SIZE = 64 << 10
 
 
 def native() -> Any:
-    mod = fastlane.module()
-    scan = getattr(mod, "scan", None)
-    if scan is None:
-        pytest.skip(f"the C lane is not in use: {fastlane.status()}")
-    return scan
+    return fastlane_c("scan")
 
 
 def _scan(reqs: list[Any]) -> tuple[int, list[int], list[int], list[int]]:
