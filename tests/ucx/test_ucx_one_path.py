@@ -48,7 +48,7 @@ def test_the_helper_exposes_one_fast_path_entry() -> None:
     for gone in ("mpcomm_ucx_rma_one",):
         with pytest.raises(AttributeError):
             getattr(lib, gone)
-    for gone in ("_hot_ep", "_packed", "_packed_group", "_finish_fast"):
+    for gone in ("_hot_ep", "_packed", "_packed_group"):
         assert not hasattr(UcxTransport, gone)
 
 
