@@ -34,9 +34,17 @@ static inline int mp_fits(int64_t off, int64_t len, int64_t size) {
 typedef void (*free_fn)(void *);
 typedef unsigned (*progress_fn)(void *);
 
+/* ucs_status_t is a packed enum: one signed byte. Read as an int, a failure such as -3
+   (UCS_ERR_IO_ERROR) comes back as 253 and looks like neither done nor failed. */
+typedef int8_t (*check_fn)(void *);
+
 /* Issue n puts (or gets); release every request UCX returns (it frees it once done);
-   status[i] = 0 when issued, the ucs_status_t when refused at once. Then, if UCX left any in
-   flight (*left, their count), progress the worker while it reports work (local completions).
+   status[i] = 0 when issued, the ucs_status_t when refused. *left counts the operations UCX
+   left in flight and not known done since. Then local progress: with `check`, the last one
+   left in flight is settled as in one request -- progress while it is in flight and progress
+   does work, then its outcome counts (a failure marks every piece it covered, as refused) --
+   so a single cma put costs the progress calls its copy needs and no more (each one also polls
+   the tcp lane: a system call); without, the worker is progressed while it reports work.
    Returns the refused count.
    Pieces that continue each other on both sides (loff[i] + len[i] == loff[i + 1] and
    the same remotely) go as one put/get of up to `merge` bytes (0: never merged): on a
@@ -46,12 +54,13 @@ typedef unsigned (*progress_fn)(void *);
    `rsize` bytes where it is issued: one that does not fit is never issued, and its
    status is MP_OUT_OF_RANGE (counted as refused). This is the one loop that issues
    pieces: the fast path (mp_move) and the general path's groups (mpcomm_ucx_rma_many). */
-static int64_t mp_issue(rma_fn fn, free_fn rfree, progress_fn progress, void *ep, void *worker,
+static int64_t mp_issue(rma_fn fn, check_fn check, free_fn rfree, progress_fn progress, void *ep, void *worker,
                         const int64_t *loff, int64_t lbase, int64_t lsize, const int64_t *roff, int64_t rbase,
                         int64_t rsize, const int64_t *len, int64_t n, void *rkey, const void *param,
                         int8_t *status, int64_t merge, int64_t *left)
 {
-    int64_t refused = 0;
+    int64_t refused = 0, li = 0, lj = 0;
+    void *last = NULL;
     *left = 0;
     for (int64_t i = 0; i < n;) {
         int64_t lo = loff[i], ro = roff[i], total = len[i]; /* read once: what is checked is what is used */
@@ -76,15 +85,35 @@ static int64_t mp_issue(rma_fn fn, free_fn rfree, progress_fn progress, void *ep
             st = (int8_t)(intptr_t)r;
             refused += j - i;
         } else if (r != NULL) {
-            rfree(r);
             (*left)++;
+            if (check == NULL) {
+                rfree(r);
+            } else {
+                if (last != NULL)
+                    rfree(last);
+                last = r, li = i, lj = j;
+            }
         }
         for (; i < j; i++)
             status[i] = st;
     }
-    if (*left)
+    if (last != NULL) {
+        int8_t st = check(last);
+        while (st == 1 && progress(worker))
+            st = check(last);
+        rfree(last);
+        if (st != 1) {
+            (*left)--;
+            if (st < 0) {
+                for (int64_t k = li; k < lj; k++)
+                    status[k] = st;
+                refused += lj - li;
+            }
+        }
+    } else if (*left) {
         while (progress(worker))
             ;
+    }
     return refused;
 }
 
@@ -96,16 +125,13 @@ int64_t mpcomm_ucx_rma_many(rma_fn fn, free_fn rfree, progress_fn progress, void
                             int8_t *status, int64_t merge)
 {
     int64_t left;
-    int64_t refused = mp_issue(fn, rfree, progress, ep, worker, loff, lbase, lsize, roff, rbase, rsize, len, n, rkey,
-                               param, status, merge, &left);
+    int64_t refused = mp_issue(fn, NULL, rfree, progress, ep, worker, loff, lbase, lsize, roff, rbase, rsize, len, n,
+                               rkey, param, status, merge, &left);
     while (progress(worker))
         ;
     return refused;
 }
 
-/* ucs_status_t is a packed enum: one signed byte. Read as an int, a failure such as -3
-   (UCS_ERR_IO_ERROR) comes back as 253 and looks like neither done nor failed. */
-typedef int8_t (*check_fn)(void *);
 typedef void *(*flush_fn)(void *, const void *);
 
 /* What UCX returned for an operation, settled while the worker makes local progress:
@@ -601,7 +627,7 @@ static int64_t mp_move(struct mp_lane *l, const int64_t *loff, const int64_t *ro
     __atomic_add_fetch(&mp_moves, 1, __ATOMIC_RELAXED);
     struct mp_rma_call *c = &l->call;
     int64_t left;
-    *refused = mp_issue(c->fn, c->rfree, c->progress, c->ep, c->worker, loff, l->laddr, l->lsize, roff, l->rbase,
+    *refused = mp_issue(c->fn, c->check, c->rfree, c->progress, c->ep, c->worker, loff, l->laddr, l->lsize, roff, l->rbase,
                         l->rsize, len, n, c->rkey, n == 1 ? c->param : l->mparam, status, l->merge, &left);
     if (*refused == n || (!c->write && !left))
         return 0; /* nothing was issued, or every get landed inside its call: nothing to flush */

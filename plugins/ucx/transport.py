@@ -990,9 +990,8 @@ class UcxTransport(Transport):
             code, flush, failed = (0, None, {}) if got is True else got
             if flush is not None:  # in flight (a network lane): the progress side finishes it
                 w = _Work(unit, group, att, self._memh.get(unit.local.id))
-                w.count = unit.count if group else 1
-                w.items = [(0, 0, 0, 0)]
-                w.next = 1
+                self._items(w)  # as the general path's: what a restart on a fresh endpoint issues again
+                w.next = len(w.items)
                 w.flush = flush
                 for i, st in failed.items():
                     w.failed[i] = map_status(st, r, unit.kind, "request refused")

@@ -140,6 +140,18 @@ def test_a_failed_flush_status_is_read_as_the_signed_byte_it_is() -> None:
     assert "free 0x2000" in s.log
 
 
+def test_the_last_operation_failing_where_it_is_settled_fails_its_pieces() -> None:
+    """The lane settles the last operation UCX left in flight (a single request's only one); one
+    that ends in failure fails the pieces it covered, and a request of which nothing landed sends
+    no flush."""
+    s = StandInLane(request=0x1000, status=ERR_IO, flush_request=0x2000)
+    assert s.raw(0, 0, 64) == (0, 0, bytes([ERR_IO & 0xFF])) and s.flushes == 0
+    assert s.log == ["put", "check 0x1000", "free 0x1000"]
+    g = StandInLane(request=0x1000, status=ERR_IO, flush_request=0)
+    code, _pending, statuses = g.raw(array("q", [0, 100]), array("q", [0, 100]), array("q", [10, 10]))
+    assert code == 0 and _signed(statuses) == [0, ERR_IO] and g.flushes == 1  # the first: left to the flush
+
+
 def test_a_bound_lane_issues_within_its_bounds_only() -> None:
     s = StandInLane(limit=2048)
     assert s.move(100, 200, 64) is True

@@ -22,6 +22,7 @@ import mpcomm
 from mpcomm.engine.checks import fits
 from mpcomm.plugins.ucx import _native
 from mpcomm.plugins.ucx.transport import UcxTransport
+from mpcomm.testing.fixtures import make_engine  # noqa: F401 (fixture)
 
 LSIZE, RSIZE = 8192, 4096  # different, so a check against the wrong region shows
 TOP = (1 << 63) - 1
@@ -148,3 +149,31 @@ def test_single_requests_and_groups_go_through_the_same_entry_once_each() -> Non
     finally:
         ini.close(timeout=5)
         target.close(timeout=5)
+
+
+def test_a_fast_path_write_restarted_on_a_fresh_endpoint_lands(make_engine: Any) -> None:
+    """A write whose flush the fast path left in flight (tcp, target stopped) is restarted on a
+    fresh endpoint when another request's abort force-closes the stalled one: it is issued again
+    from its own local range (the general path's items), and lands once the target resumes."""
+    from ucx_support import StoppableTarget
+
+    cfg = {"runtime": {"abort_grace_ms": 200}, "plugins": {"ucx": {"tls": "tcp,self"}}}
+    with StoppableTarget() as target:
+        ini = make_engine(cfg, transports=["ucx"])
+        remote = ini.open(target.address, "kv", timeout=10)
+        src = ini.allocate(1 << 16)
+        for _ in range(3):
+            assert ini.write(src, remote, 0, 4096).result(5) == 4096  # attached and wired up
+        src.view[4096:8192] = b"\x5e" * 4096
+
+        def post() -> tuple[Any, Any]:
+            a = ini.write(src, remote, 4096, 4096, local_offset=4096)
+            b = ini.write(src, remote, 8192, 4096, timeout=0.2)
+            return a, b
+
+        a, b = target.paused(1.5, post)
+        with pytest.raises(mpcomm.TransferTimeout):
+            b.result(5)
+        assert a.result(15) == 4096
+        back = bytearray(4096)
+        assert ini.read(back, remote, 4096).result(5) == 4096 and bytes(back) == b"\x5e" * 4096

@@ -97,12 +97,13 @@ def test_a_read_left_in_flight_is_completed_by_its_flush(tcp_pair: Any) -> None:
 
 
 def test_the_lane_releases_a_put_waiting_for_its_peer_and_flushes_at_once() -> None:
-    """The fast path's order of calls with stand-in UCX functions: the put, its release (UCX frees
-    it once done), local progress until it stops, then the flush (not a wait for the put); a put
-    UCX refused is reported and, nothing having been issued, no flush goes out."""
+    """The fast path's order of calls with stand-in UCX functions: the put, local progress while it
+    is in flight and progress does work, then its release (UCX frees it once done) and the flush
+    at once (not a wait for the put); a put UCX refused is reported and, nothing having been
+    issued, no flush goes out."""
     s = StandInLane(request=0x1000, status=1, flush_request=0x2000)
     assert s.raw(0, 0, 64) == (2, 0x2000, None)
-    assert s.log == ["put", "free 0x1000", "progress", "flush", "check 0x2000", "progress"]
+    assert s.log == ["put", "check 0x1000", "progress", "free 0x1000", "flush", "check 0x2000", "progress"]
     refused = StandInLane(refuse_at=0)
     code, _pending, statuses = refused.raw(0, 0, 64)
     assert code == 0 and statuses == bytes([ERR_IO & 0xFF]) and "flush" not in refused.log
