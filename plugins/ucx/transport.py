@@ -971,7 +971,10 @@ class UcxTransport(Transport):
         so a revocation cannot slip in between; the unit is reported after it, outside the lock
         (the bytes landed before any revocation could be processed). A flush left in flight is
         handed to the progress side as the general path's work. False: declined, nothing issued
-        (the general path carries it)."""
+        (the general path carries it). Without the helper's extension module there is no fast
+        path: False at once."""
+        if _native.module() is None:
+            return False
         r = unit.remote
         with self._lock:
             att = peer.attached.get((r.region_id, r.epoch, r.token))
@@ -1034,9 +1037,9 @@ class UcxTransport(Transport):
         whatever would make the request unsafe -- a revocation, a failed, closed or replaced
         endpoint, a dropped rkey, a close -- shuts its gates first (:meth:`_shut_lane`,
         :meth:`_shut_lanes`) and waits for the calls in flight, so a shut lane only declines (the
-        engine then binds a new one). Without the helper's extension module: None.
+        engine then binds a new one). Without the helper's extension module: None, at once.
         """
-        if self._closed:
+        if self._closed or _native.module() is None:
             return None
         key = (remote.region_id, remote.epoch, remote.token)
         with self._lock:
