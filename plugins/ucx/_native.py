@@ -5,11 +5,12 @@ progress call that completes it) -- about 3 µs each here, against 0.7 µs in C.
 helper (``_ucxloop.c``, beside this file) is built when mpcomm is installed into the
 extension module ``mpcomm.plugins.ucx._mpcomm_ucxloop`` (setup.py; never at run time);
 it calls UCX through the function pointers the ctypes binding already resolved, so it
-needs neither UCX headers nor linking. The batch loops are called through ctypes on the
-module's file; the small-request path calls the module itself (:func:`module`): no
-ctypes argument conversion per request. Where the install built no helper, or
-``MPCOMM_UCX_NATIVE=0``, :func:`load` returns None and the binding falls back to
-the same loops in Python.
+needs neither UCX headers nor linking. The general path's group loop and the progress
+loop are called through ctypes on the module's file; the fast path (a bound lane's
+``move``, one entry for one request or a group) calls the module itself
+(:func:`module`): no ctypes argument conversion per request. Where the install built no
+helper, or ``MPCOMM_UCX_NATIVE=0``, :func:`load` returns None: there is no fast path
+then, and the general path runs its loops in Python.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from mpcomm import native_helper
 
 log = logging.getLogger("mpcomm.transport.ucx")
 
-ABI = 9
+ABI = 10
 MODULE = "mpcomm.plugins.ucx._mpcomm_ucxloop"
 
 _lock = threading.Lock()
@@ -69,10 +70,6 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
     f.restype = C.c_int64
     f.argtypes = [C.c_void_p] * 5 + [C.c_void_p, C.c_int64, C.c_int64, C.c_void_p, C.c_int64, C.c_int64,
                                      C.c_void_p, C.c_int64, C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64]
-    g = lib.mpcomm_ucx_rma_one
-    g.restype = C.c_int64
-    g.argtypes = [C.c_void_p] * 7 + [C.c_int64, C.c_int64, C.c_int64, C.c_void_p, C.c_void_p, C.c_void_p,
-                                     C.c_int64, C.c_void_p]
     for name, res, args in (("mpcomm_ucx_loop_run", C.c_int64, [C.c_void_p]),
                             ("mpcomm_ucx_loop_want", None, [C.c_void_p, C.c_int64]),
                             ("mpcomm_ucx_loop_ask", None, [C.c_void_p]),
@@ -94,7 +91,7 @@ def _load() -> tuple[C.CDLL | None, ModuleType | None, str]:
 
 
 class RmaCall(C.Structure):
-    """struct mp_rma_call of _ucxloop.c: one (endpoint, rkey, memh, direction), packed once."""
+    """struct mp_rma_call of _ucxloop.c: one (endpoint, rkey, memh, direction), packed once into a Lane."""
 
     _fields_ = [("fn", C.c_void_p), ("check", C.c_void_p), ("rfree", C.c_void_p), ("progress", C.c_void_p),
                 ("flush", C.c_void_p), ("ep", C.c_void_p), ("worker", C.c_void_p), ("rkey", C.c_void_p),
@@ -102,10 +99,11 @@ class RmaCall(C.Structure):
 
 
 class Lane(C.Structure):
-    """struct mp_lane of _ucxloop.c: a bound lane, issued without the transport's lock (see there)."""
+    """struct mp_lane of _ucxloop.c: a bound lane, the fast path's one entry (see there)."""
 
     _fields_ = [("call", RmaCall), ("ep_gate", C.c_void_p), ("att_gate", C.c_void_p), ("laddr", C.c_int64),
-                ("lsize", C.c_int64), ("rbase", C.c_int64), ("rsize", C.c_int64), ("limit", C.c_int64)]
+                ("lsize", C.c_int64), ("rbase", C.c_int64), ("rsize", C.c_int64), ("limit", C.c_int64),
+                ("merge", C.c_int64), ("mparam", C.c_void_p)]
 
 
 def gate() -> C.Array:

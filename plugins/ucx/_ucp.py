@@ -16,6 +16,7 @@ import os
 import select
 import tempfile
 import time
+from typing import Any
 
 # --- constants (values verified against UCX 1.21 headers) -------------------
 UCS_OK, UCS_INPROGRESS = 0, 1
@@ -488,160 +489,36 @@ class Endpoint:
             p = self._params[memh] = _req_param(memh)
         return p
 
-    def rma_now(self, write: bool, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
-                memh: MemHandle | None = None) -> "Request | int":
-        """One put/get, then local progress while it makes progress; the hot path of small requests.
-
-        Returns UCS_OK (0) when the operation finished locally (a cma copy is done inside the
-        calls), a negative status on failure, or the pending Request (never waits for the peer). The request parameters
-        are built once per memh and reused (UCX reads them only during the call)."""
-        if self.error_status is not None:
-            return self.error_status
-        p = self._param(memh)
-        fn = self._lib.ucp_put_nbx if write else self._lib.ucp_get_nbx
-        r = fn(self._h, local_addr, length, remote_addr, rkey._h, C.byref(p))
-        if not r:
-            return UCS_OK
-        if r >= (UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF):
-            return r - (1 << 64)
-        lib = self._lib
-        st = lib.ucp_request_check_status(r)
-        wh = self.worker._h
-        # Progress while it makes progress: on cma each call copies further fragments of a large
-        # put/get (local work); over a network it returns 0 at once and the caller hands off.
-        while st == UCS_INPROGRESS and lib.ucp_worker_progress(wh):
-            st = lib.ucp_request_check_status(r)
-        if st == UCS_INPROGRESS:
-            return Request(self.worker, r, "ucp_put_nbx" if write else "ucp_get_nbx")
-        lib.ucp_request_free(r)
-        return st
-
-    def rma_flush_now(self, write: bool, local_addr: int, length: int, remote_addr: int, rkey: "RemoteKey",
-                      memh: MemHandle | None = None) -> "Request | int":
-        """:meth:`rma_now`, then for a write :meth:`flush_now`: one call into the compiled helper.
-
-        Returns UCS_OK (0) once the put is remotely complete (or the get landed),
-        a negative status, or the Request still in flight: the get's, or
-        (``name == "ucp_ep_flush_nbx"``) the write's flush. A put still in flight after
-        local progress is released and its flush issued at once (the flush covers it: one
-        round trip over tcp, not two; see mpcomm_ucx_rma_one). Without the helper, the
-        same calls from Python."""
-        native = _native_helper()
-        if native is None or self.error_status is not None:
-            st = self.rma_now(write, local_addr, length, remote_addr, rkey, memh)
-            if not write or (isinstance(st, int) and st != 0):
-                return st
-            if not isinstance(st, int):
-                st.free()  # UCX reclaims it when it completes; the flush reports it
-            f = self.flush_now()
-            if isinstance(f, Request):
-                progress, wh = self._lib.ucp_worker_progress, self.worker._h
-                while f.status() == UCS_INPROGRESS and progress(wh):
-                    pass
-                if f.status() != UCS_INPROGRESS:
-                    st = f.status()
-                    f.free()
-                    return st
-            return f
-        p = self._param(memh)
-        fns = _fn_pointers(self._lib)
-        pending = C.c_void_p()
-        st = native.mpcomm_ucx_rma_one(fns[0] if write else fns[1], fns[4], fns[2], fns[3], fns[5], self._h,
-                                       self.worker._h, local_addr, length, remote_addr, rkey._h, C.byref(p),
-                                       C.byref(self._flush_param), int(write), C.byref(pending))
-        return st if st <= 0 else _left_in_flight(self.worker, st, pending.value, write)
-
-    def rma_caller(self, write: bool, rkey: "RemoteKey", memh: MemHandle | None = None):
-        """:meth:`rma_flush_now` bound to this endpoint, ``rkey`` and ``memh``: ``call(laddr, n, raddr)``.
-
-        One call into the helper's extension module per request, with the
-        handles packed once; None without that module (use :meth:`rma_flush_now`).
-        The result is what :meth:`rma_flush_now` returns. The caller must not
-        use it after this endpoint or ``rkey`` is closed (it checks the
-        endpoint's handle and error state, not the rkey's), and must serialize
-        its calls (the packed struct holds the pending request of the last one):
-        the transport calls it under its lock.
-        """
-        nat = _native_module()
-        if nat is None or self._h is None or rkey._h is None:
-            return None
-        mod, RmaCall = nat
-        p = self._param(memh)
-        fns = _fn_pointers(self._lib)
-        call = RmaCall(fns[0] if write else fns[1], fns[4], fns[2], fns[3], fns[5], self._h.value,
-                       self.worker._h.value, rkey._h.value, C.addressof(p), C.addressof(self._flush_param),
-                       int(write), None)
-        at, one, worker, h = C.addressof(call), mod.rma_one, self.worker, self._h
-        keep = (call, p, rkey)  # what the packed pointers point into stays alive with the closure
-
-        def run(laddr: int, n: int, raddr: int):
-            if self._h is not h:
-                return UCS_ERR_CANCELED  # closed since it was bound: nothing was issued
-            if self.error_status is not None:
-                return self.error_status  # the peer failed: nothing was issued
-            st = one(at, laddr, n, raddr)
-            return st if st <= 0 else _left_in_flight(worker, st, call.pending, write)
-
-        run.keep = keep  # type: ignore[attr-defined]
-        return run
-
-    def rma_group_caller(self, write: bool, rkey: "RemoteKey", memh: MemHandle | None = None):
-        """:meth:`rma_group` and the flush that completes it, bound to this endpoint, ``rkey`` and
-        ``memh``, in one call into the helper's extension module; None without that module.
-
-        ``call(lbase, lsize, loffs, rbase, rsize, roffs, lens, merge, limit)`` takes the int64
-        arrays of a group (read once each and every piece checked against ``lsize`` and
-        ``rsize`` where it is issued, as :meth:`rma_group`) and returns None when it declined
-        (no piece, or more than ``limit`` bytes in all: nothing was issued), else
-        ``(failed, flush)``: ``failed`` maps each refused index to its status, ``flush`` is 0
-        when every issued piece is complete, a negative status, or the flush :class:`Request`
-        still in flight. The same promises as :meth:`rma_caller` (under the caller's lock, not
-        after this endpoint or ``rkey`` is closed).
-        """
-        nat = _native_module()
-        if nat is None or self._h is None or rkey._h is None:
-            return None
-        mod, RmaCall = nat
-        p = self._params.get(("many", memh))
+    def _multi_param(self, memh: MemHandle | None) -> "_RequestParam":
+        """The request parameters of a group's pieces for ``memh`` (UCP_OP_ATTR_FLAG_MULTI_SEND), built once."""
+        key = ("many", memh)
+        p = self._params.get(key)
         if p is None:
-            p = self._params[("many", memh)] = _req_param(memh)
+            p = self._params[key] = _req_param(memh)
             p.op_attr_mask |= _OP_ATTR_FIELD_FLAGS
             p.flags = _OP_ATTR_FLAG_MULTI_SEND
-        fns = _fn_pointers(self._lib)
-        call = RmaCall(fns[0] if write else fns[1], fns[4], fns[2], fns[3], fns[5], self._h.value,
-                       self.worker._h.value, rkey._h.value, C.addressof(p), C.addressof(self._flush_param),
-                       int(write), None)
-        at, many, worker, h = C.addressof(call), mod.rma_group, self.worker, self._h
-        keep = (call, p, rkey)
-
-        def run(lbase: int, lsize: int, loffs, rbase: int, rsize: int, roffs, lens, merge: int, limit: int):
-            if self._h is not h:
-                return {}, UCS_ERR_CANCELED  # closed since it was bound: nothing was issued
-            if self.error_status is not None:
-                return {}, self.error_status  # the peer failed: nothing was issued
-            got = many(at, loffs, roffs, lens, lbase, lsize, rbase, rsize, merge, limit)
-            if got is None:
-                return None
-            refused, fl, statuses = got
-            failed = {i: st - 256 if st > 127 else st for i, st in enumerate(statuses) if st} if refused else {}
-            if fl > 0:
-                fl = Request(worker, call.pending, "ucp_ep_flush_nbx")
-            return failed, fl
-
-        run.keep = keep  # type: ignore[attr-defined]
-        return run
+        return p
 
     def rma_lane(self, write: bool, rkey: "RemoteKey", memh: MemHandle | None, gates: tuple, local: tuple,
-                 remote: tuple, limit: int, active: set, signal, on_pending):
-        """A bound lane: ``move(lo, ro, n) -> bool`` for small requests, issued without any lock.
+                 remote: tuple, limit: int, merge: int, active: set, signal, on_pending) -> tuple | None:
+        """A bound lane, the fast path's one native entry: ``(move, raw)``, two callables over it.
 
-        ``gates`` is (this endpoint's gate, the attachment's gate) from :func:`_native.gate`;
-        ``local``/``remote`` are (address, size) of the two regions; requests over ``limit``
-        bytes, or outside either region, are declined. The caller's promise: before it closes
-        this endpoint or destroys ``rkey`` (or revokes what the lane reaches) it shuts a
-        gate and waits until the endpoint gate's in-flight count is 0. ``on_pending(request)``
-        (a :class:`Request` the helper left in flight) decides the call's answer; ``signal()``
-        is called after a success while ``active`` is not empty. None without the extension
+        Each takes ``(lo, ro, n)`` (one request: a group of one) or ``(loffs, roffs, lens)``
+        (int64 arrays of a group) and is issued without any lock: every piece checked against
+        ``local``/``remote`` ((address, size) of the two regions) where it is issued, then, for
+        a write or a get UCX left in flight, the endpoint flush that completes them (see
+        ``mp_move`` in _ucxloop.c). Both answer False when they declined (nothing issued: more
+        than ``limit`` bytes in all, no byte, the one piece of a group of one out of bounds, a
+        gate shut) and True when everything landed. Otherwise ``move`` answers
+        ``on_pending(code, flush, statuses)`` and ``raw`` returns that tuple: ``code`` 0 done, a
+        negative status (the flush failed) or 2 with ``flush`` the :class:`Request` still in
+        flight (else None); ``statuses`` maps each refused index to its status (empty if none).
+        ``signal()`` is called after an issue while ``active`` is not empty.
+
+        ``gates`` is (this endpoint's gate, the attachment's gate) from :func:`_native.gate`.
+        The caller's promise: before it closes this endpoint or destroys ``rkey`` (or revokes
+        what the lane reaches) it shuts a gate and waits until the endpoint gate's in-flight
+        count is 0; ``on_pending`` runs before that count drops. None without the extension
         module (or an endpoint or rkey already closed).
         """
         nat = _native_module()
@@ -649,7 +526,7 @@ class Endpoint:
             return None
         mod, _ = nat
         Lane = _native_state[1].Lane
-        p = self._param(memh)
+        p, mp = self._param(memh), self._multi_param(memh)
         fns = _fn_pointers(self._lib)
         lane = Lane()
         c = lane.call
@@ -659,14 +536,24 @@ class Endpoint:
         lane.ep_gate, lane.att_gate = C.addressof(gates[0]), C.addressof(gates[1])
         lane.laddr, lane.lsize = local
         lane.rbase, lane.rsize = remote
-        lane.limit = limit
+        lane.limit, lane.merge, lane.mparam = limit, merge, C.addressof(mp)
         worker = self.worker
 
-        def pending(code: int, ptr: int) -> bool:
-            return bool(on_pending(_left_in_flight(worker, code, ptr, write)))
+        def answer(code: int, ptr: int, statuses: bytes | None) -> tuple:
+            flush = Request(worker, ptr, "ucp_ep_flush_nbx") if code == 2 else None
+            failed = {i: st - 256 if st > 127 else st for i, st in enumerate(statuses) if st} if statuses else {}
+            return code, flush, failed
 
-        # what the lane's pointers point into stays alive with the callable
-        return mod.lane(C.addressof(lane), active, signal, pending, (lane, p, rkey, gates, self))
+        def pending(code: int, ptr: int, statuses: bytes | None) -> Any:
+            return on_pending(*answer(code, ptr, statuses))
+
+        def raw(*args: Any) -> Any:
+            got = one(*args)
+            return got if isinstance(got, bool) else answer(*got)
+
+        keep = (lane, p, mp, rkey, gates, self)  # what the lane's pointers point into stays alive with it
+        one = mod.lane(C.addressof(lane), active, signal, None, keep)
+        return mod.lane(C.addressof(lane), active, signal, pending, keep), raw
 
     def rma_many(self, write: bool, local_addrs, remote_addrs, lengths, rkey: "RemoteKey",
                  memh: MemHandle | None = None) -> dict:
@@ -678,12 +565,7 @@ class Endpoint:
         the ones UCX refused immediately (nothing of those was issued)."""
         if self.error_status is not None:
             return {i: self.error_status for i in range(len(lengths))}
-        key = ("many", memh)
-        p = self._params.get(key)
-        if p is None:
-            p = self._params[key] = _req_param(memh)
-            p.op_attr_mask |= _OP_ATTR_FIELD_FLAGS
-            p.flags = _OP_ATTR_FLAG_MULTI_SEND
+        p = self._multi_param(memh)
         lib = self._lib
         fn = lib.ucp_put_nbx if write else lib.ucp_get_nbx
         free, h, rk, ref = lib.ucp_request_free, self._h, rkey._h, C.byref(p)
@@ -723,12 +605,7 @@ class Endpoint:
                 failed.update((i, UCS_ERR_OUT_OF_RANGE) for i in range(n) if i not in good)
             self.progress_all()
             return failed
-        key = ("many", memh)
-        p = self._params.get(key)
-        if p is None:
-            p = self._params[key] = _req_param(memh)
-            p.op_attr_mask |= _OP_ATTR_FIELD_FLAGS
-            p.flags = _OP_ATTR_FLAG_MULTI_SEND
+        p = self._multi_param(memh)
         lib = self._lib
         fns = _fn_pointers(lib)
         arr = C.c_int64 * n
@@ -886,13 +763,6 @@ def _native_helper():
         except ImportError:
             _native_state.extend((None, None))
     return _native_state[0]
-
-
-def _left_in_flight(worker, code: int, ptr: int, write: bool) -> "Request":
-    """What mpcomm_ucx_rma_one left in flight: the get (code 1) or the write's flush (code 2)."""
-    if code == 2:
-        return Request(worker, ptr, "ucp_ep_flush_nbx")
-    return Request(worker, ptr, "ucp_put_nbx" if write else "ucp_get_nbx")
 
 
 def _native_module():

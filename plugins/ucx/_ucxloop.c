@@ -17,7 +17,7 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 
-#define MP_ABI 9
+#define MP_ABI 10
 
 int mpcomm_ucx_abi(void) { return MP_ABI; }
 
@@ -34,22 +34,34 @@ static inline int mp_fits(int64_t off, int64_t len, int64_t size) {
 typedef void (*free_fn)(void *);
 typedef unsigned (*progress_fn)(void *);
 
+/* ucs_status_t is a packed enum: one signed byte. Read as an int, a failure such as -3
+   (UCS_ERR_IO_ERROR) comes back as 253 and looks like neither done nor failed. */
+typedef int8_t (*check_fn)(void *);
+
 /* Issue n puts (or gets); release every request UCX returns (it frees it once done);
-   status[i] = 0 when issued, the ucs_status_t when refused at once. Then progress
-   the worker while it reports work (local completions). Returns the refused count.
+   status[i] = 0 when issued, the ucs_status_t when refused. *left counts the operations UCX
+   left in flight and not known done since. Then local progress: with `check`, the last one
+   left in flight is settled as in one request -- progress while it is in flight and progress
+   does work, then its outcome counts (a failure marks every piece it covered, as refused) --
+   so a single cma put costs the progress calls its copy needs and no more (each one also polls
+   the tcp lane: a system call); without, the worker is progressed while it reports work.
+   Returns the refused count.
    Pieces that continue each other on both sides (loff[i] + len[i] == loff[i + 1] and
    the same remotely) go as one put/get of up to `merge` bytes (0: never merged): on a
    cma lane each put is one system call, so 64 adjacent 4 KiB pieces cost one call,
    not 64. A refused merged operation marks every piece it covered. Every piece is read
    once and checked (mp_fits) against the local region's `lsize` and the remote one's
    `rsize` bytes where it is issued: one that does not fit is never issued, and its
-   status is MP_OUT_OF_RANGE (counted as refused). */
-int64_t mpcomm_ucx_rma_many(rma_fn fn, free_fn rfree, progress_fn progress, void *ep, void *worker,
-                            const int64_t *loff, int64_t lbase, int64_t lsize, const int64_t *roff, int64_t rbase,
-                            int64_t rsize, const int64_t *len, int64_t n, void *rkey, const void *param,
-                            int8_t *status, int64_t merge)
+   status is MP_OUT_OF_RANGE (counted as refused). This is the one loop that issues
+   pieces: the fast path (mp_move) and the general path's groups (mpcomm_ucx_rma_many). */
+static int64_t mp_issue(rma_fn fn, check_fn check, free_fn rfree, progress_fn progress, void *ep, void *worker,
+                        const int64_t *loff, int64_t lbase, int64_t lsize, const int64_t *roff, int64_t rbase,
+                        int64_t rsize, const int64_t *len, int64_t n, void *rkey, const void *param,
+                        int8_t *status, int64_t merge, int64_t *left)
 {
-    int64_t refused = 0;
+    int64_t refused = 0, li = 0, lj = 0;
+    void *last = NULL;
+    *left = 0;
     for (int64_t i = 0; i < n;) {
         int64_t lo = loff[i], ro = roff[i], total = len[i]; /* read once: what is checked is what is used */
         if (!mp_fits(lo, total, lsize) || !mp_fits(ro, total, rsize)) {
@@ -73,19 +85,53 @@ int64_t mpcomm_ucx_rma_many(rma_fn fn, free_fn rfree, progress_fn progress, void
             st = (int8_t)(intptr_t)r;
             refused += j - i;
         } else if (r != NULL) {
-            rfree(r);
+            (*left)++;
+            if (check == NULL) {
+                rfree(r);
+            } else {
+                if (last != NULL)
+                    rfree(last);
+                last = r, li = i, lj = j;
+            }
         }
         for (; i < j; i++)
             status[i] = st;
     }
+    if (last != NULL) {
+        int8_t st = check(last);
+        while (st == 1 && progress(worker))
+            st = check(last);
+        rfree(last);
+        if (st != 1) {
+            (*left)--;
+            if (st < 0) {
+                for (int64_t k = li; k < lj; k++)
+                    status[k] = st;
+                refused += lj - li;
+            }
+        }
+    } else if (*left) {
+        while (progress(worker))
+            ;
+    }
+    return refused;
+}
+
+/* The general path's group issue (Endpoint.rma_group, through ctypes): mp_issue, and the worker
+   progressed while it reports work. The flush that completes the pieces is the caller's. */
+int64_t mpcomm_ucx_rma_many(rma_fn fn, free_fn rfree, progress_fn progress, void *ep, void *worker,
+                            const int64_t *loff, int64_t lbase, int64_t lsize, const int64_t *roff, int64_t rbase,
+                            int64_t rsize, const int64_t *len, int64_t n, void *rkey, const void *param,
+                            int8_t *status, int64_t merge)
+{
+    int64_t left;
+    int64_t refused = mp_issue(fn, NULL, rfree, progress, ep, worker, loff, lbase, lsize, roff, rbase, rsize, len, n,
+                               rkey, param, status, merge, &left);
     while (progress(worker))
         ;
     return refused;
 }
 
-/* ucs_status_t is a packed enum: one signed byte. Read as an int, a failure such as -3
-   (UCS_ERR_IO_ERROR) comes back as 253 and looks like neither done nor failed. */
-typedef int8_t (*check_fn)(void *);
 typedef void *(*flush_fn)(void *, const void *);
 
 /* What UCX returned for an operation, settled while the worker makes local progress:
@@ -106,33 +152,6 @@ static int64_t settle(void *r, int64_t code, check_fn check, free_fn rfree, prog
     }
     rfree(r);
     return st;
-}
-
-/* The small-request path in one call: a put and then the endpoint flush (for remote completion),
-   or a get, progressing the worker while it reports work -- local work only, never a wait on the
-   peer. Returns 0 when done, a negative ucs_status_t on failure, or 1 (the get) / 2 (the write's
-   flush) with *pending set to the request still in flight.
-   A put still in flight once local progress stops (it waits for the peer) is released -- UCX
-   frees it when it completes -- and the flush is issued at once: over tcp a put completes only on
-   the target's acknowledgement, and a flush issued after that cost a second round trip per write
-   (put, ack, then flush, ack); now both are out before the first ack and one round trip answers
-   them. The flush completes only when everything issued before it on the endpoint completed at
-   both ends, and fails if the endpoint does, as a batch relies on (rma_many). A put that local
-   progress finishes (a cma copy) is finished first: a flush issued behind an unfinished local
-   copy took UCX's slow path and was left in flight. */
-int64_t mpcomm_ucx_rma_one(rma_fn fn, check_fn check, free_fn rfree, progress_fn progress, flush_fn flush,
-                           void *ep, void *worker, int64_t laddr, int64_t n, int64_t raddr, void *rkey,
-                           const void *param, const void *fparam, int64_t write, void **pending)
-{
-    int64_t st = settle(fn(ep, (void *)(intptr_t)laddr, (size_t)n, (uint64_t)raddr, rkey, param), 1, check,
-                        rfree, progress, worker, pending);
-    if (!write || st < 0)
-        return st;
-    if (st == 1) {
-        rfree(*pending);
-        *pending = NULL;
-    }
-    return settle(flush(ep, fparam), 2, check, rfree, progress, worker, pending);
 }
 
 /* -- The worker's progress loop: a native thread that never takes the GIL ----------------------
@@ -534,15 +553,14 @@ int64_t mpcomm_ucx_loop_wait(struct mp_loop *l, int64_t seen, int64_t seen_kicks
 }
 
 #ifdef MP_PYMODULE
-/* The small-request path as a CPython extension module: a ctypes call of
- * mpcomm_ucx_rma_one converts 15 arguments (about 2 us here, as much as the put
- * and flush themselves). The binding packs the handles and function pointers
- * of one (endpoint, rkey, memh) once into a struct mp_rma_call and passes its
- * address; per request only the addresses and the length cross. The GIL is
- * always released around the UCX calls, as ctypes does: in multi-thread mode
- * another thread (the progress thread) can hold the worker's lock while UCX
- * runs our error callback, which needs the GIL; keeping it here while UCX
- * spins on that lock would deadlock. Built only where Python.h is found. */
+/* The fast path as a CPython extension module: one entry, a bound lane's move(), for a single
+ * request and for a group alike. A ctypes call of 15 arguments costs about 2 us here, as much as
+ * a put and its flush; the binding packs the handles and function pointers of one (endpoint,
+ * rkey, memh, local region, remote region, direction) once into a struct mp_lane and per call
+ * only the offsets and lengths cross. The GIL is always released around the UCX calls, as ctypes
+ * does: in multi-thread mode another thread (the progress thread) can hold the worker's lock while
+ * UCX runs our error callback, which needs the GIL; keeping it here while UCX spins on that lock
+ * would deadlock. Built only where Python.h is found. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -555,138 +573,11 @@ struct mp_rma_call {
     void *ep, *worker, *rkey;
     const void *param, *fparam;
     int64_t write;
-    void *pending;        /* out: the request still in flight when the result is 1 or 2 */
+    void *pending;        /* unused: concurrent calls keep their own */
 };
 
-/* rma_one(call, laddr, n, raddr) -> mpcomm_ucx_rma_one's result */
-static PyObject *py_rma_one(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "rma_one(call, laddr, n, raddr) takes 4 arguments");
-        return NULL;
-    }
-    struct mp_rma_call *c = PyLong_AsVoidPtr(args[0]);
-    long long laddr = PyLong_AsLongLong(args[1]);
-    long long n = PyLong_AsLongLong(args[2]);
-    long long raddr = PyLong_AsLongLong(args[3]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (c == NULL || n < 0) {
-        PyErr_SetString(PyExc_ValueError, "rma_one: no call, or a negative length");
-        return NULL;
-    }
-    int64_t r;
-    c->pending = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    r = mpcomm_ucx_rma_one(c->fn, c->check, c->rfree, c->progress, c->flush, c->ep, c->worker, laddr, n, raddr,
-                           c->rkey, c->param, c->fparam, c->write, &c->pending);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong((long long)r);
-}
-
-/* One int64 array argument: a 1-d, C-contiguous buffer of 8-byte signed integers ("q", or "l"
-   where long is 8 bytes). Held (exported) until released, so an array('q') cannot be resized
-   under the call; its values are read once each, by mpcomm_ucx_rma_many, and checked there. */
-static int mp_int64_buffer(PyObject *o, Py_buffer *b) {
-    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    const char *f = b->format;
-    if (f != NULL && (*f == '@' || *f == '='))
-        f++;
-    if (b->ndim != 1 || b->itemsize != 8 || f == NULL || !((f[0] == 'q' || f[0] == 'l') && f[1] == 0)) {
-        PyBuffer_Release(b);
-        PyErr_SetString(PyExc_TypeError, "rma_group: offsets and lengths must be int64 arrays");
-        return -1;
-    }
-    return 0;
-}
-
-/* rma_group(call, loffs, roffs, lens, lbase, lsize, rbase, rsize, merge, limit)
- *   -> None when declined (no piece, or more than `limit` bytes in all: nothing issued), else
- *      (refused, flush, statuses): mpcomm_ucx_rma_many over the three arrays (each piece checked
- *      with mp_fits where it is issued), then the endpoint flush that completes them (puts and
- *      gets alike: the pieces' own requests are released unwatched), settled as in rma_one:
- *      flush is 0 done, a negative status, or 2 with call->pending the flush still in flight.
- *      statuses: bytes of one signed status per piece when some were refused, else None. */
-static PyObject *py_rma_group(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError,
-                        "rma_group(call, loffs, roffs, lens, lbase, lsize, rbase, rsize, merge, limit) takes 10 arguments");
-        return NULL;
-    }
-    struct mp_rma_call *c = PyLong_AsVoidPtr(args[0]);
-    long long lbase = PyLong_AsLongLong(args[4]), lsize = PyLong_AsLongLong(args[5]);
-    long long rbase = PyLong_AsLongLong(args[6]), rsize = PyLong_AsLongLong(args[7]);
-    long long merge = PyLong_AsLongLong(args[8]), limit = PyLong_AsLongLong(args[9]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (c == NULL) {
-        PyErr_SetString(PyExc_ValueError, "rma_group: no call");
-        return NULL;
-    }
-    Py_buffer bl, br, bn;
-    if (mp_int64_buffer(args[1], &bl) < 0)
-        return NULL;
-    if (mp_int64_buffer(args[2], &br) < 0) {
-        PyBuffer_Release(&bl);
-        return NULL;
-    }
-    if (mp_int64_buffer(args[3], &bn) < 0) {
-        PyBuffer_Release(&bl);
-        PyBuffer_Release(&br);
-        return NULL;
-    }
-    PyObject *res = NULL;
-    Py_ssize_t n = bn.len / 8;
-    if (bl.len != bn.len || br.len != bn.len) {
-        PyErr_SetString(PyExc_ValueError, "rma_group: offsets and lengths differ in length");
-        goto out;
-    }
-    const int64_t *len = bn.buf;
-    /* The total decides only where the group is issued (here, or by the progress side); each
-       piece is checked again where it is issued. Unsigned: no overflow for any int64 values. */
-    uint64_t total = 0;
-    int over = n == 0 || limit < 0;
-    for (Py_ssize_t i = 0; i < n && !over; i++) {
-        if (len[i] < 0 || (uint64_t)len[i] > (uint64_t)limit - total)
-            over = 1;
-        else
-            total += (uint64_t)len[i];
-    }
-    if (over) {
-        res = Py_None;
-        Py_INCREF(res);
-        goto out;
-    }
-    int8_t small[256];
-    int8_t *status = n <= 256 ? small : PyMem_Malloc((size_t)n);
-    if (status == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    int64_t refused, fl;
-    c->pending = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    refused = mpcomm_ucx_rma_many(c->fn, c->rfree, c->progress, c->ep, c->worker, bl.buf, lbase, lsize, br.buf, rbase,
-                                  rsize, len, n, c->rkey, c->param, status, merge);
-    fl = settle(c->flush(c->ep, c->fparam), 2, c->check, c->rfree, c->progress, c->worker, &c->pending);
-    Py_END_ALLOW_THREADS
-    if (refused)
-        res = Py_BuildValue("LLy#", (long long)refused, (long long)fl, (const char *)status, (Py_ssize_t)n);
-    else
-        res = Py_BuildValue("LLO", (long long)refused, (long long)fl, Py_None);
-    if (status != small)
-        PyMem_Free(status);
-out:
-    PyBuffer_Release(&bl);
-    PyBuffer_Release(&br);
-    PyBuffer_Release(&bn);
-    return res;
-}
-
 /* A bound lane: one (endpoint, rkey, local region, remote attachment, direction) whose
- * small requests are issued without the transport's lock. What the lock used to
+ * requests are issued without the transport's lock. What the lock used to
  * guarantee -- that the endpoint, the rkey and the attachment stay valid while a put is
  * issued -- comes from two gates instead: the endpoint's and the attachment's, words the
  * transport shuts (open = 0) before it closes, destroys or revokes anything, after which
@@ -695,77 +586,187 @@ out:
  * issuing. Nothing in a lane call takes a Python lock: a closer may wait while holding
  * the transport's. */
 struct mp_lane {
-    struct mp_rma_call call;  /* its `pending` is unused: concurrent calls keep their own */
+    struct mp_rma_call call;
     int64_t *ep_gate;         /* [open, in flight] of the endpoint's generation */
     int64_t *att_gate;        /* [open] of the attachment's current state */
-    int64_t laddr, lsize, rbase, rsize, limit;
+    int64_t laddr, lsize, rbase, rsize; /* the two regions' snapshot: every piece is checked against it */
+    int64_t limit;            /* at most this many bytes in all per call (else declined) */
+    int64_t merge;            /* adjacent pieces go as one operation of up to this many bytes */
+    const void *mparam;       /* request parameters of a group (UCP_OP_ATTR_FLAG_MULTI_SEND) */
 };
 
-/* move(lo, ro, n) -> True once the bytes landed (and, for a write, were flushed); False
- * to decline (out of the lane's bounds, a gate shut, refused by UCX). A request UCX left
- * in flight goes to on_pending(code, address), whose answer is returned; after a success
- * signal() is called while the `active` set is not empty (our progress calls may have
- * completed the progress thread's work). self: (lane address, active, signal, on_pending,
- * what the lane's pointers point into). */
+#define MP_DECLINE 3 /* mp_move issued nothing */
+
+static int64_t mp_moves; /* calls of mp_move that issued (observability: the one fast path) */
+
+/* The fast path's one entry: n >= 1 pieces (a single request is a group of one) on a bound
+   lane, with its gate counted in flight by the caller. Declines (MP_DECLINE, nothing issued)
+   when there is no piece, a negative length, more than `limit` bytes in all or none at all, or
+   when the one piece of a group of one does not fit (the general path then reports it).
+   Otherwise every piece is checked where it is issued (mp_issue: a piece outside its region
+   fails alone, MP_OUT_OF_RANGE), then -- where something was issued, for a write, or when UCX
+   left a get in flight -- the
+   endpoint flush that completes them all at both ends goes out at once (over tcp one round trip
+   answers the puts and the flush, not two in turn), settled while the worker makes local
+   progress. Returns 0 done, a negative status (the flush failed), or 2 with *pending the
+   flush still in flight; *refused counts the pieces refused (status[i] says why). */
+static int64_t mp_move(struct mp_lane *l, const int64_t *loff, const int64_t *roff, const int64_t *len, int64_t n,
+                       int8_t *status, int64_t *refused, void **pending)
+{
+    uint64_t total = 0;
+    if (n <= 0 || l->limit < 0)
+        return MP_DECLINE;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t k = len[i];
+        if (k < 0 || (uint64_t)k > (uint64_t)l->limit - total) /* unsigned: no overflow for any int64 */
+            return MP_DECLINE;
+        total += (uint64_t)k;
+    }
+    if (total == 0 || (n == 1 && (!mp_fits(loff[0], len[0], l->lsize) || !mp_fits(roff[0], len[0], l->rsize))))
+        return MP_DECLINE;
+    __atomic_add_fetch(&mp_moves, 1, __ATOMIC_RELAXED);
+    struct mp_rma_call *c = &l->call;
+    int64_t left;
+    *refused = mp_issue(c->fn, c->check, c->rfree, c->progress, c->ep, c->worker, loff, l->laddr, l->lsize, roff, l->rbase,
+                        l->rsize, len, n, c->rkey, n == 1 ? c->param : l->mparam, status, l->merge, &left);
+    if (*refused == n || (!c->write && !left))
+        return 0; /* nothing was issued, or every get landed inside its call: nothing to flush */
+    return settle(c->flush(c->ep, c->fparam), 2, c->check, c->rfree, c->progress, c->worker, pending);
+}
+
+/* One int64 array argument: a 1-d, C-contiguous buffer of 8-byte signed integers ("q", or "l"
+   where long is 8 bytes). Held (exported) until released, so an array('q') cannot be resized
+   under the call; its values are read once each where they are issued, and checked there. */
+static int mp_int64_buffer(PyObject *o, Py_buffer *b) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = b->format;
+    if (f != NULL && (*f == '@' || *f == '='))
+        f++;
+    if (b->ndim != 1 || b->itemsize != 8 || f == NULL || !((f[0] == 'q' || f[0] == 'l') && f[1] == 0)) {
+        PyBuffer_Release(b);
+        PyErr_SetString(PyExc_TypeError, "move: offsets and lengths must be int64 arrays");
+        return -1;
+    }
+    return 0;
+}
+
+/* An integer argument of a single move: one outside int64 fits no region (declined, *ok = 0). */
+static int mp_int64_arg(PyObject *o, int64_t *v, int *ok) {
+    int over = 0;
+    long long x = PyLong_AsLongLongAndOverflow(o, &over);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    if (over)
+        *ok = 0;
+    *v = (int64_t)x;
+    return 0;
+}
+
+/* move(lo, ro, n) or move(loffs, roffs, lens) (three int64 arrays of one length): mp_move.
+ *   - False: declined, nothing issued (see mp_move; or a gate shut);
+ *   - True: every piece landed (and, for a write, was flushed);
+ *   - else on_pending(code, pending, statuses)'s answer, or, where the lane has no on_pending,
+ *     that tuple itself: code 0 done, negative (the flush failed) or 2 (the flush still in
+ *     flight at the address `pending`, the caller's to free); statuses: bytes of one signed
+ *     status per piece when some were refused, else None.
+ * After anything was issued signal() is called while the `active` set is not empty (our progress
+ * calls may have completed the progress thread's work). self: (lane address, active, signal,
+ * on_pending or None, what the lane's pointers point into). */
 static PyObject *py_lane_move(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "move(lo, ro, n) takes 3 arguments");
+        PyErr_SetString(PyExc_TypeError, "move(lo, ro, n) or move(loffs, roffs, lens) takes 3 arguments");
         return NULL;
     }
     struct mp_lane *l = PyLong_AsVoidPtr(PyTuple_GET_ITEM(self, 0));
-    long long lo = PyLong_AsLongLong(args[0]);
-    long long ro = PyLong_AsLongLong(args[1]);
-    long long n = PyLong_AsLongLong(args[2]);
-    if (PyErr_Occurred())
+    if (l == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "move: no lane");
         return NULL;
-    if (l == NULL || n <= 0 || n > l->limit || !mp_fits(lo, n, l->lsize) || !mp_fits(ro, n, l->rsize))
-        Py_RETURN_FALSE;
-    __atomic_add_fetch(&l->ep_gate[1], 1, __ATOMIC_SEQ_CST);
-    if (!__atomic_load_n(&l->ep_gate[0], __ATOMIC_SEQ_CST) || !__atomic_load_n(&l->att_gate[0], __ATOMIC_SEQ_CST)) {
-        __atomic_sub_fetch(&l->ep_gate[1], 1, __ATOMIC_SEQ_CST);
-        Py_RETURN_FALSE;
     }
-    struct mp_rma_call *c = &l->call;
-    void *pending = NULL;
-    int64_t r;
-    Py_BEGIN_ALLOW_THREADS
-    r = mpcomm_ucx_rma_one(c->fn, c->check, c->rfree, c->progress, c->flush, c->ep, c->worker, l->laddr + lo, n,
-                           l->rbase + ro, c->rkey, c->param, c->fparam, c->write, &pending);
-    Py_END_ALLOW_THREADS
-    PyObject *res;
-    if (r == 0) {
-        res = Py_True;
-        Py_INCREF(res);
-        if (PySet_GET_SIZE(PyTuple_GET_ITEM(self, 1)) > 0) {
-            PyObject *x = PyObject_CallNoArgs(PyTuple_GET_ITEM(self, 2));
-            if (x == NULL) {
-                Py_DECREF(res);
-                res = NULL;
-            } else {
-                Py_DECREF(x);
-            }
-        }
-    } else if (r > 0) {
-        res = PyObject_CallFunction(PyTuple_GET_ITEM(self, 3), "LK", (long long)r,
-                                    (unsigned long long)(uintptr_t)pending);
+    int64_t one[3];
+    const int64_t *loff = one, *roff = one + 1, *len = one + 2;
+    Py_ssize_t n = 1;
+    Py_buffer b[3];
+    int held = 0, ok = 1;
+    if (PyLong_Check(args[0])) {
+        for (int i = 0; i < 3; i++)
+            if (mp_int64_arg(args[i], &one[i], &ok) < 0)
+                return NULL;
     } else {
+        for (; held < 3; held++)
+            if (mp_int64_buffer(args[held], &b[held]) < 0)
+                goto fail;
+        n = b[2].len / 8;
+        if (b[0].len != b[2].len || b[1].len != b[2].len) {
+            PyErr_SetString(PyExc_ValueError, "move: offsets and lengths differ in length");
+            goto fail;
+        }
+        loff = b[0].buf, roff = b[1].buf, len = b[2].buf;
+    }
+    PyObject *res = NULL;
+    int8_t small[256];
+    int8_t *status = n <= 256 ? small : PyMem_Malloc((size_t)n);
+    if (status == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int64_t r = MP_DECLINE, refused = 0;
+    void *pending = NULL;
+    __atomic_add_fetch(&l->ep_gate[1], 1, __ATOMIC_SEQ_CST);
+    if (ok && __atomic_load_n(&l->ep_gate[0], __ATOMIC_SEQ_CST) && __atomic_load_n(&l->att_gate[0], __ATOMIC_SEQ_CST)) {
+        Py_BEGIN_ALLOW_THREADS
+        r = mp_move(l, loff, roff, len, n, status, &refused, &pending);
+        Py_END_ALLOW_THREADS
+    }
+    if (r == MP_DECLINE) {
         res = Py_False;
         Py_INCREF(res);
+    } else {
+        if (PySet_GET_SIZE(PyTuple_GET_ITEM(self, 1)) > 0) {
+            PyObject *x = PyObject_CallNoArgs(PyTuple_GET_ITEM(self, 2));
+            if (x == NULL)
+                PyErr_Clear(); /* a wake-up that failed loses nothing the caller must know */
+            Py_XDECREF(x);
+        }
+        if (r == 0 && refused == 0) {
+            res = Py_True;
+            Py_INCREF(res);
+        } else {
+            PyObject *st = refused ? PyBytes_FromStringAndSize((const char *)status, n) : Py_NewRef(Py_None);
+            PyObject *answer = PyTuple_GET_ITEM(self, 3);
+            if (st != NULL) {
+                if (answer == Py_None)
+                    res = Py_BuildValue("LKO", (long long)r, (unsigned long long)(uintptr_t)pending, st);
+                else
+                    res = PyObject_CallFunction(answer, "LKO", (long long)r, (unsigned long long)(uintptr_t)pending,
+                                                st);
+                Py_DECREF(st);
+            }
+        }
     }
     /* Only now: a pending request is registered (on_pending) before a closer can go on. */
     __atomic_sub_fetch(&l->ep_gate[1], 1, __ATOMIC_SEQ_CST);
+    if (status != small)
+        PyMem_Free(status);
+    for (int i = 0; i < held; i++)
+        PyBuffer_Release(&b[i]);
     return res;
+fail:
+    for (int i = 0; i < held; i++)
+        PyBuffer_Release(&b[i]);
+    return NULL;
 }
 
 static PyMethodDef lane_def = {"move", (PyCFunction)(void (*)(void))py_lane_move, METH_FASTCALL,
-                               "move(lo, ro, n): one small request on a bound lane"};
+                               "move(lo, ro, n) or move(loffs, roffs, lens): the lane's one fast-path entry"};
 
-/* lane(address, active, signal, on_pending, keep) -> the lane's move callable */
+/* lane(address, active, signal, on_pending or None, keep) -> the lane's move callable */
 static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 5 || !PyLong_Check(args[0]) || !PyAnySet_Check(args[1]) || !PyCallable_Check(args[2])
-        || !PyCallable_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "lane(address, active set, signal, on_pending, keep)");
+        || !(args[3] == Py_None || PyCallable_Check(args[3]))) {
+        PyErr_SetString(PyExc_TypeError, "lane(address, active set, signal, on_pending or None, keep)");
         return NULL;
     }
     PyObject *t = PyTuple_New(5);
@@ -780,11 +781,15 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return f;
 }
 
+/* moves() -> how many lane moves issued something, in this process (every fast-path request) */
+static PyObject *py_moves(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyLong_FromLongLong((long long)__atomic_load_n(&mp_moves, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef mp_methods[] = {
-    {"rma_one", (PyCFunction)(void (*)(void))py_rma_one, METH_FASTCALL, "one put (+ flush) or get, settled locally"},
-    {"rma_group", (PyCFunction)(void (*)(void))py_rma_group, METH_FASTCALL,
-     "a group's puts or gets (each piece checked) and the flush that completes them, settled locally"},
     {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound lane's move callable"},
+    {"moves", py_moves, METH_NOARGS, "how many lane moves issued something"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -58,10 +58,14 @@ issued on the posting thread (cma copies are synchronous and need nothing
 from the target); what is not done right after issuing is left to the
 progress side. Why the revocation answer stays in Python: docs/ucx.md.
 
-Batches (``post_many``): the N puts/gets are issued as one unit (``Endpoint.rma_group``:
-a compiled loop when a C compiler is available, see ``_native.py``, else Python),
-their requests released at once, then one endpoint flush reports them all; an
-index UCX refuses at once fails alone, a failed flush fails every index.
+Paths (docs/ucx.md, "Paths"). The general path: ``post``/``post_many`` → ``_post`` →
+``_start`` → ``_issue`` (chunks of a request; a group's N puts/gets as one unit,
+``Endpoint.rma_group``: the compiled piece loop, or Python) → the endpoint flush → ``_step``
+or ``drive``. The fast path: one native entry, a bound lane's ``move`` (``_lane``;
+``mp_move`` in ``_ucxloop.c``), for one request or a group, reached from the engine's bound
+move (``inline_path``) and from ``post``/``post_many`` (``_fast``). On both, a group's
+requests are released at once and one endpoint flush reports them all; an index UCX refuses
+at once (or outside its region) fails alone, a failed flush fails every index.
 
 Wake-ups. Completions are seen only by whoever calls ``ucp_worker_progress``: a
 posting thread that progressed while work was handed off signals the progress
@@ -208,7 +212,7 @@ class _Attach:
     """Initiator side: one remote region as the target described it over the control channel."""
 
     __slots__ = ("key", "peer", "info", "state", "error", "rkey_hex", "rkey", "generation", "base", "size",
-                 "access", "waiting", "works", "ok_remote", "orphans", "calls", "gate", "lanes")
+                 "access", "waiting", "works", "ok_remote", "orphans", "gate", "lanes")
 
     def __init__(self, key: tuple[int, str, int], peer: _Peer, info: PeerInfo) -> None:
         self.key = key  # (region_id, epoch, token)
@@ -227,11 +231,10 @@ class _Attach:
         #: Requests the inline lane issued and left in flight when it declined (the full path redoes
         #: the write; its flush covers these). A revocation waits for them as for ``works``.
         self.orphans: list[Any] = []
-        #: (write, local region id) -> (endpoint, rkey, packed call): post()'s hot path (bounded).
-        self.calls: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
         #: The gate of the bound lanes made while it is usable as it is (shut on any change).
         self.gate: Any = None
-        #: (write, local region id, local address, size) -> (endpoint gate, attachment gate, move).
+        #: (write, local region id, local address, size) -> (endpoint gate, attachment gate, lane):
+        #: the fast path's bound lanes (bounded), ``lane`` as :meth:`UcxTransport._lane` returns it.
         self.lanes: dict[tuple[bool, int, int, int], tuple[Any, Any, Any]] = {}
 
 
@@ -366,7 +369,7 @@ class UcxTransport(Transport):
         self._closed = False
         self.wakeups = 0  # Python-thread sleeps that ended (observability; tests check it stays event-driven)
         self.waiter_reports = 0  # requests a result() waiter reported itself (drive; observability)
-        self.hot_groups = 0  # groups post_many issued in one native call (its hot path; observability)
+        self.hot_groups = 0  # groups post_many moved on the fast path (one lane call; observability)
 
     # -- availability ---------------------------------------------------------
 
@@ -553,12 +556,11 @@ class UcxTransport(Transport):
         with self._lock:
             served = self._served.pop(region.id, None)
             self._memh.pop(region.id, None)
-            # Calls packed with its memh go too (ids are never reused; this frees what they hold).
+            # Lanes bound to its memh go too (ids are never reused; this frees what they hold).
             for p in self._peers.values():
                 for a in p.attached.values():
-                    for cache in (a.lanes, a.calls):
-                        for k in [k for k in cache if k[1] == region.id]:
-                            del cache[k]
+                    for k in [k for k in a.lanes if k[1] == region.id]:
+                        del a.lanes[k]
         if served is not None:
             self._retire(served)
 
@@ -761,7 +763,6 @@ class UcxTransport(Transport):
     def _drop_rkey(self, att: _Attach) -> None:
         self._shut_lane(att, wait=True)
         rk, att.rkey = att.rkey, None
-        att.calls.clear()  # packed with that rkey
         if rk is None:
             return
         ep = att.peer.ep
@@ -958,139 +959,110 @@ class UcxTransport(Transport):
         return None
 
     def post(self, op: Any) -> None:
-        # Hot path: a small request to a region already attached on a wired-up endpoint, whose
-        # descriptor object was already checked against the target's answer. Everything else
-        # (and whatever this cannot finish at once) takes the general path.
-        r = op.remote
-        length = op.length
         peer = self._by_info.get(id(op.peer))
-        if peer is not None and peer[0] is op.peer and 0 < length <= self._chunk and length <= self._inline_threshold:
-            p = peer[1]
-            with self._lock:
-                att = p.attached.get((r.region_id, r.epoch, r.token))
-                ep = self._hot_ep(p, att, r, op.remote_offset, length) if att is not None else None
-                if ep is not None:
-                    st = self._packed(att, ep, op.kind == "write", op.local.id)[2](
-                        op.local.address + op.local_offset, length, att.base + op.remote_offset)
-                    if st == 0:
-                        done = True
-                    elif isinstance(st, int):
-                        done = False
-                        err = map_status(st, r, op.kind, "request failed")
-                    else:
-                        # still in flight (a network lane): the progress thread finishes it
-                        w = _Work(op, False, att, None)
-                        w.items = [(0, op.remote_offset, length, 0)]
-                        w.next = 1
-                        if op.kind == "write" and st.name == "ucp_ep_flush_nbx":
-                            w.flush = st
-                        else:
-                            w.reqs.append((st, length, 0))
-                            w.inflight = length
-                        att.works.add(w)
-                        p.works.add(w)
-                        self._activate(w)
-                        return
-                    p.attached.move_to_end(att.key)
-                    if self._active:
-                        # Our progress calls may have completed requests of handed-off work (its
-                        # event is consumed now): let the progress side look.
-                        self._progressed()
-                else:
-                    done = None
-            if done:
-                op.complete(length)  # the bytes landed before any revocation could be processed
-                return
-            if done is False:
-                op.fail(err)
-                return
-        self._post(op, False)
+        if peer is None or peer[0] is not op.peer or not self._fast(peer[1], op, False):
+            self._post(op, False)
 
-    def _packed(self, att: _Attach, ep: Any, write: bool, local_id: int) -> tuple[Any, Any, Any]:
-        """``(ep, rkey, call)``: ``call(laddr, n, raddr)`` is one small put+flush or get to ``att`` (lock held).
+    def _fast(self, peer: _Peer, unit: Any, group: bool) -> bool:
+        """The fast path: ``unit`` (an Operation, or a group) in one call of its bound lane (:meth:`_lane`).
 
-        The helper's packed native call (:meth:`Endpoint.rma_caller`), made once per
-        (endpoint, rkey, local region, direction) and kept on the attachment (at most 16);
-        without the extension module, :meth:`Endpoint.rma_flush_now`. Either returns what
-        rma_flush_now returns. A caller that keeps the tuple may use its call while the
-        attachment's endpoint and rkey are still these.
-        """
-        key = (write, local_id)
-        c = att.calls.get(key)
-        if c is None or c[0] is not ep or c[1] is not att.rkey:
-            if len(att.calls) >= 16:
-                att.calls.clear()  # bounded: the pairs in use pack again
-            rkey, memh = att.rkey, self._memh.get(local_id)
-            call = ep.rma_caller(write, rkey, memh) or (
-                lambda la, n, ra: ep.rma_flush_now(write, la, n, ra, rkey, memh))
-            c = att.calls[key] = (ep, rkey, call)
-        return c
+        Only to a region attached for this very descriptor on the peer's live endpoint, at most
+        ``min(chunk, inline_threshold)`` bytes in all. The lock is held from issue to hand-off,
+        so a revocation cannot slip in between; the unit is reported after it, outside the lock
+        (the bytes landed before any revocation could be processed). A flush left in flight is
+        handed to the progress side as the general path's work. False: declined, nothing issued
+        (the general path carries it). Without the helper's extension module there is no fast
+        path: False at once."""
+        if _native.module() is None:
+            return False
+        r = unit.remote
+        with self._lock:
+            att = peer.attached.get((r.region_id, r.epoch, r.token))
+            lane = self._lane(peer, att, r, unit.kind == "write", unit.local) if att is not None else None
+            if lane is None:
+                return False
+            if group:
+                got = lane[1](unit.local_offsets, unit.remote_offsets, unit.lengths)
+            else:
+                got = lane[1](unit.local_offset, unit.remote_offset, unit.length)
+            if got is False:
+                return False
+            peer.attached.move_to_end(att.key)
+            if group:
+                self.hot_groups += 1
+            code, flush, failed = (0, None, {}) if got is True else got
+            if flush is not None:  # in flight (a network lane): the progress side finishes it
+                w = _Work(unit, group, att, self._memh.get(unit.local.id))
+                self._items(w)  # as the general path's: what a restart on a fresh endpoint issues again
+                w.next = len(w.items)
+                w.flush = flush
+                for i, st in failed.items():
+                    w.failed[i] = map_status(st, r, unit.kind, "request refused")
+                    if not group:
+                        w.error = st
+                att.works.add(w)
+                peer.works.add(w)
+                self._activate(w)
+                return True
+        if code != 0:  # the flush failed: no piece is known to have landed in full
+            unit.fail(map_status(code, r, unit.kind, "flush failed" if group else "request failed"))
+        elif not group:
+            if failed:
+                unit.fail(map_status(failed[0], r, unit.kind, "request failed"))
+            else:
+                unit.complete(unit.length)
+        else:
+            by_status: dict[int, list[int]] = {}
+            for i, st in failed.items():
+                by_status.setdefault(st, []).append(i)
+            for st, idx in by_status.items():
+                unit.fail(map_status(st, r, unit.kind, "request refused"), idx)
+            unit.complete()
+        return True
 
     def inline_path(self, kind: str, local: Region, remote: Any) -> Any:
-        """The hot path of :meth:`post` bound to one attachment (see Transport.inline_path).
+        """The fast path bound to one attachment for the engine (see Transport.inline_path).
 
         Only where every RMA lane of the endpoint is a local copy (cma, knem, xpmem): there a
         put or get is a copy this process makes inside progress, finished here, never a wait on
         the peer. On a network lane a small write would be left in flight nearly every time and
         then written again by :meth:`post` (two puts per request: 314 µs per 4 KiB write over
         ``UCX_TLS=tcp`` here), and a get left in flight could land in the local buffer after
-        the redone read had completed; :meth:`post` carries those, leaving what is in flight to
-        the progress thread. A put that a local-copy lane still leaves in flight is kept
-        (``att.orphans``), covered by the flush of the write :meth:`post` then issues, and
-        waited for by a revocation.
+        the redone read had completed; :meth:`post` carries those (its own :meth:`_fast` leaves
+        what is in flight to the progress thread). A put that a local-copy lane still leaves in
+        flight is kept (``att.orphans``), covered by the flush of the write :meth:`post` then
+        issues, and waited for by a revocation.
 
-        With the helper's extension module the move is a bound lane (:meth:`Endpoint.rma_lane`):
-        one native call that takes no lock; whatever would make the request unsafe -- a
-        revocation, a failed, closed or replaced endpoint, a dropped rkey, a close -- shuts its
-        gates first (:meth:`_shut_lane`, :meth:`_shut_lanes`) and waits for the calls in
-        flight, so a shut lane only declines (the engine then binds a new one). Without the
-        module, each call rechecks under the lock what those change.
+        The move is the bound lane's (:meth:`_lane`): one native call that takes no lock;
+        whatever would make the request unsafe -- a revocation, a failed, closed or replaced
+        endpoint, a dropped rkey, a close -- shuts its gates first (:meth:`_shut_lane`,
+        :meth:`_shut_lanes`) and waits for the calls in flight, so a shut lane only declines (the
+        engine then binds a new one). Without the helper's extension module: None, at once.
         """
-        if self._closed:
+        if self._closed or _native.module() is None:
             return None
-        write = kind == "write"
         key = (remote.region_id, remote.epoch, remote.token)
         with self._lock:
             found = next(((p, p.attached[key]) for p in self._peers.values()
                           if key in p.attached and p.attached[key].ok_remote is remote), None)
             if found is None or not self._local_rma(found[0]):
                 return None
-            lane = self._lane(found[0], found[1], remote, write, local)
-        if lane is not None:
-            return lane
-        peer, att = found
-        laddr, lid = local.address, local.id
-        limit = min(self._chunk, self._inline_threshold)
-        lock = self._lock
-        last: list[Any] = [(None, None, None)]  # the attachment's packed call this move used last
+            lane = self._lane(found[0], found[1], remote, kind == "write", local)
+        return None if lane is None else lane[0]
 
-        def move(lo: int, ro: int, n: int) -> bool:
-            if n <= 0 or n > limit:
-                return False
-            with lock:
-                ep = self._hot_ep(peer, att, remote, ro, n)
-                if ep is None:
-                    return False
-                c = last[0]
-                if c[0] is not ep or c[1] is not att.rkey:
-                    if not self._local_rma(peer):
-                        return False  # a new endpoint whose RMA is not a local copy
-                    c = last[0] = self._packed(att, ep, write, lid)
-                st = c[2](laddr + lo, n, att.base + ro)
-                if not isinstance(st, int):
-                    return self._lane_pending(att, write, st)
-                if st == 0:
-                    if self._active:
-                        self._progressed()  # the progress calls may have completed handed-off work
-                    return True
-                return False
+    def _lane(self, peer: _Peer, att: _Attach, remote: Any, write: bool, local: Region) -> tuple[Any, Any] | None:
+        """The fast path's one native entry for (attachment, direction, local region): ``(move, raw)``
+        of :meth:`Endpoint.rma_lane`, made if need be (lock held).
 
-        return move
-
-    def _lane(self, peer: _Peer, att: _Attach, remote: Any, write: bool, local: Region) -> Any:
-        """The attachment's bound lane for (direction, local region), made if need be; None without one (lock held)."""
-        ep = self._hot_ep(peer, att, remote, 0, 0)
-        if ep is None or peer.gate is None or not peer.gate[0] or self._closed:
+        None where it does not apply: the attachment is not ready for this very descriptor on the
+        peer's live endpoint of the same generation with its rkey, a gate is shut, the transport
+        is closed, or there is no extension module. ``move`` answers the engine (a bool, through
+        :meth:`_lane_pending`); ``raw`` answers :meth:`_fast`.
+        """
+        ep = peer.ep
+        if (att.ok_remote is not remote or att.state != "ready" or ep is None or peer.failed is not None
+                or att.rkey is None or att.generation != peer.generation or self._closed
+                or peer.gate is None or not peer.gate[0]):
             return None
         if att.gate is None:
             att.gate = _native.gate()
@@ -1100,27 +1072,31 @@ class UcxTransport(Transport):
             return c[2]
         if len(att.lanes) >= 16:
             att.lanes.clear()  # bounded: the pairs in use bind again
-        move = ep.rma_lane(write, att.rkey, self._memh.get(local.id), (peer.gate, att.gate),
+        lane = ep.rma_lane(write, att.rkey, self._memh.get(local.id), (peer.gate, att.gate),
                            (local.address, local.size), (att.base, att.size),
-                           min(self._chunk, self._inline_threshold), self._active, self._progressed,
-                           lambda r, att=att, write=write: self._lane_pending(att, write, r))
-        if move is not None:
-            att.lanes[key] = (peer.gate, att.gate, move)
-        return move
+                           min(self._chunk, self._inline_threshold), self._chunk, self._active, self._progressed,
+                           lambda code, flush, failed, att=att, write=write:
+                           self._lane_pending(att, write, code, flush, failed))
+        if lane is not None:
+            att.lanes[key] = (peer.gate, att.gate, lane)
+        return lane
 
-    def _lane_pending(self, att: _Attach, write: bool, r: Any) -> bool:
-        """A bound lane's request left in flight (any thread, no transport lock): its call's answer.
+    def _lane_pending(self, att: _Attach, write: bool, code: int, flush: Any, failed: dict[int, int]) -> bool:
+        """The engine's answer of a lane move that did not simply land (any thread, no transport lock).
 
-        A put (or its flush) becomes an orphan the progress thread reaps and a revocation waits
-        for; the write is declined, and the full path's flush covers it. A get on a local-copy
-        lane is finished here: local work, never a wait on the peer."""
-        if write:
-            with self._orphan_lock:
-                att.orphans.append(r)
-                self._orphaned.add(att)
-            self._signal()
-            return False
-        return self._finish_local(r) == 0
+        A flush left in flight by a write becomes an orphan the progress thread reaps and a
+        revocation waits for; the write is declined, and the general path's flush covers it. One
+        left by a read on a local-copy lane is finished here: local work, never a wait on the
+        peer. A refusal or a failure declines (the general path redoes and reports it)."""
+        if flush is not None:
+            if write:
+                with self._orphan_lock:
+                    att.orphans.append(flush)
+                    self._orphaned.add(att)
+                self._signal()
+                return False
+            code = self._finish_local(flush)
+        return code == 0 and not failed
 
     def _shut_lane(self, att: _Attach, wait: bool = False) -> None:
         """Shut the attachment's bound lanes (lock held); ``wait``: until none of its endpoint's is in flight.
@@ -1172,19 +1148,6 @@ class UcxTransport(Transport):
         r.free()
         return st
 
-    def _hot_ep(self, peer: _Peer, att: _Attach, remote: Any, ro: int, n: int) -> Any:
-        """The endpoint a small request to ``att`` may be issued on at once, or None (lock held).
-
-        The attachment is ready for this very descriptor, on the peer's live endpoint of the same
-        generation, with its rkey, and [ro, ro + n) lies in what the target registered.
-        """
-        ep = peer.ep
-        if (att.ok_remote is not remote or att.state != "ready" or ep is None or peer.failed is not None
-                or att.rkey is None or att.generation != peer.generation or ro < 0 or ro + n > att.size
-                or self._closed):
-            return None
-        return ep
-
     def _reap_orphans(self) -> None:
         """Free the inline lane's requests that finished (progress thread, lock held)."""
         with self._orphan_lock:
@@ -1201,67 +1164,13 @@ class UcxTransport(Transport):
                     self._drained.notify_all()
 
     def post_many(self, group: Any) -> None:
-        """N puts or gets and one flush; each index reported (see the module docstring).
-
-        The hot path of :meth:`post`, for a group: to a region attached for this very descriptor
-        on the peer's live endpoint, at most ``inline_threshold`` bytes in all, it goes in one
-        native call (:meth:`Endpoint.rma_group_caller`: every piece checked where it is issued,
-        then the flush) under the lock, and is reported here when the flush completed at once.
-        A flush still in flight is handed to the progress side as the general path does;
-        everything else takes the general path."""
-        r = group.remote
+        """N puts or gets and one flush; each index reported (see the module docstring): the fast
+        path (:meth:`_fast`, the same lane entry as a single request) where it applies, else the
+        general one."""
         peer = self._by_info.get(id(group.peer))
-        if peer is not None and peer[0] is group.peer and group.abort_exc is None:
-            p = peer[1]
-            with self._lock:
-                att = p.attached.get((r.region_id, r.epoch, r.token))
-                ep = self._hot_ep(p, att, r, 0, 0) if att is not None else None
-                call = self._packed_group(att, ep, group.kind == "write", group.local.id) if ep is not None else None
-                local = group.local
-                got = call(local.address, local.size, group.local_offsets, att.base, att.size, group.remote_offsets,
-                           group.lengths, self._chunk, self._inline_threshold) if call is not None else None
-                if got is not None:
-                    self.hot_groups += 1
-                    p.attached.move_to_end(att.key)
-                    failed, fl = got
-                    if not isinstance(fl, int):  # the flush is in flight: the progress side finishes it
-                        w = _Work(group, True, att, self._memh.get(local.id))
-                        w.count = group.count
-                        w.items = [(0, 0, 0, 0)]
-                        w.next = 1
-                        w.flush = fl
-                        for i, st in failed.items():
-                            w.failed[i] = map_status(st, r, group.kind, "request refused")
-                        att.works.add(w)
-                        p.works.add(w)
-                        self._activate(w)
-                        return
-                    if self._active:
-                        self._progressed()  # our progress calls may have completed handed-off work
-            if got is not None:
-                if fl != 0:  # no index is known to have landed in full
-                    group.fail(map_status(fl, r, group.kind, "flush failed"))
-                    return
-                if failed:
-                    by_status: dict[int, list[int]] = {}
-                    for i, st in failed.items():
-                        by_status.setdefault(st, []).append(i)
-                    for st, idx in by_status.items():
-                        group.fail(map_status(st, r, group.kind, "request refused"), idx)
-                group.complete()  # the bytes landed before any revocation could be processed
-                return
-        self._post(group, True)
-
-    def _packed_group(self, att: _Attach, ep: Any, write: bool, local_id: int) -> Any:
-        """The group call of :meth:`Endpoint.rma_group_caller` for ``att`` (lock held), kept with
-        :meth:`_packed`'s calls; None without the helper's extension module."""
-        key = ("many", write, local_id)
-        c = att.calls.get(key)
-        if c is None or c[0] is not ep or c[1] is not att.rkey:
-            if len(att.calls) >= 16:
-                att.calls.clear()  # bounded: the pairs in use pack again
-            c = att.calls[key] = (ep, att.rkey, ep.rma_group_caller(write, att.rkey, self._memh.get(local_id)))
-        return c[2]
+        if (peer is None or peer[0] is not group.peer or group.abort_exc is not None
+                or not self._fast(peer[1], group, True)):
+            self._post(group, True)
 
     def _post(self, op: Any, group: bool) -> None:
         r = op.remote
@@ -1331,8 +1240,6 @@ class UcxTransport(Transport):
         elif op.remote_offset < 0 or op.remote_offset + op.length > att.size:
             return _error(OutOfBoundsError, f"[{op.remote_offset}, {op.remote_offset + op.length}) is outside "
                                             f"the {att.size} bytes registered for region {r.name!r}", r)
-        if not w.group and self._fast(w):
-            return None
         self._items(w)
         att.works.add(w)
         peer.works.add(w)
@@ -1349,6 +1256,11 @@ class UcxTransport(Transport):
                 if self._active:
                     self._progressed()  # those calls may have completed handed-off work: let the thread look
             self._reap(w)
+            if w.reqs and w.issued_all and w.kind == "write" and w.error is None:
+                # Puts still in flight once local progress stops wait for the peer (over tcp, for
+                # its acknowledgement): their flush goes out now, behind them, so one round trip
+                # answers both, not two in turn (as on the fast path, mp_move).
+                self._issue_flush(w)
             if not w.outstanding and w.issued_all and ((w.kind == "read" and not w.group) or w.flushed
                                                         or w.error is not None or self._issue_flush(w)):
                 if self._settled(w):
@@ -1362,43 +1274,6 @@ class UcxTransport(Transport):
                     return None
         self._activate(w)
         return None
-
-    def _fast(self, w: _Work) -> bool:
-        """One-chunk request on a connected endpoint: issue, and report if it finished (lock held).
-
-        The lock is held from issue to report, so a revocation cannot slip in between."""
-        op, peer = w.op, w.peer
-        ep = peer.ep
-        if ep is None or peer.failed is not None or op.length > self._chunk or op.length > self._inline_threshold:
-            return False
-        att = w.att
-        if att.generation != peer.generation or att.rkey is None:
-            self._rkey(att)
-        write = w.kind == "write"
-        loc = op.local.address + op.local_offset
-        st = ep.rma_now(write, loc, op.length, att.base + op.remote_offset, att.rkey, w.memh)
-        w.next = 1
-        if self._active:
-            self._progressed()  # rma_now's progress calls may have completed handed-off work
-        if isinstance(st, int):
-            if st != 0:
-                w.error = st
-                return self._settled(w)
-            if write:
-                f = ep.flush_now()
-                if isinstance(f, int):
-                    if f != 0:
-                        w.error = f
-                    return self._settled(w)
-                w.flush = f
-        else:
-            w.reqs.append((st, op.length, 0))
-            w.inflight = op.length
-        w.items = [(loc, op.remote_offset, op.length, 0)]
-        att.works.add(w)
-        peer.works.add(w)
-        self._activate(w)
-        return True
 
     @staticmethod
     def _total(w: _Work) -> int:

@@ -62,7 +62,7 @@ def test_revocation_reaches_a_bound_pair(bound: Any) -> None:
 
 
 class _Pending:
-    """Stands for a UCX request still in flight (cma never leaves one: it completes in progress)."""
+    """Stands for a UCX flush still in flight (cma never leaves one: it completes in progress)."""
 
     def __init__(self) -> None:
         self.done = False
@@ -75,44 +75,17 @@ class _Pending:
         self.freed = True
 
 
-def test_a_declined_write_left_in_flight_holds_revocation(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A put the lane leaves in flight is kept, reaped once done, and waited for by a revocation.
+def test_a_declined_write_left_in_flight_holds_revocation(bound: Any) -> None:
+    """A flush the lane leaves in flight is kept, reaped once done, and waited for by a revocation.
 
-    This drives the lane without the extension module (the move under the lock); the bound
-    lane's own pending branch is driven with stand-in UCX functions in test_ucx_native.py,
-    and both register through UcxTransport._lane_pending."""
+    The bound lane's own pending branch is driven with stand-in UCX functions in
+    test_ucx_native.py; both register through UcxTransport._lane_pending, driven here."""
     target, ini, kv, remote, src = bound
     ucx = ini.transports["ucx"]
     pend = _Pending()
     peer = next(iter(ucx._peers.values()))
-    real = type(peer.ep).rma_flush_now
-    calls = []
-
-    def once_pending(self: Any, *a: Any) -> Any:
-        calls.append(a)
-        return pend if len(calls) == 1 else real(self, *a)
-
-    real_caller = type(peer.ep).rma_caller
-
-    def caller(self: Any, write: bool, rkey: Any, memh: Any = None) -> Any:
-        inner = real_caller(self, write, rkey, memh)
-
-        def run(laddr: int, n: int, raddr: int) -> Any:
-            calls.append((laddr, n, raddr))
-            if len(calls) == 1:
-                return pend
-            return inner(laddr, n, raddr) if inner is not None else real(self, write, laddr, n, raddr, rkey, memh)
-        return run
-
-    monkeypatch.setattr(type(peer.ep), "rma_flush_now", once_pending)
-    monkeypatch.setattr(type(peer.ep), "rma_caller", caller)
-    monkeypatch.setattr(type(peer.ep), "rma_lane", lambda *a, **k: None)
-    for a in peer.attached.values():
-        a.calls.clear()  # the packed calls are made again, through the patched ones,
-        a.lanes.clear()
-    ini._pipeline.forget_fast()  # and the pair binds again
-    assert ini.write(src, remote, 0, 64).result(10) == 64  # the lane declined; the full path carried it
-    att = next(a for a in peer.attached.values() if a.orphans)
+    att = next(iter(peer.attached.values()))
+    assert ucx._lane_pending(att, True, 2, pend, {}) is False  # the write is declined
     assert att.orphans == [pend] and att in ucx._orphaned
     with ucx._lock:
         ucx._reap_orphans()
@@ -121,74 +94,47 @@ def test_a_declined_write_left_in_flight_holds_revocation(bound: Any, monkeypatc
     with ucx._lock:
         ucx._reap_orphans()
     assert att.orphans == [] and pend.freed and att not in ucx._orphaned
+    assert ini.write(src, remote, 0, 64).result(10) == 64
 
 
-def test_bound_write_goes_through_the_packed_native_call(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpcomm.plugins.ucx import _native, _ucp
+def test_a_bound_write_and_a_post_go_through_the_lane(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's bound move, post() and post_many() all issue through the attachment's one lane."""
+    from mpcomm.plugins.ucx import _native
 
-    if _native.module() is None:
+    mod = _native.module()
+    if mod is None:
         pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
     target, ini, kv, remote, src = bound
-    # With the packed call bound, the ctypes path is not used at all.
-    monkeypatch.setattr(_ucp.Endpoint, "rma_flush_now", lambda *a, **k: pytest.fail("ctypes path used"))
+    ucx = ini.transports["ucx"]
     for i, fill in enumerate((b"\x41", b"\x42")):
         src.view[:4096] = fill * 4096
+        before = mod.moves()
         t = ini.write(src, remote, 4096 * i, 4096)
-        assert t.done() and t.result(0) == 4096
+        assert t.done() and t.result(0) == 4096 and mod.moves() - before == 1
         assert bytes(kv.view[4096 * i:4096 * (i + 1)]) == fill * 4096
-    ucx = ini.transports["ucx"]
-    peer = next(iter(ucx._peers.values()))
-    ep = peer.ep
-    att = next(iter(peer.attached.values()))
-    call = ep.rma_caller(True, att.rkey, ucx._memh.get(src.id))
-    assert call(src.address, 64, att.base) == 0  # the same call, outside the engine
-    # A peer failure recorded on the endpoint: nothing is issued, its status comes back.
-    monkeypatch.setattr(ep, "error_status", _ucp.UCS_ERR_CONNECTION_RESET)
-    assert call(src.address, 64, att.base) == _ucp.UCS_ERR_CONNECTION_RESET
+    # post() itself (as the engine does when it has no binding) takes the same lane
+    ini._pipeline.forget_fast()
+    monkeypatch.setattr(ucx, "inline_path", lambda *a: None)
+    before = mod.moves()
+    src.view[:4096] = b"\x43" * 4096
+    assert ini.write(src, remote, 0, 4096).result(10) == 4096 and mod.moves() - before == 1
+    assert bytes(kv.view[:4096]) == b"\x43" * 4096
 
 
-def test_packed_call_refuses_after_its_endpoint_closed() -> None:
-    from mpcomm.plugins.ucx import _native, _ucp
+def test_reads_go_through_the_lane(bound: Any) -> None:
+    from mpcomm.plugins.ucx import _native
 
-    if _native.module() is None:
-        pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
-    import mmap
-
-    ctx = _ucp.Context(env={"RNDV_THRESH": "inf"})
-    try:
-        w = ctx.create_worker()
-        buf = mmap.mmap(-1, 4096)
-        mh = ctx.mem_map(_ucp.buffer_address(buf), 4096)
-        ep = w.connect(w.address, error_handling=True)
-        rk = ep.unpack_rkey(mh.pack_rkey())
-        src = mmap.mmap(-1, 4096)
-        src[:64] = b"\x5c" * 64
-        call = ep.rma_caller(True, rk)
-        assert call is not None
-        st = call(_ucp.buffer_address(src), 64, mh.address)
-        if not isinstance(st, int):
-            _ucp.wait_all([st], timeout=10)
-        assert buf[:64] == b"\x5c" * 64  # a loopback endpoint: the put landed in our own buffer
-        ep.close(force=True, timeout=5)
-        assert call(_ucp.buffer_address(src), 64, mh.address) == _ucp.UCS_ERR_CANCELED  # never a stale handle
-    finally:
-        ctx.close()
-
-
-def test_post_hot_path_uses_the_packed_call_for_reads(bound: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpcomm.plugins.ucx import _native, _ucp
-
-    if _native.module() is None:
+    mod = _native.module()
+    if mod is None:
         pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
     target, ini, kv, remote, src = bound
     kv.view[:4096] = b"\x6e" * 4096
-    assert ini.read(src, remote, 0, 4096, local_offset=8192).result(10) == 4096  # packs the call
-    monkeypatch.setattr(_ucp.Endpoint, "rma_flush_now", lambda *a, **k: pytest.fail("ctypes path used"))
+    assert ini.read(src, remote, 0, 4096, local_offset=8192).result(10) == 4096  # binds the lane
     kv.view[:4096] = b"\x6f" * 4096
+    before = mod.moves()
     assert ini.read(src, remote, 0, 4096, local_offset=8192).result(10) == 4096
-    assert bytes(src.view[8192:12288]) == b"\x6f" * 4096
+    assert bytes(src.view[8192:12288]) == b"\x6f" * 4096 and mod.moves() - before == 1
     att = next(iter(next(iter(ini.transports["ucx"]._peers.values())).attached.values()))
-    # the read went through a bound lane (the extension module's), never the ctypes call
     assert any(k[:2] == (False, src.id) for k in att.lanes) and len(att.lanes) <= 16
 
 
@@ -264,7 +210,9 @@ def test_only_local_copy_rma_lanes_let_reads_take_the_lane() -> None:
 
 def test_reads_and_writes_keep_the_full_path_off_local_copy_lanes(bound: Any,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a network RMA lane the lane is never tried: a write there would be put twice (lane, then post)."""
+    """On a network RMA lane the engine gets no inline move: a write there would be put twice (the
+    move, declined with its put in flight, then post). post() alone issues each, once."""
+    from mpcomm.plugins.ucx import _native
     from mpcomm.plugins.ucx import transport as ucx_transport
 
     target, ini, kv, remote, src = bound
@@ -275,17 +223,21 @@ def test_reads_and_writes_keep_the_full_path_off_local_copy_lanes(bound: Any,
     ini._pipeline.forget_fast()
     posted: list[Any] = []
     monkeypatch.setattr(ucx, "post", lambda op: posted.append(op) or UcxTransport.post(ucx, op))
+    bound_moves: list[Any] = []
+    real_inline = UcxTransport.inline_path
+    monkeypatch.setattr(ucx, "inline_path", lambda *a: bound_moves.append(real_inline(ucx, *a)) or bound_moves[-1])
     kv.view[:4096] = b"\x3d" * 4096
     for _ in range(3):
         assert ini.read(src, remote, 0, 4096).result(10) == 4096
     assert len(posted) == 3 and bytes(src.view[:4096]) == b"\x3d" * 4096
-    lanes_tried: list[Any] = []
-    real_lane = type(ucx)._lane
-    monkeypatch.setattr(type(ucx), "_lane", lambda self, *a: lanes_tried.append(a) or real_lane(self, *a))
+    mod = _native.module()
+    before = mod.moves() if mod is not None else 0
     src.view[8192:12288] = b"\x3e" * 4096
     for _ in range(3):
         assert ini.write(src, remote, 4096, 4096, local_offset=8192).result(10) == 4096
-    assert len(posted) == 6 and lanes_tried == [] and bytes(kv.view[4096:8192]) == b"\x3e" * 4096
+    assert len(posted) == 6 and not any(bound_moves) and bytes(kv.view[4096:8192]) == b"\x3e" * 4096
+    if mod is not None:
+        assert mod.moves() - before == 3  # one lane call per write, from post()
 
 
 def test_revocation_reaches_a_bound_read_pair(bound: Any) -> None:
@@ -372,6 +324,6 @@ def test_unregister_under_writers_on_the_lane_leaves_the_memory_untouched(bound:
 def test_unregistering_the_local_region_drops_its_lanes(bound: Any) -> None:
     target, ini, kv, remote, src = bound
     att = next(iter(next(iter(ini.transports["ucx"]._peers.values())).attached.values()))
-    assert any(k[1] == src.id for k in list(att.lanes) + list(att.calls))
+    assert any(k[1] == src.id for k in att.lanes)
     ini.unregister(src)
-    assert not any(k[1] == src.id for k in list(att.lanes) + list(att.calls))
+    assert not any(k[1] == src.id for k in att.lanes)

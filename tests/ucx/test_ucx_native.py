@@ -1,4 +1,5 @@
-"""The ucx helper's batch loop (_ucxloop.c), driven with stand-in UCX functions: merging and statuses."""
+"""The ucx helper (_ucxloop.c) driven with stand-in UCX functions: the general path's group loop
+(merging, statuses) and the fast path's one entry, a bound lane's move (bounds, gates, flush, answers)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,9 @@ from typing import Any
 
 import pytest
 
-from mpcomm.plugins.ucx import _native
+from ucx_support import ERR_IO, FREE, PROGRESS, RMA, StandInLane
 
-RMA = C.CFUNCTYPE(C.c_void_p, C.c_void_p, C.c_void_p, C.c_size_t, C.c_uint64, C.c_void_p, C.c_void_p)
-FREE = C.CFUNCTYPE(None, C.c_void_p)
-PROGRESS = C.CFUNCTYPE(C.c_uint, C.c_void_p)
-ERR_IO = -3  # a small negative ucs_status_t: UCS_PTR_IS_ERR
+from mpcomm.plugins.ucx import _native
 
 
 @pytest.fixture(scope="module")
@@ -135,67 +133,31 @@ def test_a_group_to_an_attached_region_goes_in_one_native_call_and_lands() -> No
         target.close(timeout=5)
 
 
-CHECK_BYTE = C.CFUNCTYPE(C.c_uint8, C.c_void_p)  # ucs_status_t is one byte; -3 travels as 0xfd
-FLUSH = C.CFUNCTYPE(C.c_void_p, C.c_void_p, C.c_void_p)
+def test_a_failed_flush_status_is_read_as_the_signed_byte_it_is() -> None:
+    """A flush that ends in UCS_ERR_IO_ERROR (-3) is reported as -3, freed, and never as in flight."""
+    s = StandInLane(flush_request=0x2000, status=ERR_IO)
+    assert s.raw(0, 0, 64) == (ERR_IO, 0, None)
+    assert "free 0x2000" in s.log
 
 
-@pytest.mark.parametrize("write", [True, False])
-def test_rma_one_reads_a_failed_request_status_as_the_signed_byte_it_is(lib: Any, write: bool) -> None:
-    """A request that ends in UCS_ERR_IO_ERROR (-3) is reported as -3, freed, and never as in flight."""
-    freed: list[int] = []
-    keep = (RMA(lambda ep, la, n, ra, rk, p: 0x1000), CHECK_BYTE(lambda r: ERR_IO & 0xFF),
-            FREE(lambda r: freed.append(r)), PROGRESS(lambda w: 0), FLUSH(lambda ep, p: 0))
-    fn, check, rfree, progress, flush = (C.cast(k, C.c_void_p) for k in keep)
-    pending = C.c_void_p()
-    st = lib.mpcomm_ucx_rma_one(fn, check, rfree, progress, flush, None, None, 0x2000, 64, 0x3000, None, None,
-                                None, int(write), C.byref(pending))
-    assert st == ERR_IO and freed == [0x1000] and pending.value is None
-
-
-class _StandInLane:
-    """A bound lane (struct mp_lane) over stand-in UCX functions: what it issued, what it reported."""
-
-    def __init__(self, check_status: int = 0, *, limit: int = 1 << 16, flush_request: int = 0) -> None:
-        mod = _native.module()
-        if mod is None:
-            pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
-        self.issued: list[tuple[int, int, int]] = []
-        self.in_flight_seen: list[int] = []
-        self.pending: list[tuple[int, int]] = []
-        self.signals = 0
-        self.active: set[Any] = set()
-        self.ep_gate, self.att_gate = _native.gate(), _native.gate()
-
-        def rma(ep: int, laddr: int, n: int, raddr: int, rkey: int, param: int) -> int:
-            self.issued.append((laddr, n, raddr))
-            self.in_flight_seen.append(self.ep_gate[1])
-            return 0x1000  # a request: check_status decides whether it is done
-
-        self.keep = (RMA(rma), CHECK_BYTE(lambda r: check_status), FREE(lambda r: None), PROGRESS(lambda w: 0),
-                     FLUSH(lambda ep, p: flush_request))
-        lane = self.lane = _native.Lane()
-        c = lane.call
-        c.fn, c.check, c.rfree, c.progress, c.flush = (C.cast(k, C.c_void_p).value for k in self.keep)
-        c.write = 1
-        lane.ep_gate, lane.att_gate = C.addressof(self.ep_gate), C.addressof(self.att_gate)
-        lane.laddr, lane.lsize, lane.rbase, lane.rsize, lane.limit = 0x10000, 8192, 0x80000, 4096, limit
-
-        def signal() -> None:
-            self.signals += 1
-
-        def on_pending(code: int, ptr: int) -> bool:
-            self.pending.append((code, ptr))
-            return False
-
-        self.move = mod.lane(C.addressof(lane), self.active, signal, on_pending, (lane, self.keep))
+def test_the_last_operation_failing_where_it_is_settled_fails_its_pieces() -> None:
+    """The lane settles the last operation UCX left in flight (a single request's only one); one
+    that ends in failure fails the pieces it covered, and a request of which nothing landed sends
+    no flush."""
+    s = StandInLane(request=0x1000, status=ERR_IO, flush_request=0x2000)
+    assert s.raw(0, 0, 64) == (0, 0, bytes([ERR_IO & 0xFF])) and s.flushes == 0
+    assert s.log == ["put", "check 0x1000", "free 0x1000"]
+    g = StandInLane(request=0x1000, status=ERR_IO, flush_request=0)
+    code, _pending, statuses = g.raw(array("q", [0, 100]), array("q", [0, 100]), array("q", [10, 10]))
+    assert code == 0 and _signed(statuses) == [0, ERR_IO] and g.flushes == 1  # the first: left to the flush
 
 
 def test_a_bound_lane_issues_within_its_bounds_only() -> None:
-    s = _StandInLane(limit=2048)
+    s = StandInLane(limit=2048)
     assert s.move(100, 200, 64) is True
-    assert s.issued == [(0x10000 + 100, 64, 0x80000 + 200)] and s.in_flight_seen == [1]
+    assert s.puts() == [(100, 64, 200)] and s.in_flight_seen == [1]
     for lo, ro, n in ((0, 0, 0), (0, 0, -1), (0, 0, 4096), (0, 3000, 2000), (-1, 0, 8), (0, -1, 8),
-                      (8190, 0, 8), (1 << 62, 0, 1 << 62)):
+                      (8190, 0, 8), (1 << 62, 0, 1 << 62), (1 << 63, 0, 8), (0, 0, (1 << 64) - 1)):
         assert s.move(lo, ro, n) is False, (lo, ro, n)  # over the limit, or outside a region
     assert len(s.issued) == 1 and s.ep_gate[1] == 0
     with pytest.raises(TypeError):
@@ -203,25 +165,27 @@ def test_a_bound_lane_issues_within_its_bounds_only() -> None:
 
 
 def test_a_shut_gate_stops_the_lane_before_it_issues() -> None:
-    s = _StandInLane()
+    s = StandInLane()
     s.att_gate[0] = 0
     assert s.move(0, 0, 64) is False
     s.att_gate[0] = 1
     s.ep_gate[0] = 0
     assert s.move(0, 0, 64) is False
+    assert s.raw(array("q", [0]), array("q", [0]), array("q", [64])) is False
     assert s.issued == [] and s.ep_gate[1] == 0  # nothing issued, nothing counted in flight
 
 
 def test_a_lane_request_left_in_flight_goes_to_on_pending() -> None:
     # still in flight after local progress: the put is released and its flush issued at once,
     # so what the lane leaves in flight is the flush (code 2)
-    s = _StandInLane(check_status=1, flush_request=0x2000)
+    s = StandInLane(request=0x1000, status=1, flush_request=0x2000)
     assert s.move(0, 0, 64) is False  # on_pending's answer
-    assert s.pending == [(2, 0x2000)] and s.ep_gate[1] == 0
+    assert s.pending == [(2, 0x2000, None)] and s.ep_gate[1] == 0
+    assert s.raw(0, 0, 64) == (2, 0x2000, None)
 
 
 def test_a_lane_signals_the_progress_thread_only_while_it_has_work() -> None:
-    s = _StandInLane()
+    s = StandInLane()
     assert s.move(0, 0, 64) is True and s.signals == 0
     s.active.add("work")
     assert s.move(0, 0, 64) is True and s.signals == 1
@@ -241,71 +205,47 @@ def test_a_piece_outside_its_region_is_never_issued(lib: Any) -> None:
     assert calls == [(1000, 10, 5000)] and status == [0, -19] and refused == 1
 
 
-class _StandInGroup:
-    """mod.rma_group (post_many's hot path) over stand-in UCX functions: what it issued and flushed."""
-
-    def __init__(self, flush_status: int = 0) -> None:
-        mod = _native.module()
-        if mod is None:
-            pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
-        self.mod = mod
-        self.issued: list[tuple[int, int, int]] = []
-        self.flushes = 0
-
-        def flush(ep: int, p: int) -> int:
-            self.flushes += 1
-            return 0x2000  # a request: flush_status decides whether it is done
-
-        self.keep = (RMA(lambda ep, la, n, ra, rk, p: self.issued.append((la, n, ra)) or 0),
-                     CHECK_BYTE(lambda r: flush_status & 0xFF), FREE(lambda r: None), PROGRESS(lambda w: 0),
-                     FLUSH(flush))
-        call = self.call = _native.RmaCall()
-        call.fn, call.check, call.rfree, call.progress, call.flush = (C.cast(k, C.c_void_p).value for k in self.keep)
-        call.write = 1
-
-    def __call__(self, lo: Any, ro: Any, ln: Any, *, lsize: int = 100, rsize: int = 100, merge: int = 1 << 20,
-                 limit: int = 1 << 20) -> Any:
-        return self.mod.rma_group(C.addressof(self.call), lo, ro, ln, 1000, lsize, 5000, rsize, merge, limit)
+def _signed(statuses: bytes) -> list[int]:
+    return [s - 256 if s > 127 else s for s in statuses]
 
 
-def test_the_group_call_checks_every_piece_where_it_issues_it_then_flushes_once() -> None:
-    """post_many's one native call: pieces outside either region are never issued (their statuses
-    come back as UCS_ERR_OUT_OF_RANGE), the rest are merged and issued, then one flush settles them."""
-    g = _StandInGroup()
+def test_a_group_on_the_lane_checks_every_piece_where_it_issues_it_then_flushes_once() -> None:
+    """The fast path's group: pieces outside either region are never issued (their statuses come
+    back as UCS_ERR_OUT_OF_RANGE), the rest are merged and issued, then one flush settles them."""
+    s = StandInLane(lsize=100, rsize=100, flush_request=0x2000)
     top = (1 << 63) - 1
-    got = g(array("q", [0, 10, top, 20, 0]), array("q", [0, 10, 0, 20, 95]), array("q", [10, 10, 8, 10, 10]))
-    assert g.issued == [(1000, 20, 5000), (1020, 10, 5020)] and g.flushes == 1
-    refused, flush, statuses = got
-    assert refused == 2 and flush == 0
-    assert [s - 256 if s > 127 else s for s in statuses] == [0, 0, -19, 0, -19]
-    assert g(array("q", [0]), array("q", [0]), array("q", [10])) == (0, 0, None)  # nothing refused: no statuses
+    code, pending, statuses = s.raw(array("q", [0, 10, top, 20, 0]), array("q", [0, 10, 0, 20, 95]),
+                                    array("q", [10, 10, 8, 10, 10]))
+    assert s.puts() == [(0, 20, 0), (20, 10, 20)] and s.flushes == 1
+    assert code == 0 and _signed(statuses) == [0, 0, -19, 0, -19]
+    assert s.move(array("q", [0]), array("q", [0]), array("q", [10])) is True  # nothing refused
 
 
-def test_the_group_call_leaves_a_flush_in_flight_to_the_caller() -> None:
-    g = _StandInGroup(flush_status=1)  # UCS_INPROGRESS after local progress
-    assert g(array("q", [0]), array("q", [0]), array("q", [10])) == (0, 2, None)
-    assert g.call.pending == 0x2000
-    failed = _StandInGroup(flush_status=ERR_IO)
-    assert failed(array("q", [0]), array("q", [0]), array("q", [10])) == (0, ERR_IO, None)
+def test_a_group_on_the_lane_leaves_its_flush_in_flight_to_the_caller() -> None:
+    s = StandInLane(flush_request=0x2000, status=1)  # UCS_INPROGRESS after local progress
+    assert s.raw(array("q", [0]), array("q", [0]), array("q", [10])) == (2, 0x2000, None)
+    failed = StandInLane(flush_request=0x2000, status=ERR_IO)
+    assert failed.raw(array("q", [0]), array("q", [0]), array("q", [10])) == (ERR_IO, 0, None)
 
 
-def test_the_group_call_declines_what_it_would_not_finish_here_before_issuing_anything() -> None:
-    g = _StandInGroup()
+def test_a_group_on_the_lane_declines_what_it_would_not_finish_here_before_issuing_anything() -> None:
+    s = StandInLane(lsize=100, rsize=100, limit=20)
     empty = array("q")
-    assert g(empty, empty, empty) is None
-    assert g(array("q", [0, 10]), array("q", [0, 10]), array("q", [10, 10]), limit=19) is None
+    assert s.raw(empty, empty, empty) is False
+    assert s.raw(array("q", [0, 10]), array("q", [0, 10]), array("q", [10, 11])) is False
     # lengths whose sum wraps int64 are over any limit, not a small total
-    assert g(array("q", [0, 0]), array("q", [0, 0]), array("q", [(1 << 63) - 1, 2]), limit=(1 << 63) - 1) is None
-    assert g.issued == [] and g.flushes == 0
-    assert g(array("q", [0, 10]), array("q", [0, 10]), array("q", [10, 10]), limit=20) == (0, 0, None)
+    big = StandInLane(limit=(1 << 63) - 1)
+    assert big.raw(array("q", [0, 0]), array("q", [0, 0]), array("q", [(1 << 63) - 1, 2])) is False
+    assert s.issued == [] and s.flushes == 0 and big.issued == []
+    assert s.raw(array("q", [0, 10]), array("q", [0, 10]), array("q", [10, 10])) is True
 
 
-def test_the_group_call_takes_only_int64_arrays_of_one_length() -> None:
-    g = _StandInGroup()
+def test_a_group_on_the_lane_takes_only_int64_arrays_of_one_length() -> None:
+    s = StandInLane()
     with pytest.raises(TypeError):
-        g(array("i", [0]), array("q", [0]), array("q", [10]))
+        s.raw(array("i", [0]), array("q", [0]), array("q", [10]))
     with pytest.raises(TypeError):
-        g([0], array("q", [0]), array("q", [10]))
+        s.raw([0], array("q", [0]), array("q", [10]))
     with pytest.raises(ValueError):
-        g(array("q", [0, 10]), array("q", [0]), array("q", [10]))
-    assert g.issued == [] and g.flushes == 0
+        s.raw(array("q", [0, 10]), array("q", [0]), array("q", [10]))
+    assert s.issued == [] and s.flushes == 0 and s.ep_gate[1] == 0

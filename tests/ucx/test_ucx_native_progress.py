@@ -5,7 +5,6 @@ result() waiter reports its own request (Transport.drive) without the transport'
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+from ucx_support import StoppableTarget
 
 import mpcomm
 from mpcomm.plugins.ucx import _native
@@ -80,56 +80,27 @@ def test_without_the_native_loop_the_spinning_target_stalls_its_peer(make_engine
         assert time.monotonic() - t0 >= 1.9
 
 
-_TARGET = textwrap.dedent("""
-    import sys, time, mpcomm
-    e = mpcomm.Engine({"plugins": {"ucx": {"tls": "tcp,self"}}}, transports=["ucx"])
-    e.register(bytearray(1 << 20), name="kv")
-    print(e.address, flush=True)
-    time.sleep(600)
-""")
-
-
-def _wait_stopped(pid: int) -> None:
-    end = time.monotonic() + 5
-    while time.monotonic() < end:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.0005)
-
-
 def test_a_result_waiter_reports_its_own_request(make_engine: Any) -> None:
     """Over tcp a write's flush waits for the target (stopped here for 50 ms per request, so the
     waiter is surely in result() before the answer comes): result() drives it, the completion is
     reported on the waiting thread, and the transport's Python thread is not woken for it."""
-    proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
-    try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+    with StoppableTarget() as target:
         ini = make_engine(TCP, transports=["ucx"])
-        remote = ini.open(address, "kv", timeout=10)
+        remote = ini.open(target.address, "kv", timeout=10)
         src = ini.allocate(4096)
         for _ in range(5):
             ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
         tr = ini.transports["ucx"]
         woke, driven = tr.wakeups, tr.waiter_reports
-        try:
-            for i in range(20):
-                src.view[:8] = i.to_bytes(8, "little")
-                os.kill(proc.pid, signal.SIGSTOP)
-                _wait_stopped(proc.pid)
-                threading.Timer(0.05, os.kill, (proc.pid, signal.SIGCONT)).start()
-                ini.write(src, remote, i * 4096, 4096).result(5)
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
+        for i in range(20):
+            src.view[:8] = i.to_bytes(8, "little")
+            target.paused(0.05, lambda: ini.write(src, remote, i * 4096, 4096)).result(5)
         woke, driven = tr.wakeups - woke, tr.waiter_reports - driven
         back = bytearray(20 * 4096)
         ini.read(back, remote, 0).result(5)
         assert all(back[i * 4096:i * 4096 + 8] == i.to_bytes(8, "little") for i in range(20))
         assert driven == 20, f"{driven} of 20 writes were reported by their waiter"
         assert woke <= 5, f"the transport's Python thread woke {woke} times for 20 driven writes"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_an_idle_target_never_wakes_its_python_thread(make_engine: Any) -> None:
@@ -191,27 +162,19 @@ def test_an_answer_that_beats_its_caller_to_result_is_reported_by_the_caller(mak
     The target process is stopped while each write is posted and resumed 5 ms later: a write's
     one round trip (its flush goes out with its put) is otherwise often over before the posting
     thread hands it off, and the posting thread then reports it itself -- not this race."""
-    proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
-    try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+    with StoppableTarget() as target:
         ini = make_engine(_claiming(2_000_000), transports=["ucx"])  # 2 s: surely longer than the sleep
-        remote = ini.open(address, "kv", timeout=10)
+        remote = ini.open(target.address, "kv", timeout=10)
         src = ini.allocate(4096)
         for _ in range(3):
             ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
         tr = ini.transports["ucx"]
         woke, driven = tr.wakeups, tr.waiter_reports
-        try:
-            for i in range(10):
-                src.view[:8] = i.to_bytes(8, "little")
-                os.kill(proc.pid, signal.SIGSTOP)
-                _wait_stopped(proc.pid)
-                threading.Timer(0.005, os.kill, (proc.pid, signal.SIGCONT)).start()
-                fut = ini.write(src, remote, i * 4096, 4096)
-                time.sleep(0.03)  # the answer comes meanwhile
-                fut.result(5)
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
+        for i in range(10):
+            src.view[:8] = i.to_bytes(8, "little")
+            fut = target.paused(0.005, lambda: ini.write(src, remote, i * 4096, 4096))
+            time.sleep(0.03)  # the answer comes meanwhile
+            fut.result(5)
         woke, driven = tr.wakeups - woke, tr.waiter_reports - driven
         back = bytearray(10 * 4096)
         ini.read(back, remote, 0).result(5)
@@ -220,9 +183,6 @@ def test_an_answer_that_beats_its_caller_to_result_is_reported_by_the_caller(mak
         # as the waiter's): the Python thread reports none.
         assert woke <= 2, f"the transport's Python thread woke {woke} times for 10 writes ({driven} claimed)"
         assert driven >= 3, f"only {driven} of 10 writes were reported by their waiter"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_held_wake_up_is_released_when_the_claim_window_ends(make_engine: Any) -> None:
@@ -315,11 +275,9 @@ def test_a_waiter_polls_for_its_answer_and_the_loop_thread_stays_asleep(make_eng
     before -- each answer ends a poll of the loop thread (`sleeps`): the control. Then 300 writes
     back to back: none sleeps out the 1 s wait step (a progress call of another thread that
     consumed the polling waiter's event signals it)."""
-    proc = subprocess.Popen([sys.executable, "-c", _TARGET], stdout=subprocess.PIPE, text=True)
-    try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+    with StoppableTarget() as target:
         ini = make_engine({"plugins": {"ucx": {"tls": "tcp,self", "park_us": park_us}}}, transports=["ucx"])
-        remote = ini.open(address, "kv", timeout=10)
+        remote = ini.open(target.address, "kv", timeout=10)
         src = ini.allocate(4096)
         for _ in range(20):
             ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
@@ -327,14 +285,8 @@ def test_a_waiter_polls_for_its_answer_and_the_loop_thread_stays_asleep(make_eng
         loop = tr._loop
         n = 30
         sleeps, driven = loop.sleeps, tr.waiter_reports
-        try:
-            for i in range(n):
-                os.kill(proc.pid, signal.SIGSTOP)
-                _wait_stopped(proc.pid)
-                threading.Timer(0.002, os.kill, (proc.pid, signal.SIGCONT)).start()
-                ini.write(src, remote, i * 4096, 4096).result(5)
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
+        for i in range(n):
+            target.paused(0.002, lambda: ini.write(src, remote, i * 4096, 4096)).result(5)
         sleeps, driven = loop.sleeps - sleeps, tr.waiter_reports - driven
         if park_us:
             assert driven == n, f"{driven} of {n} writes were reported by their waiter"
@@ -352,9 +304,6 @@ def test_a_waiter_polls_for_its_answer_and_the_loop_thread_stays_asleep(make_eng
             ini.write(src, remote, (i % 16) * 4096, 4096).result(5)
             worst = max(worst, time.monotonic() - t)
         assert worst < 0.5, f"a write took {worst:.3f} s: its waiter slept out a wait step"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 _COUNTING_TARGET = textwrap.dedent("""
