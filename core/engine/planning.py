@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineClosedError, MpcommError, RegionClosedError
@@ -22,24 +23,24 @@ if TYPE_CHECKING:
 _NONE = object()
 
 
+@dataclass(slots=True, eq=False)
 class GroupSpec:
-    """One vectorised part of a plan: checked once, made into an OperationGroup per posting."""
+    """One vectorised part of a plan: checked once, made into an OperationGroup per posting.
 
-    __slots__ = ("kind", "local", "remote", "local_offsets", "remote_offsets", "lengths", "timeout", "ephemeral",
-                 "start", "hint")
+    It has what the group check (:meth:`Admission._check_group`) reads: its arrays (the
+    engine's own), regions and count; so no OperationGroup is built only to be checked.
+    """
 
-    def __init__(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
-                 lengths: Any, timeout: float, ephemeral: bool, start: int) -> None:
-        self.kind = kind
-        self.local = local
-        self.remote = remote
-        self.local_offsets = local_offsets
-        self.remote_offsets = remote_offsets
-        self.lengths = lengths
-        self.timeout = timeout
-        self.ephemeral = ephemeral
-        self.start = start
-        self.hint: tuple[str, ...] | None = None
+    kind: str
+    local: Region
+    remote: RemoteRegion
+    local_offsets: Any
+    remote_offsets: Any
+    lengths: Any
+    timeout: float
+    ephemeral: bool
+    start: int
+    hint: tuple[str, ...] | None = None
 
     @property
     def count(self) -> int:
@@ -126,32 +127,29 @@ class Planning:
 
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
+        """``write_many``/``read_many``: one vectorised group, posted (or staged) as a plan of one."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
+        plan = self._group_plan(kind, buf, remote, local_offsets, remote_offsets, lengths, timeout, route)
+        return self._start_plan(plan, cq, post)
+
+    def _group_plan(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
+                    lengths: Any, timeout: float | None, route: Any = None) -> Plan:
+        """The plan of one group given as arrays (``write_many``, ``read_many``, ``prepare_many``): the
+        arrays copied into the engine's own, every entry checked; no group when they are empty."""
         hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral-batch")
         self._check_access(kind, local, remote)
         t = self._timeout(timeout)
-        now = time.monotonic()
-        group = OperationGroup(kind, local, remote, local_offsets, remote_offsets, lengths, now + t, time.time() + t,
-                               sink=self._group_reported)
-        self._check_group(group)
-        batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
-        if group.count == 0:
-            batch.record_outcome(None, 0)
-            self._deliver_inline(batch, batch.finish_inline)
-            return batch
-        self._adopt(group, batch, 0, ephemeral)
-        group.route_hint = hint
-        batch.left = 1
-        batch.posting = False
-        batch.staged = not post
-        self._hold(group)
-        if post:
-            self._post_batch(batch, [group])
-        else:
-            self._stage(group)
-        return batch
+        ln = int64_array(lengths, None, "lengths")
+        spec = GroupSpec(kind, local, remote, int64_array(local_offsets, len(ln), "local_offsets"),
+                         int64_array(remote_offsets, len(ln), "remote_offsets"), ln, t, ephemeral, 0, hint)
+        self._check_group(spec)  # type: ignore[arg-type]
+        plan = Plan(None)
+        plan.count = spec.count
+        if spec.count:
+            plan.groups.append(spec)
+        return plan
 
     def _plan(self, requests: Sequence[Request], timeout: float | None, route: Any = None) -> Plan:
         """Check and group requests (same kind, local buffer, remote descriptor and timeout).
@@ -171,11 +169,6 @@ class Planning:
         last_local: Any = _NONE
         last_remote: Any = _NONE
         local: Region = None  # type: ignore[assignment]
-        g: Any = None
-        add_i: Any = None
-        add_lo: Any = None
-        add_ro: Any = None
-        add_ln: Any = None
         for i, req in enumerate(requests):
             if type(req) is not Request and not isinstance(req, Request):
                 raise MpcommError(f"submit() takes Request objects, not {type(req).__name__} (index {i})")
@@ -255,9 +248,8 @@ class Planning:
                   t: float, ephemeral: bool, start: int, hint: Any, index: list[int] | None) -> None:
         """One checked group of ``plan`` (its arrays the engine's own); ``index`` maps its entries
         to request indices for the error message (None: entry ``i`` is request ``i``)."""
-        spec = GroupSpec(kind, local, remote, lo, ro, ln, t, ephemeral, start)
-        spec.hint = hint
-        self._check_spec(spec, index, plan.requests)
+        spec = GroupSpec(kind, local, remote, lo, ro, ln, t, ephemeral, start, hint)
+        self._check_group(spec, index, plan.requests)  # type: ignore[arg-type]
         plan.groups.append(spec)
 
     def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
@@ -282,25 +274,8 @@ class Planning:
             raise EngineClosedError("the engine is closed")
         if not isinstance(local, Region):
             raise MpcommError("prepare_many() needs a registered Region as the local buffer")
-        region, _ = self._local(local, "")
-        self._check_access(kind, region, remote)
-        spec = GroupSpec(kind, region, remote, int64_array(local_offsets, None, "local_offsets"), None, None,
-                          self._timeout(timeout), False, 0)
-        spec.lengths = int64_array(lengths, None, "lengths")
-        spec.remote_offsets = int64_array(remote_offsets, len(spec.lengths), "remote_offsets")
-        if len(spec.local_offsets) != len(spec.lengths):
-            raise MpcommError(f"local_offsets has {len(spec.local_offsets)} entries, expected {len(spec.lengths)}")
-        self._check_spec(spec)
-        plan = Plan(None)
-        plan.groups.append(spec)
-        plan.count = len(spec.lengths)
-        return PreparedBatch(self, plan)
-
-    def _check_spec(self, spec: GroupSpec, index: list[int] | None = None,
-                    requests: Sequence[Request] | None = None) -> None:
-        # The spec has what the group check reads (its arrays, regions and count), so no
-        # OperationGroup is built only to be checked.
-        self._check_group(spec, index, requests)  # type: ignore[arg-type]
+        return PreparedBatch(self, self._group_plan(kind, local, remote, local_offsets, remote_offsets, lengths,
+                                                    timeout))
 
     def _start_plan(self, plan: Plan, cq: Any, post: bool) -> Batch:
         batch = Batch(plan.count, _dispatch=self._dispatch_for(cq))
