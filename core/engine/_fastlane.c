@@ -31,7 +31,7 @@ int mpcomm_fastlane_abi(void) { return MP_ABI; }
 
 /* What lane(...) binds, in this order (a tuple: the callable's self). No name of a Python
  * attribute appears in this file: what it reads or calls on the engine's objects is handed
- * to lane() as an object (a probe is a callable taking the object it reads; fastlane.py
+ * to lane() as an object (a probe is a callable taking the object it reads; bound.py's native_step
  * names where each comes from), so a renamed attribute is renamed beside its probe. */
 enum {
     S_LOCAL,      /* the local Region (see lease() below) */

@@ -143,7 +143,3 @@ class Admission:
             unit.holds_slot = False
             self.slots.release()
         unit.local.release()
-
-    def _stage(self, unit: Any) -> None:
-        self._arm(unit)
-        self._track(unit)

@@ -325,7 +325,7 @@ class Planning:
             self._post_batch(batch, units)
         else:
             for u in units:
-                self._stage(u)
+                self._watch(u)
         return batch
 
     def post_staged(self, batch: Batch) -> Batch:

@@ -97,9 +97,10 @@ class Stripes:
             op.batch.status = TransferStatus.POSTED
         if self.e.telemetry.enabled:
             self.e.telemetry.on_post(op, transfer.transport)
-        self._inflight.add(op)
         op.posting = inline
-        self._arm(op)  # before posting: a stripe transport may wait on the peer in post()
+        # Tracked (so its release lets go of it) and armed before posting: a stripe transport may
+        # wait on the peer in post().
+        self._watch(op)
         for sub in subs:
             if op.abort_exc is not None:
                 sub.abort_exc = op.abort_exc  # not retried
