@@ -81,13 +81,10 @@ class Endings:
     def _finish(self, unit: Any, error: BaseException | None, nbytes: int, failed_group: bool = False) -> None:
         """Release what the unit held, then publish its outcome."""
         unit.stage = FINISHED
-        if failed_group and isinstance(unit, OperationGroup) and not unit.done:
+        if failed_group and not unit.done:
             unit.sink = None  # we publish here, not through the sink
             unit.fail(error)  # type: ignore[arg-type]
-        if failed_group and isinstance(unit, Operation) and not unit.done:
-            unit.sink = None
-            unit.fail(error)  # type: ignore[arg-type]
-            if unit.abort_exc is not None and error is not unit.abort_exc:
+            if isinstance(unit, Operation) and unit.abort_exc is not None and error is not unit.abort_exc:
                 error = unit.abort_exc
         self._release(unit)
         batch = unit.batch

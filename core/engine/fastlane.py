@@ -57,6 +57,12 @@ def module() -> ModuleType | None:
         return _module
 
 
+def native(name: str) -> Any:
+    """The module's C function ``name``, or False where the module is not in use."""
+    mod = module()
+    return getattr(mod, name, False) if mod is not None else False
+
+
 def status() -> str:
     """``"in use"``, or why not (loads the module first): what ``Engine.stats()["inline_lane"]`` shows."""
     module()

@@ -13,7 +13,7 @@ from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request
 from ..transport import OperationGroup, int64_array
-from . import fastlane
+from . import checks, fastlane
 from .notify import MAX_NOTIFY
 
 if TYPE_CHECKING:
@@ -97,8 +97,7 @@ def _one_group(requests: Sequence[Request]) -> tuple[Any, Any, Any] | None:
     global _scan
     scan = _scan
     if scan is None:
-        mod = fastlane.module()
-        scan = _scan = getattr(mod, "scan", False) if mod is not None else False
+        scan = _scan = fastlane.native("scan")
     n = len(requests)
     if not scan or not n:
         return None
@@ -189,7 +188,9 @@ class Planning:
                 self._check_access(req.op, local, req.remote, req)
                 # The offsets are read once: what was checked is what is posted.
                 lo, ro = req.local_offset, req.remote_offset
-                length = self._check_bounds(local, req.remote, lo, ro, length, req)
+                remote = req.remote
+                length = checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo, ro,
+                                           length, req)
                 if len(req.notify) > MAX_NOTIFY:
                     raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
                 plan.singles.append((i, req, local, lo, ro, length,

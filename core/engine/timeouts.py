@@ -39,9 +39,6 @@ class Timeouts:
         err.confirmed = False
         # The transport may still touch the local buffer: keep the lease (and
         # so the buffer) until it reports, but resolve the handle now.
-        self._resolve_unconfirmed(unit, err)
-
-    def _resolve_unconfirmed(self, unit: Any, err: BaseException) -> None:
         unit.unconfirmed = True
         self._end_probe(unit)  # resolved by its deadline: the transport's late report says nothing
         if isinstance(unit, Operation):
