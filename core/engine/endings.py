@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ..errors import EngineClosedError
@@ -10,8 +9,6 @@ from ..transfer import Batch, Transfer, resolve_members
 from ..transport import Operation, OperationGroup
 from .regions import release_view
 from .units import FINISHED
-
-log = logging.getLogger("mpcomm.engine")
 
 
 def settle_members(batch: Batch) -> None:
@@ -70,13 +67,8 @@ class Endings:
                     self.regions.unregister_from(local, self.transports)
                     release_view(local)
         t = unit.transport
-        if t is None:
-            return
-        if self._backlog.get(t.name):
-            try:
-                self.executor.submit(self._drain_backlog, t.name)
-            except RuntimeError:
-                pass
+        if t is not None and self._backlog.get(t.name):  # (checked here: once per request)
+            self._kick_backlog(t.name)
 
     def _finish(self, unit: Any, error: BaseException | None, nbytes: int, failed_group: bool = False) -> None:
         """Release what the unit held, then publish its outcome."""

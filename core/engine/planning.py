@@ -126,29 +126,25 @@ class Planning:
 
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
-        """``write_many``/``read_many``: one vectorised group, posted (or staged) as a plan of one."""
+        """``write_many``/``read_many``: one group, built at once (no plan: the hottest batch path)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
-        plan = self._group_plan(kind, buf, remote, local_offsets, remote_offsets, lengths, timeout, route)
-        return self._start_plan(plan, cq, post)
-
-    def _group_plan(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
-                    lengths: Any, timeout: float | None, route: Any = None) -> Plan:
-        """The plan of one group given as arrays (``write_many``, ``read_many``, ``prepare_many``): the
-        arrays copied into the engine's own, every entry checked; no group when they are empty."""
         hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral-batch")
         self._check_access(kind, local, remote)
         t = self._timeout(timeout)
-        ln = int64_array(lengths, None, "lengths")
-        spec = GroupSpec(kind, local, remote, int64_array(local_offsets, len(ln), "local_offsets"),
-                         int64_array(remote_offsets, len(ln), "remote_offsets"), ln, t, ephemeral, 0, hint)
-        self._check_group(spec)  # type: ignore[arg-type]
-        plan = Plan(None)
-        plan.count = spec.count
-        if spec.count:
-            plan.groups.append(spec)
-        return plan
+        now = time.monotonic()
+        group = OperationGroup(kind, local, remote, local_offsets, remote_offsets, lengths, now + t, time.time() + t,
+                               sink=self._group_reported)
+        self._check_group(group)
+        batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
+        if group.count == 0:  # done at once (and never staged)
+            batch.record_outcome(None, 0)
+            self._deliver_inline(batch, batch.finish_inline)
+            return batch
+        self._adopt(group, batch, 0, ephemeral)
+        group.route_hint = hint
+        return self._launch_batch(batch, [group], post)
 
     def _plan(self, requests: Sequence[Request], timeout: float | None, route: Any = None) -> Plan:
         """Check and group requests (same kind, local buffer, remote descriptor and timeout).
@@ -275,14 +271,21 @@ class Planning:
             raise EngineClosedError("the engine is closed")
         if not isinstance(local, Region):
             raise MpcommError("prepare_many() needs a registered Region as the local buffer")
-        return PreparedBatch(self, self._group_plan(kind, local, remote, local_offsets, remote_offsets, lengths,
-                                                    timeout))
+        region, _ = self._local(local, "")
+        self._check_access(kind, region, remote)
+        t = self._timeout(timeout)
+        ln = int64_array(lengths, None, "lengths")
+        spec = GroupSpec(kind, region, remote, int64_array(local_offsets, len(ln), "local_offsets"),
+                         int64_array(remote_offsets, len(ln), "remote_offsets"), ln, t, False, 0)
+        self._check_group(spec)  # type: ignore[arg-type]
+        plan = Plan(None)
+        plan.groups.append(spec)
+        plan.count = spec.count
+        return PreparedBatch(self, plan)
 
     def _start_plan(self, plan: Plan, cq: Any, post: bool) -> Batch:
         batch = Batch(plan.count, _dispatch=self._dispatch_for(cq))
         batch.requests = plan.requests
-        batch.posting = False
-        batch.staged = not post
         units: list[Any] = []
         now = time.monotonic()
         wall = time.time()
@@ -308,6 +311,12 @@ class Planning:
             units.append(op)
         if plan.singles:
             batch.parts.sort(key=lambda p: p[0])
+        return self._launch_batch(batch, units, post)
+
+    def _launch_batch(self, batch: Batch, units: list[Any], post: bool) -> Batch:
+        """Hold every unit of ``batch`` (or none), then post or stage them; an empty batch is done."""
+        batch.posting = False
+        batch.staged = not post
         batch.left = len(units)
         if not units:
             batch.record_outcome(None, 0)

@@ -91,17 +91,8 @@ class Posting:
     def hand_routed(self, unit: Any, link: PeerLink, transport: Transport, cands: tuple[Transport, ...], rule: str,
                 names: tuple[str, ...], inline: bool) -> None:
         """Hand a routed, claimed unit to ``transport``; settle it here if it finished inside post()."""
-        unit.peer = link.info
-        unit.transport = transport
+        transfer = self._mark_posted(unit, link, transport, transport.name, names, rule)
         unit.candidates = cands
-        transfer = unit.transfer
-        transfer.transport = transport.name
-        transfer.route, transfer.route_rule = names, rule
-        transfer.status = TransferStatus.POSTED
-        if unit.batch is not None:
-            unit.batch.status = TransferStatus.POSTED
-        if self.e.telemetry.enabled and isinstance(unit, Operation):
-            self.e.telemetry.on_post(unit, transport.name)
         unit.posting = inline
         if transport.post_may_block:
             # A transport written for the first contract may wait on the peer
@@ -125,6 +116,21 @@ class Posting:
             # Tracked (for close() and peer loss) only when it outlives post():
             # requests finished inline never touch the table or the timer.
             self._watch(unit)
+
+    def _mark_posted(self, unit: Any, link: PeerLink, transport: Any, name: str, names: tuple[str, ...],
+                     rule: str) -> Any:
+        """A unit posted to ``transport`` (named ``name``): it and its handle say so; the handle."""
+        unit.peer = link.info
+        unit.transport = transport
+        transfer = unit.transfer
+        transfer.transport = name
+        transfer.route, transfer.route_rule = names, rule
+        transfer.status = TransferStatus.POSTED
+        if unit.batch is not None:
+            unit.batch.status = TransferStatus.POSTED
+        if self.e.telemetry.enabled and isinstance(unit, Operation):
+            self.e.telemetry.on_post(unit, name)
+        return transfer
 
     def _watch(self, unit: Any) -> None:
         """Track ``unit`` (for close() and peer loss) and arm its deadline, once it may outlive the
