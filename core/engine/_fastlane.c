@@ -122,12 +122,16 @@ static int probe_true(PyObject *probe, PyObject *o) {
  * calls: append one entry, then probe "refusing" (close() sets it, then looks at the list,
  * so one of the two always sees the other); release pops it and wakes a waiting close()
  * once the list is empty. Both run under the GIL, as list.append/pop do there. */
-static int wake_closers(PyObject *const *s) {
-    PyObject *x = PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]);
+/* A call's result dropped: 0, or -1 when the call failed (its error set). */
+static int discard(PyObject *x) {
     if (x == NULL)
         return -1;
     Py_DECREF(x);
     return 0;
+}
+
+static int wake_closers(PyObject *const *s) {
+    return discard(PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]));
 }
 
 /* undo(s) with the pending exception set aside (no call into Python with one pending): that
@@ -234,15 +238,11 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return r < 0 ? NULL : Py_NewRef(Py_None);
 
     double t0 = monotonic();
-    PyObject *local = s[S_LOCAL], *x;
+    PyObject *local = s[S_LOCAL];
     r = lease(s);
-    if (r <= 0) {
-        if (r < 0)
+    if (r <= 0) {  /* refused (unregistered): the table lets go of the pair */
+        if (r < 0 || discard(PyObject_CallNoArgs(s[S_UNBIND])) < 0)
             return NULL;
-        x = PyObject_CallNoArgs(s[S_UNBIND]);  /* unregistered: the table lets go of the pair */
-        if (x == NULL)
-            return NULL;
-        Py_DECREF(x);
         Py_RETURN_NONE;
     }
 
@@ -266,22 +266,17 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_NormalizeException(&et, &ev, &tb);
         if (tb != NULL && ev != NULL)
             PyException_SetTraceback(ev, tb);
-        x = PyObject_CallOneArg(s[S_MOVE_FAILED], ev != NULL ? ev : Py_None);
+        PyObject *x = PyObject_CallOneArg(s[S_MOVE_FAILED], ev != NULL ? ev : Py_None);
         Py_XDECREF(et);
         Py_XDECREF(ev);
         Py_XDECREF(tb);
-        if (x == NULL)
+        if (discard(x) < 0)
             goto release_fail_n;
-        Py_DECREF(x);
         done = 0;
     }
-    if (unlease(s) < 0) {
+    if (unlease(s) < 0 || !done) {  /* an error, or declined (no error pending) */
         Py_DECREF(nobj);
-        return NULL;
-    }
-    if (!done) {
-        Py_DECREF(nobj);
-        Py_RETURN_NONE;
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     }
     PyObject *req = PyTuple_Pack(6, s[S_KIND], local, s[S_REMOTE], args[1], nobj, args[0]);
     PyObject *h = req == NULL ? NULL : landed(s, nobj, req, t0);
