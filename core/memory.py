@@ -433,7 +433,7 @@ class Region:
 #: A region's lease state as the engine's C lane (engine/_fastlane.c) reads it: whether it
 #: refuses new leases, how many close() calls wait, and how to wake them. The lane takes and
 #: releases leases by the protocol of :meth:`Region.acquire`/:meth:`Region.release` without
-#: calling them; it gets these probes when a pair is bound (engine/fastlane.py), so no C
+#: calling them; it gets these probes when a pair is bound (engine/bound.py), so no C
 #: code names an attribute, and they sit here, beside the attributes they read.
 LEASE_PROBES = (attrgetter("_refusing"), attrgetter("_closers"), methodcaller("_wake_closers"))
 

@@ -31,7 +31,7 @@ int mpcomm_fastlane_abi(void) { return MP_ABI; }
 
 /* What lane(...) binds, in this order (a tuple: the callable's self). No name of a Python
  * attribute appears in this file: what it reads or calls on the engine's objects is handed
- * to lane() as an object (a probe is a callable taking the object it reads; fastlane.py
+ * to lane() as an object (a probe is a callable taking the object it reads; bound.py's native_step
  * names where each comes from), so a renamed attribute is renamed beside its probe. */
 enum {
     S_LOCAL,      /* the local Region (see lease() below) */
@@ -69,17 +69,36 @@ static double monotonic(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* An exact int that fits in 63 bits, else -1 (and no error set): bool, float, huge -> decline. */
-static long long exact_int(PyObject *o) {
-    if (!PyLong_CheckExact(o))
-        return -1;
+/* An exact int in int64 into *v: 1; anything else (bool, float, huge, an unset slot): 0, no error set. */
+static int exact_i64(PyObject *o, long long *v) {
+    if (o == NULL || !PyLong_CheckExact(o))
+        return 0;
     int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (overflow || (v == -1 && PyErr_Occurred())) {
+    *v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (*v == -1 && PyErr_Occurred())) {
         PyErr_Clear();
-        return -1;
+        return 0;
     }
-    return v;
+    return 1;
+}
+
+/* A request's timeout as the one path takes it at once: None, or an exact float or int in (0, inf)
+ * (NaN fails too). Anything else declines to that path, which accepts or refuses it. */
+static int timeout_ok(PyObject *o) {
+    double t;
+    if (o == Py_None)
+        return 1;
+    if (PyFloat_CheckExact(o))
+        t = PyFloat_AS_DOUBLE(o);
+    else if (PyLong_CheckExact(o))
+        t = PyLong_AsDouble(o);
+    else
+        return 0;
+    if (t == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return t > 0 && t < INFINITY;
 }
 
 /* [off, off + n) inside [0, size): the one bounds rule (core/engine/checks.py, fits), in
@@ -103,40 +122,51 @@ static int probe_true(PyObject *probe, PyObject *o) {
  * calls: append one entry, then probe "refusing" (close() sets it, then looks at the list,
  * so one of the two always sees the other); release pops it and wakes a waiting close()
  * once the list is empty. Both run under the GIL, as list.append/pop do there. */
-static int wake_closers(PyObject *const *s) {
-    PyObject *x = PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]);
+/* A call's result dropped: 0, or -1 when the call failed (its error set). */
+static int discard(PyObject *x) {
     if (x == NULL)
         return -1;
     Py_DECREF(x);
     return 0;
 }
 
-/* 1 leased, 0 refused (the region is being unregistered; nothing held), -1 error */
-static int lease(PyObject *const *s) {
-    PyObject *held = s[S_HELD];
-    if (PyList_Append(held, Py_None) < 0)
-        return -1;
-    int refusing = probe_true(s[S_REFUSING], s[S_LOCAL]);
-    if (refusing == 0)
-        return 1;
-    /* Refused, or the lookup failed: take the entry back. A failed lookup's exception is
-     * set aside while that runs (no call into Python with an exception pending), and is
-     * what the caller sees; an error of the cleanup itself replaces it. */
-    PyObject *et = NULL, *ev = NULL, *tb = NULL;
-    if (refusing < 0)
-        PyErr_Fetch(&et, &ev, &tb);
-    Py_ssize_t n = PyList_GET_SIZE(held);
-    if (PyList_SetSlice(held, n - 1, n, NULL) < 0 || wake_closers(s) < 0) {
+static int wake_closers(PyObject *const *s) {
+    return discard(PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]));
+}
+
+/* undo(s) with the pending exception set aside (no call into Python with one pending): that
+ * exception is what the caller sees, unless undo fails, whose error then replaces it. -1. */
+static int aside(PyObject *const *s, int (*undo)(PyObject *const *)) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (undo(s) < 0) {
         Py_XDECREF(et);
         Py_XDECREF(ev);
         Py_XDECREF(tb);
         return -1;
     }
-    if (refusing < 0) {
-        PyErr_Restore(et, ev, tb);
+    PyErr_Restore(et, ev, tb);
+    return -1;
+}
+
+/* A lease taken back at once (refused, or the lookup failed): its entry popped, close() woken. */
+static int unlease_refused(PyObject *const *s) {
+    Py_ssize_t n = PyList_GET_SIZE(s[S_HELD]);
+    if (PyList_SetSlice(s[S_HELD], n - 1, n, NULL) < 0)
         return -1;
-    }
-    return 0;
+    return wake_closers(s);
+}
+
+/* 1 leased, 0 refused (the region is being unregistered; nothing held), -1 error */
+static int lease(PyObject *const *s) {
+    if (PyList_Append(s[S_HELD], Py_None) < 0)
+        return -1;
+    int refusing = probe_true(s[S_REFUSING], s[S_LOCAL]);
+    if (refusing == 0)
+        return 1;
+    if (refusing < 0)
+        return aside(s, unlease_refused);
+    return unlease_refused(s) < 0 ? -1 : 0;
 }
 
 static int unlease(PyObject *const *s) {
@@ -187,37 +217,17 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     if (lsize < 0 || rsize < 0)
         Py_RETURN_NONE;
-    long long lo = exact_int(args[0]), ro = exact_int(args[1]), n;
-    if (lo < 0 || ro < 0)
-        Py_RETURN_NONE;
+    long long lo, ro, n;
     PyObject *length = args[2];
-    if (length == Py_None) {
+    if (!exact_i64(args[0], &lo) || !exact_i64(args[1], &ro) || lo < 0 || ro < 0)
+        Py_RETURN_NONE;
+    if (length == Py_None)
         n = lsize - lo;
-        if (n < 0)
-            Py_RETURN_NONE;
-    } else if ((n = exact_int(length)) < 0) {
+    else if (!exact_i64(length, &n))
         Py_RETURN_NONE;
-    }
-    if (!fits((unsigned long long)lo, (unsigned long long)n, (unsigned long long)lsize)
-        || !fits((unsigned long long)ro, (unsigned long long)n, (unsigned long long)rsize))
+    if (n < 0 || !fits((unsigned long long)lo, (unsigned long long)n, (unsigned long long)lsize)
+        || !fits((unsigned long long)ro, (unsigned long long)n, (unsigned long long)rsize) || !timeout_ok(args[3]))
         Py_RETURN_NONE;
-    PyObject *timeout = args[3];
-    if (timeout != Py_None) {
-        double t;
-        if (PyFloat_CheckExact(timeout)) {
-            t = PyFloat_AS_DOUBLE(timeout);
-        } else if (PyLong_CheckExact(timeout)) {
-            t = PyLong_AsDouble(timeout);
-            if (t == -1.0 && PyErr_Occurred()) {
-                PyErr_Clear();
-                Py_RETURN_NONE;
-            }
-        } else {
-            Py_RETURN_NONE;
-        }
-        if (!(t > 0 && t < INFINITY))  /* NaN fails too */
-            Py_RETURN_NONE;
-    }
     if (PyDict_GET_SIZE(s[S_FAILED_PATHS]) || PyDict_GET_SIZE(s[S_FAILED_PEERS]))
         Py_RETURN_NONE;
     int r = probe_true(s[S_ALIVE], s[S_LINK]);
@@ -228,15 +238,11 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return r < 0 ? NULL : Py_NewRef(Py_None);
 
     double t0 = monotonic();
-    PyObject *local = s[S_LOCAL], *x;
+    PyObject *local = s[S_LOCAL];
     r = lease(s);
-    if (r <= 0) {
-        if (r < 0)
+    if (r <= 0) {  /* refused (unregistered): the table lets go of the pair */
+        if (r < 0 || discard(PyObject_CallNoArgs(s[S_UNBIND])) < 0)
             return NULL;
-        x = PyObject_CallNoArgs(s[S_UNBIND]);  /* unregistered: the table lets go of the pair */
-        if (x == NULL)
-            return NULL;
-        Py_DECREF(x);
         Py_RETURN_NONE;
     }
 
@@ -260,22 +266,17 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_NormalizeException(&et, &ev, &tb);
         if (tb != NULL && ev != NULL)
             PyException_SetTraceback(ev, tb);
-        x = PyObject_CallOneArg(s[S_MOVE_FAILED], ev != NULL ? ev : Py_None);
+        PyObject *x = PyObject_CallOneArg(s[S_MOVE_FAILED], ev != NULL ? ev : Py_None);
         Py_XDECREF(et);
         Py_XDECREF(ev);
         Py_XDECREF(tb);
-        if (x == NULL)
+        if (discard(x) < 0)
             goto release_fail_n;
-        Py_DECREF(x);
         done = 0;
     }
-    if (unlease(s) < 0) {
+    if (unlease(s) < 0 || !done) {  /* an error, or declined (no error pending) */
         Py_DECREF(nobj);
-        return NULL;
-    }
-    if (!done) {
-        Py_DECREF(nobj);
-        Py_RETURN_NONE;
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     }
     PyObject *req = PyTuple_Pack(6, s[S_KIND], local, s[S_REMOTE], args[1], nobj, args[0]);
     PyObject *h = req == NULL ? NULL : landed(s, nobj, req, t0);
@@ -285,19 +286,9 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
 
 release_fail_n:
     Py_DECREF(nobj);
-release_fail: {
-        /* Release the lease with the pending exception kept aside. */
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        if (unlease(s) < 0) {
-            Py_XDECREF(et);
-            Py_XDECREF(ev);
-            Py_XDECREF(tb);
-            return NULL;
-        }
-        PyErr_Restore(et, ev, tb);
-        return NULL;
-    }
+release_fail:
+    aside(s, unlease);  /* the lease released, the pending exception kept */
+    return NULL;
 }
 
 static PyMethodDef run_def = {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
@@ -341,13 +332,25 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
  * Python's min/max over them as in its copies). The rule is fits() above, per entry: a negative
  * value is out of bounds. -1 when every entry fits; TypeError unless the buffers are C-contiguous
  * int64 arrays of one length and the sizes are ints in [0, 2**63). */
-static int int64_buffer(PyObject *o, Py_buffer *b) {
-    if (PyObject_GetBuffer(o, b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
-        return -1;
-    if (b->itemsize != 8 || b->format == NULL || strcmp(b->format, "q") != 0) {
-        PyBuffer_Release(b);
-        PyErr_SetString(PyExc_TypeError, "first_bad takes array('q') buffers");
-        return -1;
+static void release3(Py_buffer *b, int got) {
+    while (got-- > 0)
+        PyBuffer_Release(&b[got]);
+}
+
+/* The three C-contiguous int64 buffers o[0..2] (writable with `flags`, of at least min_n entries
+ * each), or -1 with TypeError set and none held. */
+static int int64_buffers(PyObject *const *o, Py_buffer *b, int flags, Py_ssize_t min_n) {
+    for (int got = 0; got < 3; got++) {
+        if (PyObject_GetBuffer(o[got], &b[got], PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | flags) < 0) {
+            release3(b, got);
+            return -1;
+        }
+        if (b[got].itemsize != 8 || b[got].format == NULL || strcmp(b[got].format, "q") != 0
+            || b[got].len / 8 < min_n) {
+            release3(b, got + 1);
+            PyErr_SetString(PyExc_TypeError, "takes array('q') buffers of len(requests) entries at least");
+            return -1;
+        }
     }
     return 0;
 }
@@ -369,15 +372,13 @@ static PyObject *py_first_bad(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_buffer b[3];
-    int got = 0;
-    for (; got < 3; got++)
-        if (int64_buffer(args[got], &b[got]) < 0)
-            break;
+    if (int64_buffers(args, b, 0, 0) < 0)
+        return NULL;
     Py_ssize_t bad = -1;
     PyObject *res = NULL;
-    if (got == 3 && (b[0].len != b[2].len || b[1].len != b[2].len)) {
+    if (b[0].len != b[2].len || b[1].len != b[2].len) {
         PyErr_SetString(PyExc_TypeError, "first_bad takes buffers of one length");
-    } else if (got == 3) {
+    } else {
         const long long *lo = b[0].buf, *ro = b[1].buf, *ln = b[2].buf;
         Py_ssize_t n = b[2].len / 8;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -390,8 +391,7 @@ static PyObject *py_first_bad(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         res = PyLong_FromSsize_t(bad);
     }
-    while (got-- > 0)
-        PyBuffer_Release(&b[got]);
+    release3(b, 3);
     return res;
 }
 
@@ -409,30 +409,6 @@ static PyObject *py_first_bad(PyObject *self, PyObject *const *args, Py_ssize_t 
  * is Request.FIELDS: the slot descriptors of op, local, remote, remote_offset, length,
  * local_offset, notify, timeout and route, in that order (no attribute name here). */
 enum { R_OP, R_LOCAL, R_REMOTE, R_RO, R_LEN, R_LO, R_NOTIFY, R_TIMEOUT, R_ROUTE, R_COUNT };
-
-static int int64_out(PyObject *o, Py_ssize_t n, Py_buffer *b) {
-    if (PyObject_GetBuffer(o, b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        return -1;
-    if (b->itemsize != 8 || b->format == NULL || strcmp(b->format, "q") != 0 || b->len / 8 < n) {
-        PyBuffer_Release(b);
-        PyErr_SetString(PyExc_TypeError, "scan takes writable array('q') buffers of len(requests) entries");
-        return -1;
-    }
-    return 0;
-}
-
-/* An exact int in int64 into *v: 1; anything else: 0 (no error set). */
-static int exact_i64(PyObject *o, long long *v) {
-    if (o == NULL || !PyLong_CheckExact(o))
-        return 0;
-    int overflow = 0;
-    *v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (overflow || (*v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        return 0;
-    }
-    return 1;
-}
 
 static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -458,13 +434,8 @@ static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq); /* no Python code runs below: the list stays put */
     Py_buffer b[3];
-    int got = 0;
-    for (; got < 3; got++)
-        if (int64_out(args[3 + got], n, &b[got]) < 0) {
-            while (got-- > 0)
-                PyBuffer_Release(&b[got]);
-            return NULL;
-        }
+    if (int64_buffers(args + 3, b, PyBUF_WRITABLE, n) < 0)
+        return NULL;
     long long *lo = b[0].buf, *ro = b[1].buf, *ln = b[2].buf;
     PyObject *first[R_COUNT] = {NULL};
     Py_ssize_t j = 0;
@@ -490,8 +461,7 @@ static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         ro[j] = c;
         ln[j] = k;
     }
-    for (int i = 0; i < 3; i++)
-        PyBuffer_Release(&b[i]);
+    release3(b, 3);
     return PyLong_FromSsize_t(j);
 }
 

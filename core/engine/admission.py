@@ -75,12 +75,6 @@ class Admission:
         else:
             raise MpcommError(f"request op must be 'write' or 'read', not {kind!r}", request=request)
 
-    @staticmethod
-    def _check_bounds(local: Region, remote: RemoteRegion, lo: int, ro: int, length: int | None,
-                      request: Any = None) -> int:
-        return checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo, ro, length,
-                                 request)
-
     def new_op(self, kind: str, local: Region, lo: int, remote: RemoteRegion, ro: int, length: int,
             timeout: float, dispatch: Dispatch, request: Request | None = None, cls: type[Op] = Op) -> Operation:
         now = time.monotonic()
@@ -92,15 +86,12 @@ class Admission:
 
     def _check_group(self, g: OperationGroup, index: list[int] | None = None,
                      requests: Sequence[Request] | None = None) -> None:
-        n = g.count
-        if n == 0:
-            return
-        lo, ro, ln = g.local_offsets, g.remote_offsets, g.lengths
-        i = checks.first_bad(lo, ro, ln, g.local.size, g.remote.size)
+        lo, ro, ln, local, remote = g.local_offsets, g.remote_offsets, g.lengths, g.local, g.remote
+        i = checks.first_bad(lo, ro, ln, local.size, remote.size)
         if i < 0:
             return
         try:  # the error path only: name the first bad index
-            self._check_bounds(g.local, g.remote, lo[i], ro[i], ln[i])
+            checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo[i], ro[i], ln[i])
         except OutOfBoundsError as exc:
             k = i if index is None else index[i]
             raise OutOfBoundsError(f"request {k} of the batch: {exc}; nothing was transferred",
@@ -143,7 +134,3 @@ class Admission:
             unit.holds_slot = False
             self.slots.release()
         unit.local.release()
-
-    def _stage(self, unit: Any) -> None:
-        self._arm(unit)
-        self._track(unit)

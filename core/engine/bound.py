@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RegionClosedError
-from ..memory import Region
+from ..memory import LEASE_PROBES, Region
 from ..remote import RemoteRegion
 from ..transfer import Landed, LandedOrigin, Transfer
 from ..transport import Operation, Transport
@@ -44,6 +44,8 @@ FAST_MAX = 256
 #: What the C step reads per request for the engine's state: the pipeline's ``closed``, the flag
 #: :meth:`Pipeline.single` reads first (set by Engine.close with the engine's own).
 PIPELINE_CLOSED = operator.attrgetter("closed")
+#: What it reads per request for the peer: PeerLink.alive (public).
+LINK_ALIVE = operator.attrgetter("alive")
 
 
 def move_failed(transport: str, exc: BaseException) -> None:
@@ -84,16 +86,29 @@ class Binding:
 
 def native_step(b: Binding, pipe: Any, unbind: Any) -> Any:
     """The binding's inline step in C (engine/_fastlane.c): ``run(lo, ro, length, timeout) -> handle | None``,
-    or None where the module is not in use. It calls ``unbind()`` when the local region refuses leases.
+    or None where the module is not in use (:mod:`.fastlane`). It calls ``unbind()`` when the local
+    region refuses leases.
+
+    ``_fastlane.c`` reads and sets no attribute by name: what it reads per
+    request is handed to it here, as objects. The local region's lease state
+    comes as :data:`mpcomm.memory.LEASE_PROBES`, the link's liveness as
+    :data:`LINK_ALIVE`, the engine's state as :data:`PIPELINE_CLOSED` (the flag
+    the Python lane reads first), and the handle's five attributes as
+    ``Landed.FIELDS`` (its slots' descriptors).
 
     Nothing this returns is kept on the binding, and the C step holds the
     binding's parts, not the binding: a cycle would keep both regions alive,
     after the tables let go of them, until the garbage collector runs.
     """
+    mod = fastlane.module()
+    if mod is None:
+        return None
     paths, peers = pipe.e.health.failure_tables()
-    return fastlane.lane(b.local, b.local.lease_list, b.move, b.link, pipe, paths, peers, Landed, b.origin, b.kind,
-                         b.remote, b.local.size, b.remote.size, unbind,
-                         functools.partial(move_failed, b.origin.transport), closed=PIPELINE_CLOSED)
+    refusing, closers, wake = LEASE_PROBES
+    local = b.local
+    return mod.lane(local, local.lease_list, refusing, closers, wake, b.move, b.link, LINK_ALIVE, pipe,
+                    PIPELINE_CLOSED, paths, peers, Landed, Landed.FIELDS, b.origin, b.kind, b.remote, local.size,
+                    b.remote.size, unbind, functools.partial(move_failed, b.origin.transport))
 
 
 class BoundPairs:

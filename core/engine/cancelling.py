@@ -52,11 +52,8 @@ class Cancelling:
         if member.record_outcome(err, 0):
             member.dispatch.push(member)
 
-    def units(self) -> list[Any]:
-        return list(self._inflight)  # one C call: a snapshot (see Pipeline._inflight)
-
     def abort_peer(self, address: str, error: BaseException) -> None:
-        for unit in self.units():
+        for unit in list(self._inflight):  # one C call: a snapshot (see Pipeline._inflight)
             if unit.remote.address == address:
                 if self.claim(unit, WAITING, FINISHED):
                     self._finish(unit, error, 0, failed_group=True)
@@ -66,7 +63,7 @@ class Cancelling:
     def close(self, timeout: float) -> None:
         """Resolve every handle: waiting units fail at once, posted ones are aborted and waited for."""
         closed = EngineClosedError("the engine was closed while the request was in flight")
-        units = self.units()
+        units = list(self._inflight)
         for unit in units:
             if self.claim(unit, WAITING, FINISHED):
                 self._finish(unit, EngineClosedError("the engine was closed before the request was posted"), 0,
@@ -80,7 +77,7 @@ class Cancelling:
 
     def resolve_leftovers(self) -> list[Any]:
         """After the transports closed: fail what is still unfinished (nothing can land any more)."""
-        left = [u for u in self.units() if not u.done]
+        left = [u for u in list(self._inflight) if not u.done]
         for unit in left:
             unit.fail(EngineClosedError("the engine was closed; the transport did not confirm the request "
                                         "stopped before it was shut down"))

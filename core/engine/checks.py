@@ -36,6 +36,7 @@ from operator import add
 from typing import Any
 
 from ..errors import MpcommError, OutOfBoundsError
+from . import fastlane
 
 __all__ = ["fits", "span", "check_span", "integer", "first_bad", "timeout_ok", "timeout_seconds"]
 
@@ -46,15 +47,6 @@ _I64 = 1 << 63
 #: ``_fastlane.c``'s first_bad (this rule over array('q') buffers, one pass in C), False where
 #: that module is not in use; resolved at the first batch.
 _scan: Any = None
-
-
-def _native_scan() -> Any:
-    global _scan
-    from . import fastlane  # here, not at import: fastlane imports the memory module
-
-    mod = fastlane.module()
-    _scan = getattr(mod, "first_bad", False) if mod is not None else False
-    return _scan
 
 
 def fits(off: int, n: int, size: int) -> bool:
@@ -128,10 +120,13 @@ def first_bad(lo: Any, ro: Any, ln: Any, lsize: int, rsize: int) -> int:
     is exactly :func:`fits` for every index; the loop runs only to name the
     bad index.
     """
+    global _scan
     n = len(ln)
     if n == 0:
         return -1
-    scan = _native_scan() if _scan is None else _scan
+    scan = _scan
+    if scan is None:
+        scan = _scan = fastlane.native("first_bad")
     if (scan and type(lo) is array and type(ro) is array and type(ln) is array and lo.typecode == "q"
             and ro.typecode == "q" and ln.typecode == "q" and len(lo) == n and len(ro) == n
             and type(lsize) is int and type(rsize) is int and 0 <= lsize < _I64 and 0 <= rsize < _I64):

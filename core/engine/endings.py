@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ..errors import EngineClosedError
@@ -10,8 +9,6 @@ from ..transfer import Batch, Transfer, resolve_members
 from ..transport import Operation, OperationGroup
 from .regions import release_view
 from .units import FINISHED
-
-log = logging.getLogger("mpcomm.engine")
 
 
 def settle_members(batch: Batch) -> None:
@@ -70,24 +67,16 @@ class Endings:
                     self.regions.unregister_from(local, self.transports)
                     release_view(local)
         t = unit.transport
-        if t is None:
-            return
-        if self._backlog.get(t.name):
-            try:
-                self.executor.submit(self._drain_backlog, t.name)
-            except RuntimeError:
-                pass
+        if t is not None and self._backlog.get(t.name):  # (checked here: once per request)
+            self._kick_backlog(t.name)
 
     def _finish(self, unit: Any, error: BaseException | None, nbytes: int, failed_group: bool = False) -> None:
         """Release what the unit held, then publish its outcome."""
         unit.stage = FINISHED
-        if failed_group and isinstance(unit, OperationGroup) and not unit.done:
+        if failed_group and not unit.done:
             unit.sink = None  # we publish here, not through the sink
             unit.fail(error)  # type: ignore[arg-type]
-        if failed_group and isinstance(unit, Operation) and not unit.done:
-            unit.sink = None
-            unit.fail(error)  # type: ignore[arg-type]
-            if unit.abort_exc is not None and error is not unit.abort_exc:
+            if isinstance(unit, Operation) and unit.abort_exc is not None and error is not unit.abort_exc:
                 error = unit.abort_exc
         self._release(unit)
         batch = unit.batch

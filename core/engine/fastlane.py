@@ -1,8 +1,8 @@
 """A bound pair's inline step in C: ``_fastlane.c``, built when mpcomm was installed.
 
 ``Engine.write``/``read`` run each plain request of a bound pair through
-:func:`lane`'s callable (made by :func:`mpcomm.engine.bound.native_step` for
-the pair's binding) when this module is available; when it declines, or is
+the C ``lane`` callable :func:`mpcomm.engine.bound.native_step` makes for
+the pair's binding when this module is available; when it declines, or is
 not in use, the request takes the one Python path (``Pipeline.single``) with
 the same binding. The extension module
 ``mpcomm.engine._mpcomm_fastlane`` is built by setup.py and loaded by
@@ -16,12 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from operator import attrgetter
 from types import ModuleType
 from typing import Any
 
 from .. import native_helper
-from ..memory import LEASE_PROBES
 
 log = logging.getLogger("mpcomm.engine")
 
@@ -59,32 +57,13 @@ def module() -> ModuleType | None:
         return _module
 
 
+def native(name: str) -> Any:
+    """The module's C function ``name``, or False where the module is not in use."""
+    mod = module()
+    return getattr(mod, name, False) if mod is not None else False
+
+
 def status() -> str:
     """``"in use"``, or why not (loads the module first): what ``Engine.stats()["inline_lane"]`` shows."""
     module()
     return reason
-
-
-#: PeerLink.alive (public), read per request.
-_ALIVE = attrgetter("alive")
-
-
-def lane(local: Any, held: Any, move: Any, link: Any, state: Any, failed_paths: Any, failed_peers: Any,
-         landed: Any, origin: Any, kind: str, remote: Any, lsize: int, rsize: int, unbind: Any, move_failed: Any,
-         *, closed: Any) -> Any:
-    """The pair's ``run(lo, ro, length, timeout)`` in C, or None.
-
-    ``_fastlane.c`` reads and sets no attribute by name: what it reads per
-    request is handed to it here, once per bound pair, as objects. The local
-    region's lease state comes as :data:`mpcomm.memory.LEASE_PROBES`, the
-    link's liveness as a probe of ``link.alive``, the engine's state as
-    ``closed(state)`` (the probe the Python lane's check makes, from the module
-    that reads it the same way in Python), and the handle's five attributes as ``landed.FIELDS``
-    (its slots' descriptors).
-    """
-    mod = module()
-    if mod is None:
-        return None
-    refusing, closers, wake = LEASE_PROBES
-    return mod.lane(local, held, refusing, closers, wake, move, link, _ALIVE, state, closed, failed_paths,
-                    failed_peers, landed, landed.FIELDS, origin, kind, remote, lsize, rsize, unbind, move_failed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineClosedError, MpcommError, RegionClosedError
@@ -12,7 +13,7 @@ from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request
 from ..transport import OperationGroup, int64_array
-from . import fastlane
+from . import checks, fastlane
 from .notify import MAX_NOTIFY
 
 if TYPE_CHECKING:
@@ -22,24 +23,24 @@ if TYPE_CHECKING:
 _NONE = object()
 
 
+@dataclass(slots=True, eq=False)
 class GroupSpec:
-    """One vectorised part of a plan: checked once, made into an OperationGroup per posting."""
+    """One vectorised part of a plan: checked once, made into an OperationGroup per posting.
 
-    __slots__ = ("kind", "local", "remote", "local_offsets", "remote_offsets", "lengths", "timeout", "ephemeral",
-                 "start", "hint")
+    It has what the group check (:meth:`Admission._check_group`) reads: its arrays (the
+    engine's own), regions and count; so no OperationGroup is built only to be checked.
+    """
 
-    def __init__(self, kind: str, local: Region, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
-                 lengths: Any, timeout: float, ephemeral: bool, start: int) -> None:
-        self.kind = kind
-        self.local = local
-        self.remote = remote
-        self.local_offsets = local_offsets
-        self.remote_offsets = remote_offsets
-        self.lengths = lengths
-        self.timeout = timeout
-        self.ephemeral = ephemeral
-        self.start = start
-        self.hint: tuple[str, ...] | None = None
+    kind: str
+    local: Region
+    remote: RemoteRegion
+    local_offsets: Any
+    remote_offsets: Any
+    lengths: Any
+    timeout: float
+    ephemeral: bool
+    start: int
+    hint: tuple[str, ...] | None = None
 
     @property
     def count(self) -> int:
@@ -96,8 +97,7 @@ def _one_group(requests: Sequence[Request]) -> tuple[Any, Any, Any] | None:
     global _scan
     scan = _scan
     if scan is None:
-        mod = fastlane.module()
-        scan = _scan = getattr(mod, "scan", False) if mod is not None else False
+        scan = _scan = fastlane.native("scan")
     n = len(requests)
     if not scan or not n:
         return None
@@ -126,6 +126,7 @@ class Planning:
 
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
+        """``write_many``/``read_many``: one group, built at once (no plan: the hottest batch path)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
         hint = self._hint(route)
@@ -137,21 +138,13 @@ class Planning:
                                sink=self._group_reported)
         self._check_group(group)
         batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
-        if group.count == 0:
+        if group.count == 0:  # done at once (and never staged)
             batch.record_outcome(None, 0)
             self._deliver_inline(batch, batch.finish_inline)
             return batch
         self._adopt(group, batch, 0, ephemeral)
         group.route_hint = hint
-        batch.left = 1
-        batch.posting = False
-        batch.staged = not post
-        self._hold(group)
-        if post:
-            self._post_batch(batch, [group])
-        else:
-            self._stage(group)
-        return batch
+        return self._launch_batch(batch, [group], post)
 
     def _plan(self, requests: Sequence[Request], timeout: float | None, route: Any = None) -> Plan:
         """Check and group requests (same kind, local buffer, remote descriptor and timeout).
@@ -171,11 +164,6 @@ class Planning:
         last_local: Any = _NONE
         last_remote: Any = _NONE
         local: Region = None  # type: ignore[assignment]
-        g: Any = None
-        add_i: Any = None
-        add_lo: Any = None
-        add_ro: Any = None
-        add_ln: Any = None
         for i, req in enumerate(requests):
             if type(req) is not Request and not isinstance(req, Request):
                 raise MpcommError(f"submit() takes Request objects, not {type(req).__name__} (index {i})")
@@ -196,7 +184,9 @@ class Planning:
                 self._check_access(req.op, local, req.remote, req)
                 # The offsets are read once: what was checked is what is posted.
                 lo, ro = req.local_offset, req.remote_offset
-                length = self._check_bounds(local, req.remote, lo, ro, length, req)
+                remote = req.remote
+                length = checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo, ro,
+                                           length, req)
                 if len(req.notify) > MAX_NOTIFY:
                     raise MpcommError(f"notification of {len(req.notify)} bytes exceeds {MAX_NOTIFY}", request=req)
                 plan.singles.append((i, req, local, lo, ro, length,
@@ -255,9 +245,8 @@ class Planning:
                   t: float, ephemeral: bool, start: int, hint: Any, index: list[int] | None) -> None:
         """One checked group of ``plan`` (its arrays the engine's own); ``index`` maps its entries
         to request indices for the error message (None: entry ``i`` is request ``i``)."""
-        spec = GroupSpec(kind, local, remote, lo, ro, ln, t, ephemeral, start)
-        spec.hint = hint
-        self._check_spec(spec, index, plan.requests)
+        spec = GroupSpec(kind, local, remote, lo, ro, ln, t, ephemeral, start, hint)
+        self._check_group(spec, index, plan.requests)  # type: ignore[arg-type]
         plan.groups.append(spec)
 
     def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
@@ -284,29 +273,19 @@ class Planning:
             raise MpcommError("prepare_many() needs a registered Region as the local buffer")
         region, _ = self._local(local, "")
         self._check_access(kind, region, remote)
-        spec = GroupSpec(kind, region, remote, int64_array(local_offsets, None, "local_offsets"), None, None,
-                          self._timeout(timeout), False, 0)
-        spec.lengths = int64_array(lengths, None, "lengths")
-        spec.remote_offsets = int64_array(remote_offsets, len(spec.lengths), "remote_offsets")
-        if len(spec.local_offsets) != len(spec.lengths):
-            raise MpcommError(f"local_offsets has {len(spec.local_offsets)} entries, expected {len(spec.lengths)}")
-        self._check_spec(spec)
+        t = self._timeout(timeout)
+        ln = int64_array(lengths, None, "lengths")
+        spec = GroupSpec(kind, region, remote, int64_array(local_offsets, len(ln), "local_offsets"),
+                         int64_array(remote_offsets, len(ln), "remote_offsets"), ln, t, False, 0)
+        self._check_group(spec)  # type: ignore[arg-type]
         plan = Plan(None)
         plan.groups.append(spec)
-        plan.count = len(spec.lengths)
+        plan.count = spec.count
         return PreparedBatch(self, plan)
-
-    def _check_spec(self, spec: GroupSpec, index: list[int] | None = None,
-                    requests: Sequence[Request] | None = None) -> None:
-        # The spec has what the group check reads (its arrays, regions and count), so no
-        # OperationGroup is built only to be checked.
-        self._check_group(spec, index, requests)  # type: ignore[arg-type]
 
     def _start_plan(self, plan: Plan, cq: Any, post: bool) -> Batch:
         batch = Batch(plan.count, _dispatch=self._dispatch_for(cq))
         batch.requests = plan.requests
-        batch.posting = False
-        batch.staged = not post
         units: list[Any] = []
         now = time.monotonic()
         wall = time.time()
@@ -332,6 +311,12 @@ class Planning:
             units.append(op)
         if plan.singles:
             batch.parts.sort(key=lambda p: p[0])
+        return self._launch_batch(batch, units, post)
+
+    def _launch_batch(self, batch: Batch, units: list[Any], post: bool) -> Batch:
+        """Hold every unit of ``batch`` (or none), then post or stage them; an empty batch is done."""
+        batch.posting = False
+        batch.staged = not post
         batch.left = len(units)
         if not units:
             batch.record_outcome(None, 0)
@@ -350,7 +335,7 @@ class Planning:
             self._post_batch(batch, units)
         else:
             for u in units:
-                self._stage(u)
+                self._watch(u)
         return batch
 
     def post_staged(self, batch: Batch) -> Batch:

@@ -40,8 +40,7 @@ class Posting:
         remote = unit.remote
         link = self.peers.ready(remote.address)
         if link is None:
-            self._track(unit)
-            self._arm(unit)
+            self._watch(unit)
             try:
                 self.peers.when_ready(remote.address, unit.deadline,
                                          lambda lk, err, u=unit: self._connected(u, lk, err))
@@ -92,23 +91,13 @@ class Posting:
     def hand_routed(self, unit: Any, link: PeerLink, transport: Transport, cands: tuple[Transport, ...], rule: str,
                 names: tuple[str, ...], inline: bool) -> None:
         """Hand a routed, claimed unit to ``transport``; settle it here if it finished inside post()."""
-        unit.peer = link.info
-        unit.transport = transport
+        transfer = self._mark_posted(unit, link, transport, transport.name, names, rule)
         unit.candidates = cands
-        transfer = unit.transfer
-        transfer.transport = transport.name
-        transfer.route, transfer.route_rule = names, rule
-        transfer.status = TransferStatus.POSTED
-        if unit.batch is not None:
-            unit.batch.status = TransferStatus.POSTED
-        if self.e.telemetry.enabled and isinstance(unit, Operation):
-            self.e.telemetry.on_post(unit, transport.name)
         unit.posting = inline
         if transport.post_may_block:
             # A transport written for the first contract may wait on the peer
             # inside post(): its deadline and close() must be able to interrupt it.
-            self._track(unit)
-            self._arm(unit)
+            self._watch(unit)
         busy = self._hand_to(transport, unit)
         for waiting in busy:
             self._to_backlog(transport, waiting)
@@ -126,10 +115,26 @@ class Posting:
         if not unit.done:
             # Tracked (for close() and peer loss) only when it outlives post():
             # requests finished inline never touch the table or the timer.
-            self._outlived(unit)
+            self._watch(unit)
 
-    def _outlived(self, unit: Any) -> None:
-        """_track and _arm in one step, for a unit still pending after post() (once per such request)."""
+    def _mark_posted(self, unit: Any, link: PeerLink, transport: Any, name: str, names: tuple[str, ...],
+                     rule: str) -> Any:
+        """A unit posted to ``transport`` (named ``name``): it and its handle say so; the handle."""
+        unit.peer = link.info
+        unit.transport = transport
+        transfer = unit.transfer
+        transfer.transport = name
+        transfer.route, transfer.route_rule = names, rule
+        transfer.status = TransferStatus.POSTED
+        if unit.batch is not None:
+            unit.batch.status = TransferStatus.POSTED
+        if self.e.telemetry.enabled and isinstance(unit, Operation):
+            self.e.telemetry.on_post(unit, name)
+        return transfer
+
+    def _watch(self, unit: Any) -> None:
+        """Track ``unit`` (for close() and peer loss) and arm its deadline, once it may outlive the
+        call that made it: waiting for its peer, staged, or pending after post()."""
         if not unit.tracked:
             self._inflight.add(unit)
             unit.tracked = True
@@ -139,14 +144,6 @@ class Posting:
             self.timer.cancel(unit.deadline_entry)
             if unit.released:
                 self._inflight.discard(unit)
-
-    def _track(self, unit: Any) -> None:
-        if unit.tracked:
-            return
-        self._inflight.add(unit)
-        unit.tracked = True
-        if unit.done and unit.released:  # finished between post() and here (_release saw tracked False)
-            self._inflight.discard(unit)
 
     def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
         unit.stage = FINISHED

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from typing import Any
@@ -12,8 +11,6 @@ from ..health import counts_against_path, is_retryable
 from ..transport import Operation, Transport
 from .stripes import Striped
 from .units import WAITING
-
-log = logging.getLogger("mpcomm.engine")
 
 
 class Retries:
@@ -100,13 +97,15 @@ class Retries:
         self._schedule_drain(transport.name, delay)
 
     def _schedule_drain(self, name: str, delay: float) -> None:
-        def kick() -> None:
+        self.timer.schedule(time.monotonic() + delay, lambda: self._kick_backlog(name, delay))
+
+    def _kick_backlog(self, name: str, delay: float = 0.001) -> None:
+        """Drain ``name``'s backlog on a worker, if anything waits there."""
+        if self._backlog.get(name):
             try:
                 self.executor.submit(self._drain_backlog, name, delay)
             except RuntimeError:
                 pass  # closing
-
-        self.timer.schedule(time.monotonic() + delay, kick)
 
     def _drain_backlog(self, name: str, delay: float = 0.001) -> None:
         t = self.transports.get(name)

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import TYPE_CHECKING
 
 from ..routing import Route, SplitPlan
-from ..transfer import TransferStatus
 from ..transport import Operation, Transport
 from .units import FINISHED, POSTED, WAITING
 
 if TYPE_CHECKING:
     from ..control import PeerLink
     from .requests import Pipeline
-
-log = logging.getLogger("mpcomm.engine")
 
 
 class Striped:
@@ -82,24 +78,17 @@ class Stripes:
         except BaseException as exc:  # noqa: BLE001 - nothing posted yet
             self._fail_unposted(op, exc, inline)
             return
-        op.peer = link.info
         op.candidates = ()
         op.stripe_ops = subs
         op.stripes_left = len(subs)
         op.stripe_error = None
         op.stripe_lock = threading.Lock()
-        op.transport = Striped(self, subs)
-        transfer = op.transfer
-        transfer.transport = "+".join(dict.fromkeys(s.transport.name for s in subs))
-        transfer.route, transfer.route_rule = names, rule
-        transfer.status = TransferStatus.POSTED
-        if op.batch is not None:
-            op.batch.status = TransferStatus.POSTED
-        if self.e.telemetry.enabled:
-            self.e.telemetry.on_post(op, transfer.transport)
-        self._inflight.add(op)
+        striped = Striped(self, subs)
+        transfer = self._mark_posted(op, link, striped, striped.name, names, rule)
         op.posting = inline
-        self._arm(op)  # before posting: a stripe transport may wait on the peer in post()
+        # Tracked (so its release lets go of it) and armed before posting: a stripe transport may
+        # wait on the peer in post().
+        self._watch(op)
         for sub in subs:
             if op.abort_exc is not None:
                 sub.abort_exc = op.abort_exc  # not retried
@@ -118,12 +107,8 @@ class Stripes:
         if error is None:
             self._succeeded(sub)
         self._end_probe(sub)  # a stripe is never released: its own ending frees its probe
-        name = sub.transport.name if sub.transport is not None else ""
-        if self._backlog.get(name):  # a stripe holds no slot: release() would not drain for it
-            try:
-                self.executor.submit(self._drain_backlog, name)
-            except RuntimeError:
-                pass
+        if sub.transport is not None:  # a stripe holds no slot: release() would not drain for it
+            self._kick_backlog(sub.transport.name)
         op = sub.parent
         with op.stripe_lock:
             if error is not None and op.stripe_error is None:

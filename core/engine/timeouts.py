@@ -16,12 +16,6 @@ log = logging.getLogger("mpcomm.engine")
 class Timeouts:
     """The :class:`~mpcomm.engine.requests.Pipeline`'s timeouts (a mixin: its state lives on the Pipeline)."""
 
-    def _arm(self, unit: Any) -> None:
-        if unit.deadline_entry is None:
-            unit.deadline_entry = self.timer.schedule(unit.deadline, lambda u=unit: self._on_deadline(u))
-            if unit.done:
-                self.timer.cancel(unit.deadline_entry)
-
     def _on_deadline(self, unit: Any) -> None:
         if unit.done:
             return
@@ -45,9 +39,6 @@ class Timeouts:
         err.confirmed = False
         # The transport may still touch the local buffer: keep the lease (and
         # so the buffer) until it reports, but resolve the handle now.
-        self._resolve_unconfirmed(unit, err)
-
-    def _resolve_unconfirmed(self, unit: Any, err: BaseException) -> None:
         unit.unconfirmed = True
         self._end_probe(unit)  # resolved by its deadline: the transport's late report says nothing
         if isinstance(unit, Operation):

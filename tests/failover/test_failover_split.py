@@ -7,8 +7,11 @@ its own. ``Transfer.stripes`` says which transport carried which part.
 
 from __future__ import annotations
 
+import array
+import gc
 import hashlib
 import os
+import weakref
 from concurrent.futures import CancelledError
 
 import mpcomm
@@ -107,3 +110,24 @@ def test_a_cancelled_split_request_resolves(faulty) -> None:
         assert outcomes <= {"completed", "cancelled", "TransferError"}, outcomes
         assert initiator.stats()["requests_held"] == 0
         assert initiator.stats()["health"]["retries"]["total"] == 0
+
+
+def test_a_finished_split_request_lets_go_of_the_callers_buffer() -> None:
+    """A split request used to stay in the engine's in-flight table after it finished (it was
+    added without being marked tracked, so its release never took it out): the caller's buffer
+    (and the request) stayed referenced until the engine closed."""
+    rules = [{"name": "big-split", "transports": ["tcp"], "split_min": "1MiB", "max_stripes": 2,
+              "split_across": "lanes"}]
+    target = mpcomm.Engine({"route": rules}, transports=["tcp"], endpoint="127.0.0.1:0")
+    initiator = mpcomm.Engine({"route": rules}, transports=["tcp"], endpoint="127.0.0.1:0")
+    with target, initiator:
+        kv = target.allocate(4 * MiB, "kv")
+        remote = initiator.open(target.address, "kv")
+        data = array.array("B", os.urandom(4 * MiB))
+        alive = weakref.ref(data)
+        t = initiator.write(data, remote, timeout=20)
+        assert t.result(20) == 4 * MiB and len(t.stripes) == 2
+        assert _sha(kv.view) == _sha(data)
+        del data, t
+        gc.collect()
+        assert alive() is None, "the finished split request still holds the caller's buffer"
