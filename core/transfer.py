@@ -715,7 +715,7 @@ class Batch(Transfer):
             last = self.left == 0
         if last:
             for _, part in self.parts:
-                release = getattr(part, "release_owner", None)  # a group (Operation parts: not yet)
+                release = getattr(part, "release_owner", None)  # a group, or the engine's BatchOp
                 if release is not None:
                     release()
         return last

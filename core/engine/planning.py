@@ -15,6 +15,7 @@ from ..transfer import Batch, Request
 from ..transport import OperationGroup, int64_array
 from . import checks, fastlane
 from .notify import MAX_NOTIFY
+from .units import BatchOp
 
 if TYPE_CHECKING:
     from .requests import Pipeline
@@ -302,7 +303,7 @@ class Planning:
             units.append(g)
         dispatch = batch.dispatch
         for i, req, local, lo, ro, length, t, ephemeral, hint in plan.singles:
-            op = self.new_op(req.op, local, lo, req.remote, ro, length, t, dispatch, req)
+            op = self.new_op(req.op, local, lo, req.remote, ro, length, t, dispatch, req, BatchOp)
             op.notify_after = req.notify
             op.ephemeral = ephemeral
             op.route_hint = hint

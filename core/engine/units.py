@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 from ..transport import Operation
@@ -36,6 +37,17 @@ class Op(Operation):
     tracked = False
     released = False
     probe: str | None = None  # the health probe slot it holds (see Retries._end_probe)
+
+
+class BatchOp(Op):
+    """A lone request inside a batch (a notifying one in ``submit``)."""
+
+    def release_owner(self) -> None:
+        """The batch's last part ended (``Batch.part_ended`` calls this): hold it weakly, as a
+        group does (:meth:`OperationGroup.release_owner`); the batch holds this in ``parts``."""
+        held = self.batch
+        if held is not None and type(held) is not weakref.ProxyType:
+            self.batch = weakref.proxy(held)
 
 
 class BoundOp(Op):

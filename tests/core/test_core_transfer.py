@@ -497,9 +497,7 @@ def test_numpy_integers_are_offsets_and_lengths(kv: Any) -> None:
     assert buf[8:24] == b"\x05" * 16
 
 
-@pytest.mark.parametrize("how", ["submit", "write_many", "read_many", "prepared", "members", pytest.param(
-    "submit-notify", marks=pytest.mark.xfail(strict=True, reason="a notifying request is an Operation part: the "
-                                             "engine's op.batch still names the batch (engine change pending)"))])
+@pytest.mark.parametrize("how", ["submit", "write_many", "read_many", "prepared", "members", "submit-notify"])
 def test_a_finished_batch_and_its_groups_are_freed_without_the_cyclic_gc(make_engine: Any, how: str) -> None:
     """Batch -> parts -> group -> batch (the engine's back reference) and member -> group ->
     member_handles -> member were cycles: every finished batch waited for the cycle collector.
