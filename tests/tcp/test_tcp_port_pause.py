@@ -123,12 +123,23 @@ def _on(p: subprocess.Popen[bytes], cpu: int) -> None:
     os.kill(p.pid, signal.SIGCONT)
 
 
+def _polling(s: Served) -> None:
+    """Read until a read is one the port found by polling: it polls for the next one now (a pause
+    that the machine's own load started has run out)."""
+    for _ in range(PAUSE_MAX + 100):
+        found = s.stats()["found"]
+        s.read()
+        if s.stats()["found"] > found:
+            return
+    pytest.fail(f"the port never polled: {s.stats()}")
+
+
 def _preempt_one_poll(s: Served, p: subprocess.Popen[bytes]) -> None:
-    """One reply, then the competitor runs on the port's CPU for 20 ms while the port polls for the
-    next request (its budget is 200 ms), then stops: one preempted poll, nothing else."""
+    """The port polls for the next request (its budget is 200 ms); the competitor runs on the port's
+    CPU for 20 ms meanwhile, then stops: one preempted poll, nothing else."""
     before = s.stats()["preempted"]
     for _ in range(5):
-        s.read()
+        _polling(s)
         _on(p, s.port_cpu)
         time.sleep(0.02)
         os.kill(p.pid, signal.SIGSTOP)
@@ -143,13 +154,22 @@ def test_after_one_preempted_poll_the_port_polls_again_within_a_few_requests(com
         s.read(20)
         _preempt_one_poll(s, competitor)
         stats = s.stats()
-        # The pause: PAUSE_MIN requests waited for by blocking, then polling again. The old rule
-        # (no polling for a second) blocked for all 200 (about 20 ms of requests here).
-        waited = s.blocked(200)
-        assert waited <= PAUSE_MIN + 40, f"{waited} of 200 requests waited by blocking after one preemption"
-        after = s.stats()
-        assert after["paused"] - stats["paused"] >= PAUSE_MIN - 1
-        assert after["found"] - stats["found"] >= 200 - PAUSE_MIN - 40
+        # The pause: PAUSE_MIN requests waited for by blocking (up to 4x that where the machine's own
+        # load preempted earlier polls and doubled it), then a poll again. The old rule (no polling for
+        # a second) polled none of these 200 requests (about 20 ms of them here).
+        first = None
+        for i in range(200):
+            polls = s.stats()["polls"]
+            s.read()
+            if s.stats()["polls"] > polls:
+                first = i
+                break
+        assert first is not None, f"no poll in 200 requests after one preemption: {stats} -> {s.stats()}"
+        assert first <= 4 * PAUSE_MIN, f"the first poll came at request {first}: {stats} -> {s.stats()}"
+        # Every request before it was one of the pause, but the first (the preempted poll's own wait)
+        assert first - 1 <= s.stats()["paused"] - stats["paused"] <= first
+        s.read(100)
+        assert s.stats()["found"] - stats["found"] >= 1  # and polls find requests again
     finally:
         s.close()
 
@@ -161,6 +181,7 @@ def test_a_competitor_that_stays_keeps_the_port_blocking_with_few_tries(competit
     s = Served(busy_ns=200_000_000)
     try:
         s.read(20)
+        _polling(s)
         before = s.stats()
         _on(competitor, s.port_cpu)
         waited = s.blocked(600)
@@ -187,7 +208,7 @@ def test_the_pause_is_per_request_and_ends_with_the_competitor(competitor: Any) 
         skipped = s.stats()["paused"]
         for _ in range(PAUSE_MAX // 500 + 2):
             s.read(500)
-            if s.blocked(50) <= 10:
+            if s.blocked(50) <= 25:
                 break
         else:
             pytest.fail(f"still blocking after {PAUSE_MAX + 1100} requests without a competitor: {s.stats()}")
@@ -199,11 +220,15 @@ def test_the_pause_is_per_request_and_ends_with_the_competitor(competitor: Any) 
 def test_poll_stats_count_polls_that_found_the_request() -> None:
     s = Served(busy_ns=200_000_000)
     try:
-        s.read(1)
+        _polling(s)
         before = s.stats()
         s.read(50)
         after = s.stats()
-        assert after["polls"] - before["polls"] >= 40
-        assert after["found"] - before["found"] >= 40  # a look the machine's load preempted may miss a few
+        polls, found = after["polls"] - before["polls"], after["found"] - before["found"]
+        paused = after["paused"] - before["paused"]
+        # Each request is waited for by one poll or in a pause (or right after a preempted poll); the
+        # next request's pause may be counted already when the last reply came.
+        assert 50 - (after["preempted"] - before["preempted"]) <= polls + paused <= 51
+        assert polls >= 1 and found >= 0.8 * polls, after  # a poll with a 200 ms budget finds its request
     finally:
         s.close()
