@@ -288,9 +288,9 @@ class Transfer(Future):  # type: ignore[type-arg]
             return 0
         end = None if timeout is None else time.monotonic() + max(timeout, 0)
         me = get_ident()
-        driven = self._driven() if timeout != 0 else ()
+        wake = None
         try:
-            for op in driven:
+            for op in self._driven() if timeout != 0 else ():
                 t = getattr(op, "transport", None)
                 if getattr(type(t), "drive", Transport.drive) is Transport.drive or op.done:
                     continue
@@ -301,22 +301,22 @@ class Transfer(Future):  # type: ignore[type-arg]
                     log.exception("transport %s failed in drive()", t.name)
                 if self.outcome is not None or (end is not None and time.monotonic() >= end):
                     break
+            if self.outcome is None:
+                # Not in (no drive, or it ended first): counted for the wake lock while still marked,
+                # so a report made meanwhile sees one or the other.
+                wake = self._wake_for_waiter()
         finally:
             if self._driver:
-                self._driver = 0  # cleared before the look below (see the docstring)
+                self._driver = 0  # cleared before the looks below (see the docstring)
         settled_here = False
-        if self.outcome is None:
-            # The outcome is not in (no drive, or it ended first): block on the wake lock, counted.
-            wake = self._wake_for_waiter()
+        if wake is not None:
             try:
-                if wake is not None:
-                    if end is not None:
-                        timeout = max(end - time.monotonic(), 0)
-                    if wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
-                        wake.release()  # pass it on to the next waiter
+                if end is not None:
+                    timeout = max(end - time.monotonic(), 0)
+                if wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+                    wake.release()  # pass it on to the next waiter
             finally:
-                if wake is not None:
-                    settled_here = self._uncount()
+                settled_here = self._uncount()
         if self.outcome is not None and not self._settled:
             settled_here = self.settle() or settled_here
         if self.outcome is not None:

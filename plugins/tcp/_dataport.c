@@ -1577,13 +1577,13 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
  * waited for by blocking, then one poll tries again. Each preempted try doubles the next pause
  * (PAUSE_MIN .. PAUSE_MAX requests), each poll that was not preempted halves it. Against a
  * target that keeps a CPU competitor (an application spinning in Python) the tries cost one
- * lost time slice per PAUSE_MAX requests (about 140 ms of 35 us requests); after one transient
+ * lost time slice (1-7 ms) per PAUSE_MAX requests (about 290 ms of 35 us requests); after one transient
  * preemption on an otherwise idle machine the connection blocks for PAUSE_MIN requests, not for
  * a second (a second was half a 2 s benchmark served at the blocking wait's 66-70 us: the p99
  * of an idle target). */
 #define PREEMPTED_S 500e-6
-#define PAUSE_MIN 16u
-#define PAUSE_MAX 4096u
+#define PAUSE_MIN 64u
+#define PAUSE_MAX 8192u
 static int spin_readable(Port *p, int fd, long long budget_ns, Pause *pz) {
     if (budget_ns <= 0)
         return 0;
@@ -2144,6 +2144,7 @@ PyMODINIT_FUNC PyInit__mpcomm_dataport(void) {
         PyModule_AddObject(m, "Notes", (PyObject *)&NotesType) < 0 ||
         PyModule_AddIntConstant(m, "MAX_NOTIFY", MAX_NOTIFY) < 0 || PyModule_AddIntConstant(m, "ABI", DP_ABI) < 0 ||
         PyModule_AddIntConstant(m, "END_CLOSED", END_CLOSED) < 0 ||
+        PyModule_AddIntConstant(m, "PAUSE_MIN", PAUSE_MIN) < 0 || PyModule_AddIntConstant(m, "PAUSE_MAX", PAUSE_MAX) < 0 ||
         PyModule_AddIntConstant(m, "END_PROTOCOL", END_PROTOCOL) < 0 ||
         PyModule_AddIntConstant(m, "END_ERROR", END_ERROR) < 0 || PyModule_AddIntConstant(m, "END_OS", END_OS) < 0) {
         Py_DECREF(m);
