@@ -155,18 +155,18 @@ def test_after_one_preempted_poll_the_port_polls_again_within_a_few_requests(com
         s.read(20)
         _preempt_one_poll(s, competitor)
         stats = s.stats()
-        # The pause: PAUSE_MIN requests waited for by blocking (up to 4x that where the machine's own
+        # The pause: PAUSE_MIN requests waited for by blocking (up to 8x that where the machine's own
         # load preempted earlier polls and doubled it), then a poll again. The old rule (no polling for
-        # a second) polled none of these requests (about 50 ms of them here).
+        # a second) polled none of these requests (about 60 ms of them here).
         first = None
-        for i in range(5 * PAUSE_MIN):
+        for i in range(10 * PAUSE_MIN):
             polls = s.stats()["polls"]
             s.read()
             if s.stats()["polls"] > polls:
                 first = i
                 break
-        assert first is not None, f"no poll in {5 * PAUSE_MIN} requests after one preemption: {stats} -> {s.stats()}"
-        assert first <= 4 * PAUSE_MIN, f"the first poll came at request {first}: {stats} -> {s.stats()}"
+        assert first is not None, f"no poll in {10 * PAUSE_MIN} requests after one preemption: {stats} -> {s.stats()}"
+        assert first <= 8 * PAUSE_MIN, f"the first poll came at request {first}: {stats} -> {s.stats()}"
         # Every request before it was one of the pause, but the first (the preempted poll's own wait)
         assert first - 1 <= s.stats()["paused"] - stats["paused"] <= first
         s.read(100)
@@ -190,7 +190,7 @@ def test_a_competitor_that_stays_keeps_the_port_blocking_with_few_tries(competit
         after = s.stats()
         tries = after["preempted"] - before["preempted"]
         # Pauses of 64, 128, 256 requests: 4 preempted tries in 600 requests (a clean poll now and then,
-        # where the competitor lost its turn, halves the pause once: allow a few more).
+        # where the competitor lost its turn to the machine's other load, halves the pause: allow more).
         assert 1 <= tries <= 10, after
         assert waited >= 600 - 4 * tries - 20, f"only {waited} of 600 requests waited for by blocking"
     finally:
