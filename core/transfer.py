@@ -55,6 +55,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 from .transport import DONE, FAILED, Operation, OperationGroup, Transport
@@ -167,6 +168,9 @@ class Transfer(Future):  # type: ignore[type-arg]
     _settled = False
     _cbs_ran = False
     _waiters_n = 0  # threads blocked in result()/exception() (under _lock)
+    #: The thread id of a result() caller driving this request now (0: none). Stored and cleared
+    #: without the lock (single stores under the GIL); a recorder reads it under ``_lock``.
+    _driver = 0
     _left_to_waiter = False  # the engine left settling to a waiter (no completion-thread push)
     #: Held until the outcome is recorded; a result() waiter with no outcome after its drive
     #: blocks on it, and whoever records the outcome releases it: the waiter wakes directly,
@@ -270,43 +274,51 @@ class Transfer(Future):  # type: ignore[type-arg]
         return self._built and Future.cancelled(self)
 
     def _await_outcome(self, timeout: float | None) -> float | None:
-        """Wait for the report (not for the completion thread); returns what is left of ``timeout``."""
+        """Wait for the report (not for the completion thread); returns what is left of ``timeout``.
+
+        The usual end, a request whose report its own waiter reads in ``drive()``, takes one hold
+        of the lock in all: the recording (:meth:`record_outcome_for_waiter`), which sees this
+        thread as the driver and applies the outcome in the same hold. The driver mark is a plain
+        store set before the drive and cleared after it, each waiter then looking at the outcome:
+        a recorder that saw the mark leaves the settling to a waiter that will see its outcome.
+        Only a waiter that has to block counts itself under the lock (:meth:`_wake_for_waiter`).
+        """
         if self._settled or self.outcome is not None:
             self._sync()
             return 0
-        with self._lock:
-            self._waiters_n += 1
+        end = None if timeout is None else time.monotonic() + max(timeout, 0)
+        me = get_ident()
+        wake = None
         try:
-            end = None if timeout is None else time.monotonic() + max(timeout, 0)
             for op in self._driven() if timeout != 0 else ():
                 t = getattr(op, "transport", None)
                 if getattr(type(t), "drive", Transport.drive) is Transport.drive or op.done:
                     continue
-                # Counted as a waiter first, so a report made by this very call leaves the settling here.
+                self._driver = me  # marked first, so a report made by this very call is applied here
                 try:
                     t.drive(op, math.inf if end is None else end)
                 except Exception:  # noqa: BLE001 - the caller still waits the usual way
                     log.exception("transport %s failed in drive()", t.name)
                 if self.outcome is not None or (end is not None and time.monotonic() >= end):
                     break
-            # The outcome is in (the usual end of a drive): nothing to wait on, no clock to read.
-            wake = self._wake_for_waiter() if self.outcome is None else None
-            if wake is not None:
+            if self.outcome is None:
+                # Not in (no drive, or it ended first): counted for the wake lock while still marked,
+                # so a report made meanwhile sees one or the other.
+                wake = self._wake_for_waiter()
+        finally:
+            if self._driver:
+                self._driver = 0  # cleared before the looks below (see the docstring)
+        settled_here = False
+        if wake is not None:
+            try:
                 if end is not None:
                     timeout = max(end - time.monotonic(), 0)
                 if wake.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
                     wake.release()  # pass it on to the next waiter
-        finally:
-            # Uncounted, and settled (settle()'s step) if the outcome is in, under one hold of the lock.
-            with self._lock:
-                self._waiters_n -= 1
-                settled_here = not self._settled and self.outcome is not None
-                if settled_here:
-                    self._settled = True
-                    self._apply()
-                    built = self._built
-            if settled_here and built:
-                self._to_future()
+            finally:
+                settled_here = self._uncount()
+        if self.outcome is not None and not self._settled:
+            settled_here = self.settle() or settled_here
         if self.outcome is not None:
             # Settled here: the engine may have left that to this waiter (leave_to_waiter).
             if settled_here and self._left_to_waiter and self.dispatch is not None:
@@ -320,12 +332,27 @@ class Transfer(Future):  # type: ignore[type-arg]
         # way, e.g. cancel()) may still be resolved through the Future itself.
         return 0 if self.dispatch is not None else timeout
 
+    def _uncount(self) -> bool:
+        """A blocked waiter leaves: uncounted, and settled (settle()'s step) if the outcome is in,
+        under one hold of the lock; True if this call settled it."""
+        with self._lock:
+            self._waiters_n -= 1
+            settled_here = not self._settled and self.outcome is not None
+            if settled_here:
+                self._settled = True
+                self._apply()
+                built = self._built
+        if settled_here and built:
+            self._to_future()
+        return settled_here
+
     def _wake_for_waiter(self) -> Any:
-        """The wake lock a waiter blocks on (made here, held, by the first one); None once the
-        outcome is in."""
+        """The wake lock a waiter blocks on (made here, held, by the first one), the waiter counted
+        (:meth:`_uncount` when it leaves); None, uncounted, once the outcome is in."""
         with self._lock:
             if self.outcome is not None:
                 return None
+            self._waiters_n += 1  # counted where the outcome is looked at: a later report sees it
             wake = self._wake
             if wake is None:
                 wake = self._wake = threading.Lock()
@@ -350,7 +377,8 @@ class Transfer(Future):  # type: ignore[type-arg]
             return self._leave_to_waiter_locked()
 
     def _leave_to_waiter_locked(self) -> bool:
-        self._left_to_waiter = self._waiters_n > 0 and not self._callbacks and "on_settled" not in self.__dict__
+        self._left_to_waiter = ((self._waiters_n > 0 or self._driver != 0) and not self._callbacks
+                                and "on_settled" not in self.__dict__)
         return self._left_to_waiter
 
     def result(self, timeout: float | None = None) -> Any:
@@ -477,8 +505,17 @@ class Transfer(Future):  # type: ignore[type-arg]
             self.outcome = (error, nbytes)
             wake = self._wake
             left = self._leave_to_waiter_locked()
+            # Recorded by the waiter's own drive (the usual end of a waited request): applied in this
+            # same hold, so the waiter, back from its drive, finds the handle settled.
+            mine = left and self._driver == get_ident() and not self._settled
+            if mine:
+                self._settled = True
+                self._apply()
+                built = self._built
         if wake is not None:
             wake.release()
+        if mine and built:
+            self._to_future()
         return left
 
     def drop_operation(self) -> None:

@@ -90,9 +90,10 @@ class NativePort:
         busy = int(o["busy_poll_us"]) * 1000 if os.environ.get("MPCOMM_TCP_BUSY_POLL", "1") != "0" else 0
         if len(os.sched_getaffinity(0)) < MIN_CPUS_TO_POLL:
             # A poller needs a CPU of its own: with one, it only takes turns with the application.
-            # With 2 it polls, and stops for a second when it finds itself preempted (_dataport.c
-            # spin_readable): on a quiet 2-CPU machine a blocking target thread answered a 4 KiB
-            # write in 66-70 us, a polling one in 32-35 us, idle or with the application spinning.
+            # With 2 it polls, and pauses for some requests when it finds itself preempted
+            # (_dataport.c spin_readable: 64 requests, doubling while a competitor stays): on a
+            # quiet 2-CPU machine a blocking target thread answered a 4 KiB write in 66-70 us, a
+            # polling one in 32-35 us, idle or with the application spinning.
             busy = 0
         self.grace = ctx.config.runtime.abort_grace_ms / 1000
         lim = ctx.config.limits
@@ -143,6 +144,12 @@ class NativePort:
         """Serve the connection ``fd`` (authenticated as node ``peer``) until it ends; the GIL is
         released meanwhile. Its notifications carry ``peer`` as their sender."""
         return self._port.run(fd, peer)  # type: ignore[no-any-return]
+
+    def poll_stats(self) -> dict[str, int]:
+        """Busy-poll counters over every connection: ``polls`` run, those that ``found`` the next
+        request, those ``preempted`` (each starts a pause), requests waited for by blocking because
+        of a pause (``paused``)."""
+        return dict(self._port.poll_stats())
 
     def published(self) -> int:
         return int(self._port.published())
