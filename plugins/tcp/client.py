@@ -9,7 +9,7 @@ instance (host, port, epoch). Each connection has
 * a **reader** thread: it reads replies, matches them to requests by id,
   scatters read payloads straight into the local buffer, and reports;
 * or, instead of the reader, a **driver**: a thread waiting in ``result()``
-  on a one-frame request reads the replies itself (:meth:`Conn.drive`), the
+  on its request reads the replies itself (:func:`drive`), the
   whole ones already in the socket buffer only, and leaves the rest to the
   reader. Exactly one of them reads at a time (``reading``/``driving``).
 
@@ -446,44 +446,31 @@ class Conn:
                 raise ProtocolError(f"reply for a request {rid} that is not awaiting one")
             discard = piece.state == DONE
             self.load -= piece.size
-            # The common reply, a single write that landed: no body follows, so what _reply and
-            # _finish do for it is done under this one hold of the lock.
-            landed = (status == wire.ST_OK and not length and not count and not piece.read and not piece.count
-                      and not discard)
+            self.last_used = time.monotonic()
+            # A write's (or batch write's) OK is the whole reply: no body follows, so it ends the
+            # piece under this one hold of the lock. Every other reply has a body (_reply).
+            landed = status == wire.ST_OK and not piece.read
             if landed:
+                if length or count != piece.count:
+                    if not discard:
+                        piece.state = RECEIVING
+                        self.current = piece  # _fail_all reports it
+                    raise ProtocolError(f"reply from {self.pool.where} announces {length} bytes, expected 0")
                 piece.state = DONE
-                self.last_used = time.monotonic()
             elif not discard:
                 piece.state = RECEIVING
                 self.current = piece  # _fail_all reports it if the reply breaks off
         if landed:
-            # Aborted meanwhile: it landed in full all the same; op.fail reports the abort (_finish).
-            piece.report(PeerConnectionError("aborted; the target answered") if piece.aborted else None, None, True)
+            if not discard:
+                # Aborted meanwhile: it landed in full all the same; op.fail reports the abort (_finish).
+                piece.report(PeerConnectionError("aborted; the target answered") if piece.aborted else None, None,
+                             True)
             return
         self._reply(sock, piece, status, count, length, discard)
         self.current = None
         self.last_used = time.monotonic()
 
     # -- a result() caller reading its own reply ----------------------------------------------
-
-    def drive(self, piece: Piece, until: float) -> None:
-        """Read replies on this thread until ``piece`` is reported (see Transport.drive).
-
-        Only whole replies that already sit in the socket buffer are taken, so
-        this thread never blocks inside a frame: anything else (a reply still
-        arriving after a short poll, a partial status, the end of the
-        connection, a malformed header) is left to the reader thread, which
-        takes over when this returns.
-        """
-        sock = self.enter_drive(piece)
-        if sock is None:
-            return
-        try:  # drive_entered, inlined: this runs once per request waited on
-            self._drive(sock, piece, until)
-        except (OSError, MpcommError) as exc:
-            self._drive_failed(exc)
-        finally:
-            self.leave_drive()
 
     def enter_drive(self, piece: Piece) -> socket.socket | None:
         """Take this connection's replies for a driver (the reader leaves them alone until
@@ -498,21 +485,33 @@ class Conn:
             return sock
 
     def drive_entered(self, sock: socket.socket, piece: Piece, until: float) -> None:
-        """:meth:`drive` on a connection this thread entered (:meth:`enter_drive`)."""
+        """Read replies on this thread until ``piece`` is reported, on a connection this thread
+        entered (:meth:`enter_drive`; see :func:`drive`). A driver that met a broken stream
+        mid-frame ends the connection here: it can no longer be trusted."""
         try:
             self._drive(sock, piece, until)
         except (OSError, MpcommError) as exc:
-            self._drive_failed(exc)
+            if isinstance(exc, ProtocolError):
+                self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
+            err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
+                f"data connection to {self.pool.where} failed: {exc}")
+            with self.lock:
+                self._shut(socket.SHUT_RDWR)
+            self._fail_all(err, reader_started=True)
 
-    def _drive_failed(self, exc: OSError | MpcommError) -> None:
-        """A driver met a broken stream mid-frame: it can no longer be trusted; end the connection here."""
-        if isinstance(exc, ProtocolError):
-            self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
-        err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
-            f"data connection to {self.pool.where} failed: {exc}")
+    def hand_to_reader(self) -> None:
+        """No driver will read the replies pending here (a callback waits for one): the reader reads
+        them at once from now on, instead of leaving them to a driver and looking only every
+        LOOK_MAX. A driver at work hands them over itself when it leaves (:meth:`leave_drive`),
+        and the next driven reply makes the connection sticky again."""
         with self.lock:
-            self._shut(socket.SHUT_RDWR)
-        self._fail_all(err, reader_started=True)
+            if self.driving or not self.sticky or self.broken:
+                return
+            self.sticky = False
+            self._flags[1] = 0
+            self.rcv.notify()
+            if self._bell >= 0:
+                os.eventfd_write(self._bell, 1)  # ends the native reader's sleep between looks
 
     def leave_drive(self) -> None:
         """Hand the replies back: to the next driver (sticky) or, if some are due, to the reader."""
@@ -639,12 +638,11 @@ class Conn:
     def _reply(self, sock: socket.socket, piece: Piece, status: int, count: int, length: int,
                discard: bool) -> None:
         where = self.pool.where
-        if status == wire.ST_OK:
-            expect = sum(v.nbytes for v in piece.dests) if piece.read else 0
+        if status == wire.ST_OK:  # a read's (a write's OK has no body: _one_reply ended it)
+            expect = sum(v.nbytes for v in piece.dests)
             if length != expect or count != piece.count:
                 raise ProtocolError(f"reply from {where} announces {length} bytes, expected {expect}")
-            if piece.read:
-                self._payload(sock, piece.dests, discard)
+            self._payload(sock, piece.dests, discard)
             self._finish(piece, None, None, discard)
             return
         if status == wire.ST_ERR:
@@ -722,6 +720,32 @@ class Conn:
     def close(self) -> None:
         with self.lock:
             self._shut(socket.SHUT_RDWR)  # wakes the writer and the reader
+
+
+def drive(pieces: list[Piece], until: float) -> None:
+    """Read the replies of ``pieces`` (one request's frames) on this thread, the ``result()``
+    caller's, until they are reported or ``until`` passes (see the module docstring).
+
+    Every connection that carries one of them is entered first, so no reader takes a reply
+    of this request while this thread reads another connection's; then the frames are driven
+    one after the other (the others' replies wait in their sockets meanwhile). A frame whose
+    connection a driver cannot enter now is left to that connection's reader.
+    """
+    entered: dict[Conn, socket.socket] = {}
+    try:
+        for piece in pieces:
+            conn = piece.conn
+            if conn is not None and conn not in entered:
+                sock = conn.enter_drive(piece)
+                if sock is not None:
+                    entered[conn] = sock
+        for piece in pieces:
+            sock = entered.get(piece.conn)  # type: ignore[arg-type]
+            if sock is not None and piece.state != DONE:
+                piece.conn.drive_entered(sock, piece, until)  # type: ignore[union-attr]
+    finally:
+        for conn in entered:
+            conn.leave_drive()
 
 
 def _load(conn: Conn) -> int:

@@ -69,6 +69,13 @@ MAX_ERROR_PAYLOAD = 64 << 10
 LITTLE = sys.byteorder == "little"
 
 
+def request(op: int, flags: int, count: int, req_id: int, region_id: int, token: int, epoch: int, offset: int,
+            length: int, deadline: float) -> memoryview:
+    """A REQ header: every frame the initiator sends starts with one built here."""
+    return memoryview(REQ.pack(REQ_MAGIC, op, flags, count, req_id, region_id, token, epoch, offset, length,
+                               deadline))
+
+
 def ident(text: str) -> bytes:
     """A node id or epoch as its fixed 16-byte wire field."""
     raw = text.encode("ascii", "replace")[:16]
