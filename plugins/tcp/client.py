@@ -528,54 +528,46 @@ class Conn:
     def _drive(self, sock: socket.socket, piece: Piece, until: float) -> None:
         fd = sock.fileno()
         head, hv = self._drive_head  # one driver at a time (``driving``): its header buffer is the connection's
-        poller = self._drive_poll
         spin = self.pool.busy_ns
         short = None  # since when a reply has been only partly there
-        nxt = busypoll.next_reply
+        nxt = busypoll.next_reply or self._next_reply
         while piece.state != DONE:
             now = time.monotonic()
             if now >= until:
                 return
-            if nxt is not None:  # the steps below, in one call (busypoll.py)
-                r = nxt(fd, spin, math.ceil(min(until - now, _DRIVE_SLICE) * 1000), _DRIVE_MAX, head)
-                if r == busypoll.REPLY_GOT:
-                    short = None
-                    self._one_reply(sock, head)
-                    self.driven += 1
-                elif r == busypoll.REPLY_SHORT:
-                    if until == math.inf and self._take_arriving(sock, hv, head):
-                        short = None
-                        continue
-                    short = now if short is None else short
-                    if now - short > spin / 1e9:
-                        return  # still arriving: the reader blocks for the rest, this thread need not
-                elif r != busypoll.REPLY_NONE:
-                    return  # not a reply this thread takes: the reader does
-                continue
-            if not busypoll.wait_readable(fd, spin) and not poller.poll(
-                    math.ceil(min(until - now, _DRIVE_SLICE) * 1000)):
-                continue
-            try:
-                got = sock.recv_into(hv, wire.RESP.size, _PEEK)
-            except BlockingIOError:
-                continue
-            if got == 0:
-                return  # the end of the connection: the reader meets it and reports
-            whole = got == wire.RESP.size and self._whole(fd, head)
-            if whole is None:
-                return  # not a reply this thread takes: the reader does
-            if not whole:
+            r = nxt(fd, spin, math.ceil(min(until - now, _DRIVE_SLICE) * 1000), _DRIVE_MAX, head)
+            if r == busypoll.REPLY_GOT:
+                short = None
+                self._one_reply(sock, head)
+                self.driven += 1
+            elif r == busypoll.REPLY_SHORT:
                 if until == math.inf and self._take_arriving(sock, hv, head):
                     short = None
                     continue
                 short = now if short is None else short
                 if now - short > spin / 1e9:
                     return  # still arriving: the reader blocks for the rest, this thread need not
-                continue
-            short = None
-            self._recv_exact(sock, hv)  # all of it is in the buffer: none of these calls block
-            self._one_reply(sock, head)
-            self.driven += 1
+            elif r != busypoll.REPLY_NONE:
+                return  # not a reply this thread takes (or the end of the connection): the reader's
+
+    def _next_reply(self, fd: int, spin: int, wait_ms: int, max_len: int, head: bytearray) -> int:
+        """busypoll.next_reply's Python twin (no compiled helper, or MPCOMM_TCP_NATIVE_WAITS=0)."""
+        if not busypoll.wait_readable(fd, spin) and not self._drive_poll.poll(wait_ms):
+            return busypoll.REPLY_NONE
+        hv = self._drive_head[1]
+        try:
+            got = self.sock.recv_into(hv, wire.RESP.size, _PEEK)  # type: ignore[union-attr]
+        except BlockingIOError:
+            return busypoll.REPLY_NONE
+        if got == 0:
+            return busypoll.REPLY_LEAVE  # the end of the connection: the reader meets it and reports
+        whole = got == wire.RESP.size and self._whole(fd, head, max_len)
+        if whole is None:
+            return busypoll.REPLY_LEAVE
+        if not whole:
+            return busypoll.REPLY_SHORT
+        self._recv_exact(self.sock, hv)  # type: ignore[arg-type]  # all of it is in the buffer: no block
+        return busypoll.REPLY_GOT
 
     def _take_arriving(self, sock: socket.socket, hv: memoryview, head: bytearray) -> bool:
         """A driver with no time limit (``result()`` without a timeout) reads a reply that is still
@@ -596,10 +588,10 @@ class Conn:
         self.driven += 1
         return True
 
-    def _whole(self, fd: int, head: bytearray) -> bool | None:
+    def _whole(self, fd: int, head: bytearray, max_len: int) -> bool | None:
         """Whether the reply whose header is ``head`` sits whole in the socket buffer; None: not for a driver."""
         magic, status, _flags, _count, _rid, length = wire.RESP.unpack(head)
-        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR, wire.ST_PARTIAL) or length > _DRIVE_MAX:
+        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR, wire.ST_PARTIAL) or length > max_len:
             return None
         if length == 0:
             return True
