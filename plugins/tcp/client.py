@@ -484,20 +484,15 @@ class Conn:
             self._flags[0] = 1
             return sock
 
-    def drive_entered(self, sock: socket.socket, piece: Piece, until: float) -> None:
-        """Read replies on this thread until ``piece`` is reported, on a connection this thread
-        entered (:meth:`enter_drive`; see :func:`drive`). A driver that met a broken stream
-        mid-frame ends the connection here: it can no longer be trusted."""
-        try:
-            self._drive(sock, piece, until)
-        except (OSError, MpcommError) as exc:
-            if isinstance(exc, ProtocolError):
-                self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
-            err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
-                f"data connection to {self.pool.where} failed: {exc}")
-            with self.lock:
-                self._shut(socket.SHUT_RDWR)
-            self._fail_all(err, reader_started=True)
+    def drive_failed(self, exc: OSError | MpcommError) -> None:
+        """A driver met a broken stream mid-frame: it can no longer be trusted; end the connection here."""
+        if isinstance(exc, ProtocolError):
+            self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
+        err = exc if isinstance(exc, MpcommError) else PeerConnectionError(
+            f"data connection to {self.pool.where} failed: {exc}")
+        with self.lock:
+            self._shut(socket.SHUT_RDWR)
+        self._fail_all(err, reader_started=True)
 
     def hand_to_reader(self) -> None:
         """No driver will read the replies pending here (a callback waits for one): the reader reads
@@ -732,9 +727,13 @@ def drive(pieces: list[Piece], until: float) -> None:
                 if sock is not None:
                     entered[conn] = sock
         for piece in pieces:
-            sock = entered.get(piece.conn)  # type: ignore[arg-type]
+            conn = piece.conn
+            sock = entered.get(conn)  # type: ignore[arg-type]
             if sock is not None and piece.state != DONE:
-                piece.conn.drive_entered(sock, piece, until)  # type: ignore[union-attr]
+                try:
+                    conn._drive(sock, piece, until)  # type: ignore[union-attr]
+                except (OSError, MpcommError) as exc:
+                    conn.drive_failed(exc)  # type: ignore[union-attr]
     finally:
         for conn in entered:
             conn.leave_drive()

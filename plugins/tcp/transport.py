@@ -273,57 +273,71 @@ class TcpTransport(Transport):
         bytes leave (see "Paths" in docs/tcp.md). A frame up to ``inline_threshold`` (a read's
         always: it carries no payload) is tried on this thread first (Conn.submit)."""
         unit.state = pieces
-        conns = pool.pick(len(pieces))
-        for k, piece in enumerate(pieces):
+        n = len(pieces)
+        k = 0
+        try:
+            conns = pool.pick(n) if n > 1 else (pool.pick_one(),)
+        except MpcommError as exc:
+            for piece in pieces:
+                piece.report(exc, None, True)
+            return
+        for piece in pieces:
             try:
                 self._submit(pool, conns[k % len(conns)], piece, piece.read or piece.size <= self._inline)
             except MpcommError as exc:
                 piece.report(exc, None, True)
+            k += 1
         if unit.aborted:  # aborted while we posted: reach the pieces abort() could not see yet
             self.abort(unit)
 
     def post(self, op: Any) -> None:
-        """One frame for the request, or one per stripe from ``stripe_threshold`` bytes.
+        """One frame for the request (:meth:`_frame`), or one per stripe from ``stripe_threshold`` bytes.
 
         A one-frame request's piece reports ``op`` itself (no
         :class:`~mpcomm.transport_kit.Pieces` between them); a write carrying its notification
         (``op.notification``, only ever a one-frame write: :meth:`carries_notification`) has it
         between header and data."""
-        if op.length == 0:
+        length = op.length
+        if length == 0:
             op.complete(0)
             return
-        if not 0 <= op.local_offset <= op.local.size - op.length:
-            raise _outside(op.local, op.local_offset, op.length)
+        if not 0 <= op.local_offset <= op.local.size - length:
+            raise _outside(op.local, op.local_offset, length)
         if op.local.kind != "host":
             self._stage(op)
             return
         pool = self._pool(op.peer, op.remote.address)
-        read = op.kind == "read"
-        code = wire.OP_READ if read else wire.OP_WRITE
-        remote, length = op.remote, op.length
         if length < self._stripe_threshold or self._conns == 1:
-            ranges: list[tuple[int, int]] = [(0, length)]
-            report: Any = _Reporter(op)
-        else:
-            ranges = stripes(length, min(self._conns, math.ceil(length / (self._stripe_threshold // 2))))
-            pieces = Pieces(op, len(ranges))
-            report = lambda err, _status, confirmed: pieces.done(err, confirmed=confirmed)  # noqa: E731
-        note = op.notification if len(ranges) == 1 else None
-        epoch = self._epoch(remote)
-        view = op.local.view
-        plist: list[Piece] = []
-        for start, ln in ranges:
-            rid = next_id()
-            part = view[op.local_offset + start : op.local_offset + start + ln]
-            name = b"" if note is None else str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
-            head = wire.request(code, 0 if note is None else wire.FLAG_NOTE, len(name), rid, remote.region_id,
-                                remote.token, epoch, op.remote_offset + start, ln, op.deadline_wall)
-            views = [head] if read else [head, part]
-            if note is not None:
-                views[1:1] = [v for v in (memoryview(wire.NOTE_LEN.pack(len(note))), memoryview(name),
-                                          memoryview(note)) if v.nbytes]
-            plist.append(Piece(rid, read, views, [part] if read else [], report, 0, ln))
-        self._send(op, pool, plist)
+            self._send(op, pool, [self._frame(op, 0, length, op.notification, _Reporter(op))])
+            return
+        ranges = stripes(length, min(self._conns, math.ceil(length / (self._stripe_threshold // 2))))
+        pieces = Pieces(op, len(ranges))
+
+        def report(err: BaseException | None, _status: Any, confirmed: bool) -> None:
+            pieces.done(err, confirmed=confirmed)
+
+        self._send(op, pool, [self._frame(op, start, ln, None, report) for start, ln in ranges])
+
+    @staticmethod
+    def _frame(op: Any, start: int, ln: int, note: bytes | None, report: Any) -> Piece:
+        """The frame of ``op``'s bytes [start, start + ln): the one READ/WRITE frame rule."""
+        read = op.kind == "read"
+        remote = op.remote
+        epoch = _EPOCHS.get(remote.epoch)
+        if epoch is None:
+            epoch = TcpTransport._epoch(remote)
+        rid = next_id()
+        lo = op.local_offset + start
+        part = op.local.view[lo : lo + ln]
+        name = b"" if note is None else str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
+        head = memoryview(wire.request(wire.OP_READ if read else wire.OP_WRITE, 0 if note is None else wire.FLAG_NOTE,
+                                       len(name), rid, remote.region_id, remote.token, epoch,
+                                       op.remote_offset + start, ln, op.deadline_wall))
+        views = [head] if read else [head, part]
+        if note is not None:
+            views[1:1] = [v for v in (memoryview(wire.NOTE_LEN.pack(len(note))), memoryview(name),
+                                      memoryview(note)) if v.nbytes]
+        return Piece(rid, read, views, [part] if read else [], report, 0, ln)
 
     def carries_notification(self, op: Any) -> bool:
         """A write the target's server takes as one WRITE frame carrying its note (wire.py FLAG_NOTE):
@@ -361,13 +375,14 @@ class TcpTransport(Transport):
         read = group.kind == "read"
         code = wire.OP_READV if read else wire.OP_WRITEV
         local = group.local.view
-        epoch, remote = self._epoch(group.remote), group.remote
+        remote = group.remote
+        epoch = self._epoch(remote)
         plist: list[Piece] = []
         for a, b in runs:
             rid = next_id()
             size = sum(lens[a:b])
-            head = wire.request(code, 0, b - a, rid, remote.region_id, remote.token, epoch, 0, size,
-                                group.deadline_wall)
+            head = memoryview(wire.request(code, 0, b - a, rid, remote.region_id, remote.token, epoch, 0, size,
+                                           group.deadline_wall))
             ro, ln = roffs[a:b], lens[a:b]
             if not wire.LITTLE:
                 ro.byteswap()
@@ -432,7 +447,7 @@ class TcpTransport(Transport):
         name = str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
         rid = next_id()
         left = max(deadline - time.monotonic(), 0.0)
-        head = wire.request(wire.OP_NOTIFY, 0, len(name), rid, 0, 0, 0, 0, len(data), time.time() + left)
+        head = memoryview(wire.request(wire.OP_NOTIFY, 0, len(name), rid, 0, 0, 0, 0, len(data), time.time() + left))
         done = threading.Event()
         outcome: list[BaseException | None] = []
 

@@ -5,7 +5,7 @@ carrying its notification), is built by one header rule (``wire.request``), leav
 one submit (``TcpTransport._submit`` -> ``Conn.submit``) and its reply is ended by one
 handler (``Conn._one_reply``). The only thing that differs between the fast and the general
 path is which thread does the socket calls: the poster's thread sends (``send_nowait`` in
-``Conn.submit``, the one place) and the ``result()`` caller reads (``drive_entered``, called
+``Conn.submit``, the one place) and the ``result()`` caller reads (``Conn._drive``, called
 from ``client.drive`` only), or the connection's writer and reader threads do. The first
 tests check the call sites in the source; the last ones run each shape over real sockets and
 count frames at the three choke points and which threads did the I/O.
@@ -60,7 +60,7 @@ def test_one_header_rule_one_way_out_one_way_in() -> None:
 def test_the_one_fast_path_is_the_callers_own_thread() -> None:
     # Sent on the poster's thread: one place. Read on the result() caller's: one entry.
     assert set(_calls("send_nowait")) == {("client.py", "submit")}
-    assert set(_calls("drive_entered")) == {("client.py", "drive")}
+    assert set(_calls("_drive")) == {("client.py", "drive")}
     assert set(_calls("drive")) == {("transport.py", "drive"), ("transport.py", "notify")}
 
 
