@@ -472,17 +472,16 @@ class Conn:
 
     # -- a result() caller reading its own reply ----------------------------------------------
 
-    def enter_drive(self, piece: Piece) -> socket.socket | None:
+    def enter_drive(self, piece: Piece) -> bool:
         """Take this connection's replies for a driver (the reader leaves them alone until
-        :meth:`leave_drive`); None when a driver cannot read here now."""
+        :meth:`leave_drive`); False when a driver cannot read here now."""
         with self.lock:
-            sock = self.sock
-            if (sock is None or self.broken or not self.ready or self.driving or self.reading
+            if (self.sock is None or self.broken or not self.ready or self.driving or self.reading
                     or piece.state == DONE or piece.conn is not self or self.pool.tls is not None):
-                return None
+                return False
             self.driving = True
             self._flags[0] = 1
-            return sock
+            return True
 
     def drive_failed(self, exc: OSError | MpcommError) -> None:
         """A driver met a broken stream mid-frame: it can no longer be trusted; end the connection here."""
@@ -520,8 +519,9 @@ class Conn:
                 if self._bell >= 0:
                     os.eventfd_write(self._bell, 1)  # the native reader: its turn now, not at its next look
 
-    def _drive(self, sock: socket.socket, piece: Piece, until: float) -> None:
-        fd = sock.fileno()
+    def _drive(self, piece: Piece, until: float) -> None:
+        sock = self.sock  # set before ``ready``, which enter_drive checked; never replaced
+        fd = sock.fileno()  # type: ignore[union-attr]
         head, hv = self._drive_head  # one driver at a time (``driving``): its header buffer is the connection's
         spin = self.pool.busy_ns
         short = None  # since when a reply has been only partly there
@@ -718,20 +718,17 @@ def drive(pieces: list[Piece], until: float) -> None:
     one after the other (the others' replies wait in their sockets meanwhile). A frame whose
     connection a driver cannot enter now is left to that connection's reader.
     """
-    entered: dict[Conn, socket.socket] = {}
+    entered: list[Conn] = []
     try:
         for piece in pieces:
             conn = piece.conn
-            if conn is not None and conn not in entered:
-                sock = conn.enter_drive(piece)
-                if sock is not None:
-                    entered[conn] = sock
+            if conn is not None and conn not in entered and conn.enter_drive(piece):
+                entered.append(conn)
         for piece in pieces:
             conn = piece.conn
-            sock = entered.get(conn)  # type: ignore[arg-type]
-            if sock is not None and piece.state != DONE:
+            if piece.state != DONE and conn in entered:
                 try:
-                    conn._drive(sock, piece, until)  # type: ignore[union-attr]
+                    conn._drive(piece, until)  # type: ignore[union-attr]
                 except (OSError, MpcommError) as exc:
                     conn.drive_failed(exc)  # type: ignore[union-attr]
     finally:
