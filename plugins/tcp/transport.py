@@ -252,24 +252,8 @@ class TcpTransport(Transport):
                                                    int(idle) if isinstance(idle, int) and idle > 0 else 60_000)
         return pool
 
-    @staticmethod
-    def _epoch(remote: Any) -> int:
-        """``remote``'s epoch as the request header carries it (parsed once per epoch, not per request)."""
-        epoch = _EPOCHS.get(remote.epoch)
-        if epoch is None:
-            epoch = _EPOCHS[remote.epoch] = int(remote.epoch, 16)
-            if len(_EPOCHS) > 1024:
-                _EPOCHS.clear()  # bounded; the epochs in use come back on their next request
-                _EPOCHS[remote.epoch] = epoch
-        return epoch
-
-    @staticmethod
-    def _submit(pool: Pool, conn: Any, piece: Piece, inline: bool) -> None:
-        while not conn.submit(piece, inline):
-            conn = pool.pick_one()  # that one was closing (idle, broken): dial another
-
     def _send(self, unit: Any, pool: Pool, pieces: list[Piece]) -> None:
-        """Every frame of ``unit`` (a request or a group) to its connection: the one way a request's
+        """Every frame of ``unit`` (a request, a group or a notification) to its connection: the one way a request's
         bytes leave (see "Paths" in docs/tcp.md). A frame up to ``inline_threshold`` (a read's
         always: it carries no payload) is tried on this thread first (Conn.submit)."""
         unit.state = pieces
@@ -281,17 +265,20 @@ class TcpTransport(Transport):
             for piece in pieces:
                 piece.report(exc, None, True)
             return
+        inline = self._inline
         for piece in pieces:
+            conn = conns[k % len(conns)]
+            k += 1
             try:
-                self._submit(pool, conns[k % len(conns)], piece, piece.read or piece.size <= self._inline)
+                while not conn.submit(piece, piece.read or piece.size <= inline):
+                    conn = pool.pick_one()  # that one was closing (idle, broken): dial another
             except MpcommError as exc:
                 piece.report(exc, None, True)
-            k += 1
         if unit.aborted:  # aborted while we posted: reach the pieces abort() could not see yet
             self.abort(unit)
 
     def post(self, op: Any) -> None:
-        """One frame for the request (:meth:`_frame`), or one per stripe from ``stripe_threshold`` bytes.
+        """One frame for the request (:func:`_frame`), or one per stripe from ``stripe_threshold`` bytes.
 
         A one-frame request's piece reports ``op`` itself (no
         :class:`~mpcomm.transport_kit.Pieces` between them); a write carrying its notification
@@ -308,7 +295,7 @@ class TcpTransport(Transport):
             return
         pool = self._pool(op.peer, op.remote.address)
         if length < self._stripe_threshold or self._conns == 1:
-            self._send(op, pool, [self._frame(op, 0, length, op.notification, _Reporter(op))])
+            self._send(op, pool, [_frame(op, 0, length, op.notification, _Reporter(op))])
             return
         ranges = stripes(length, min(self._conns, math.ceil(length / (self._stripe_threshold // 2))))
         pieces = Pieces(op, len(ranges))
@@ -316,28 +303,7 @@ class TcpTransport(Transport):
         def report(err: BaseException | None, _status: Any, confirmed: bool) -> None:
             pieces.done(err, confirmed=confirmed)
 
-        self._send(op, pool, [self._frame(op, start, ln, None, report) for start, ln in ranges])
-
-    @staticmethod
-    def _frame(op: Any, start: int, ln: int, note: bytes | None, report: Any) -> Piece:
-        """The frame of ``op``'s bytes [start, start + ln): the one READ/WRITE frame rule."""
-        read = op.kind == "read"
-        remote = op.remote
-        epoch = _EPOCHS.get(remote.epoch)
-        if epoch is None:
-            epoch = TcpTransport._epoch(remote)
-        rid = next_id()
-        lo = op.local_offset + start
-        part = op.local.view[lo : lo + ln]
-        name = b"" if note is None else str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
-        head = memoryview(wire.request(wire.OP_READ if read else wire.OP_WRITE, 0 if note is None else wire.FLAG_NOTE,
-                                       len(name), rid, remote.region_id, remote.token, epoch,
-                                       op.remote_offset + start, ln, op.deadline_wall))
-        views = [head] if read else [head, part]
-        if note is not None:
-            views[1:1] = [v for v in (memoryview(wire.NOTE_LEN.pack(len(note))), memoryview(name),
-                                      memoryview(note)) if v.nbytes]
-        return Piece(rid, read, views, [part] if read else [], report, 0, ln)
+        self._send(op, pool, [_frame(op, start, ln, None, report) for start, ln in ranges])
 
     def carries_notification(self, op: Any) -> bool:
         """A write the target's server takes as one WRITE frame carrying its note (wire.py FLAG_NOTE):
@@ -376,7 +342,7 @@ class TcpTransport(Transport):
         code = wire.OP_READV if read else wire.OP_WRITEV
         local = group.local.view
         remote = group.remote
-        epoch = self._epoch(remote)
+        epoch = _epoch(remote)
         plist: list[Piece] = []
         for a, b in runs:
             rid = next_id()
@@ -457,7 +423,7 @@ class TcpTransport(Transport):
 
         views = [v for v in (head, memoryview(name), memoryview(data)) if v.nbytes]
         piece = Piece(rid, False, views, [], report, 0, len(data))
-        self._submit(pool, pool.pick(1)[0], piece, True)
+        self._send(_Note(), pool, [piece])
         drive([piece], deadline)  # read the reply on this thread when it is there
         conn = piece.conn
         if not done.wait(max(deadline - time.monotonic(), 0.0)):
@@ -527,6 +493,38 @@ class TcpTransport(Transport):
 logging.getLogger("mpcomm.transport.tcp").addHandler(logging.NullHandler())
 
 
+def _epoch(remote: Any) -> int:
+    """``remote``'s epoch as the request header carries it (parsed once per epoch, not per request)."""
+    epoch = _EPOCHS.get(remote.epoch)
+    if epoch is None:
+        epoch = _EPOCHS[remote.epoch] = int(remote.epoch, 16)
+        if len(_EPOCHS) > 1024:
+            _EPOCHS.clear()  # bounded; the epochs in use come back on their next request
+            _EPOCHS[remote.epoch] = epoch
+    return epoch
+
+
+def _frame(op: Any, start: int, ln: int, note: bytes | None, report: Any) -> Piece:
+    """The frame of ``op``'s bytes [start, start + ln): the one READ/WRITE frame rule."""
+    read = op.kind == "read"
+    remote = op.remote
+    epoch = _EPOCHS.get(remote.epoch)
+    if epoch is None:
+        epoch = _epoch(remote)
+    rid = next_id()
+    lo = op.local_offset + start
+    part = op.local.view[lo : lo + ln]
+    name = b"" if note is None else str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
+    head = memoryview(wire.request(wire.OP_READ if read else wire.OP_WRITE, 0 if note is None else wire.FLAG_NOTE,
+                                   len(name), rid, remote.region_id, remote.token, epoch,
+                                   op.remote_offset + start, ln, op.deadline_wall))
+    views = [head] if read else [head, part]
+    if note is not None:
+        views[1:1] = [v for v in (memoryview(wire.NOTE_LEN.pack(len(note))), memoryview(name),
+                                  memoryview(note)) if v.nbytes]
+    return Piece(rid, read, views, [part] if read else [], report, 0, ln)
+
+
 class _Reporter:
     """A one-piece request's report: the piece ends the request (Pieces.done for a count of 1),
     then lets go of it (``op.state`` leads back here: no cycle left for the collector)."""
@@ -542,6 +540,13 @@ class _Reporter:
             op.complete(None)
         else:
             op.fail(err, confirmed=confirmed)
+
+
+class _Note:
+    """A notification's unit for :meth:`TcpTransport._send` (notify() waits for its piece itself)."""
+
+    __slots__ = ("state",)
+    aborted = False
 
 
 def _outside(region: Any, off: int, n: int, index: int | None = None, side: str = "local") -> OutOfBoundsError:

@@ -2,7 +2,7 @@
 
 Every request, whatever its shape (a small write or read, a striped one, a batch, a write
 carrying its notification), is built by one header rule (``wire.request``), leaves through
-one submit (``TcpTransport._submit`` -> ``Conn.submit``) and its reply is ended by one
+one submit (``TcpTransport._send`` -> ``Conn.submit``) and its reply is ended by one
 handler (``Conn._one_reply``). The only thing that differs between the fast and the general
 path is which thread does the socket calls: the poster's thread sends (``send_nowait`` in
 ``Conn.submit``, the one place) and the ``result()`` caller reads (``Conn._drive``, called
@@ -49,9 +49,11 @@ def test_one_header_rule_one_way_out_one_way_in() -> None:
     for p in TCP.glob("*.py"):
         if p.name != "wire.py":
             assert "REQ.pack" not in p.read_text(), p.name
-    assert set(_calls("submit")) == {("transport.py", "_submit")}
-    assert set(_calls("_submit")) == {("transport.py", "_send"), ("transport.py", "notify")}
-    assert set(_calls("_send", ("transport.py",))) == {("transport.py", "post"), ("transport.py", "post_many")}
+    assert set(_calls("submit")) == {("transport.py", "_send")}
+    assert set(_calls("_send", ("transport.py",))) == {("transport.py", "post"), ("transport.py", "post_many"),
+                                                       ("transport.py", "notify")}
+    # One frame rule for single requests and stripes alike.
+    assert set(_calls("_frame")) == {("transport.py", "post")}
     # Replies: one handler, reached by the reader thread or a driver.
     assert set(_calls("_one_reply")) == {("client.py", "_reader"), ("client.py", "_drive"),
                                          ("client.py", "_take_arriving")}
