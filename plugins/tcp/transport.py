@@ -258,17 +258,16 @@ class TcpTransport(Transport):
         always: it carries no payload) is tried on this thread first (Conn.submit)."""
         unit.state = pieces
         n = len(pieces)
-        k = 0
         try:
             conns = pool.pick(n) if n > 1 else (pool.pick_one(),)
         except MpcommError as exc:
             for piece in pieces:
                 piece.report(exc, None, True)
             return
+        if len(conns) < n:  # more frames than connections (a batch over max_batch): round robin
+            conns = [conns[k % len(conns)] for k in range(n)]
         inline = self._inline
-        for piece in pieces:
-            conn = conns[k % len(conns)]
-            k += 1
+        for piece, conn in zip(pieces, conns):
             try:
                 while not conn.submit(piece, piece.read or piece.size <= inline):
                     conn = pool.pick_one()  # that one was closing (idle, broken): dial another
