@@ -784,9 +784,7 @@ class Pool:
             return c
 
     def pick(self, n: int = 1) -> list[Conn]:
-        """``n`` distinct connections (fewer if ``size`` is smaller), least loaded first."""
-        if n == 1:
-            return [self.pick_one()]
+        """``n`` distinct connections (fewer if ``size`` is smaller), least loaded first (one: pick_one)."""
         with self._lock:
             if self.closed:
                 raise PeerConnectionError(f"connections to {self.where} were closed")
