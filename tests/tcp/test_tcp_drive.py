@@ -261,8 +261,8 @@ def test_a_driver_that_leaves_requests_pending_hands_them_to_the_reader_at_once(
     assert lags[len(lags) // 2] < 0.005, f"replies left to the reader waited {lags}"
 
 
-def test_a_callback_after_driven_requests_is_answered_as_promptly_as_before_them(spawn: Any, make_engine: Any,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_callback_after_driven_requests_is_answered_as_promptly_as_before_them(
+        spawn: Any, make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A callback-only request after a stretch of driven ones: adding its callback hands the connection
     to the reader (Transport.undriven, rung through its bell), so its reply is not left for the
     reader's next look, up to LOOK_MAX later (docs/tcp.md, "Paths"). Compared with a callback-only
