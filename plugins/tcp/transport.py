@@ -253,9 +253,9 @@ class TcpTransport(Transport):
         return pool
 
     def _send(self, unit: Any, pool: Pool, pieces: list[Piece]) -> None:
-        """Every frame of ``unit`` (a request, a group or a notification) to its connection: the one way a request's
-        bytes leave (see "Paths" in docs/tcp.md). A frame up to ``inline_threshold`` (a read's
-        always: it carries no payload) is tried on this thread first (Conn.submit)."""
+        """Every frame of ``unit`` (a request, a group or a notification) to its connection: the one
+        way a request's bytes leave (see "Paths" in docs/tcp.md). A frame up to ``inline_threshold``
+        (a read's always: it carries no payload) is tried on this thread first (Conn.submit)."""
         unit.state = pieces
         n = len(pieces)
         try:
