@@ -419,9 +419,14 @@ class Transfer(Future):  # type: ignore[type-arg]
             if not self._settled or self._callbacks:
                 # Not done, or done with earlier callbacks still waiting for the
                 # completion thread: run after them, in registration order.
+                first = not self._callbacks and self.outcome is None
                 self._callbacks.append(fn)
-                return
-        self._call_now(fn)
+            else:
+                first = None
+        if first is None:
+            self._call_now(fn)
+        elif first:
+            undriven(self._driven())  # a callback waits: its answer must not wait for a driver
 
     def _call_now(self, fn: Callable[[Transfer], Any]) -> None:
         """Done, no earlier callback waiting: run ``fn`` here (queued when that would recurse)."""
@@ -681,6 +686,18 @@ class Landed(Transfer):
     def __await__(self) -> Generator[Any, None, Any]:
         return self.bytes_moved
         yield  # a generator that finishes at once: nothing to wait for
+
+
+def undriven(units: tuple[Any, ...]) -> None:
+    """A callback waits for these posted units, perhaps with no ``result()`` caller to drive them:
+    each transport that leaves answers to drivers reads them promptly instead (Transport.undriven)."""
+    for op in units:
+        t = getattr(op, "transport", None)
+        if getattr(type(t), "undriven", Transport.undriven) is not Transport.undriven and not op.done:
+            try:
+                t.undriven(op)
+            except Exception:  # noqa: BLE001 - the answer still comes, later
+                log.exception("transport %s failed in undriven()", t.name)
 
 
 def call_guarded(fn: Callable[[Any], Any], arg: Any) -> None:

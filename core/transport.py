@@ -826,6 +826,12 @@ class Transport:
         its reply frames here, shm runs the copies nobody started yet.
         """
 
+    def undriven(self, op: Operation | OperationGroup) -> None:
+        """Optional: a callback now waits for the posted ``op``, and maybe no ``result()`` caller will
+        :meth:`drive` it. A transport that leaves answers to a driver for a while reads ``op``'s
+        promptly instead. Called on the thread that added the callback, outside every engine
+        lock; never blocks, never raises. The default does nothing (tcp: docs/tcp.md, "Paths")."""
+
     def abort(self, op: Operation | OperationGroup) -> None:
         """``op.abort_exc`` is set: stop ``op`` as soon as possible.
 
@@ -939,6 +945,7 @@ TRANSPORT_CONTRACT: dict[str, ContractMember] = {
     "post_inline": ContractMember("method"),
     "inline_path": ContractMember("method"),
     "drive": ContractMember("method"),
+    "undriven": ContractMember("method"),
     "abort": ContractMember("method"),
     "peer_changed": ContractMember("method"),
     "handle_control": ContractMember("method"),

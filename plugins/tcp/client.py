@@ -9,7 +9,7 @@ instance (host, port, epoch). Each connection has
 * a **reader** thread: it reads replies, matches them to requests by id,
   scatters read payloads straight into the local buffer, and reports;
 * or, instead of the reader, a **driver**: a thread waiting in ``result()``
-  on a one-frame request reads the replies itself (:meth:`Conn.drive`), the
+  on its request reads the replies itself (:func:`drive`), the
   whole ones already in the socket buffer only, and leaves the rest to the
   reader. Exactly one of them reads at a time (``reading``/``driving``).
 
@@ -446,19 +446,25 @@ class Conn:
                 raise ProtocolError(f"reply for a request {rid} that is not awaiting one")
             discard = piece.state == DONE
             self.load -= piece.size
-            # The common reply, a single write that landed: no body follows, so what _reply and
-            # _finish do for it is done under this one hold of the lock.
-            landed = (status == wire.ST_OK and not length and not count and not piece.read and not piece.count
-                      and not discard)
+            self.last_used = time.monotonic()
+            # A write's (or batch write's) OK is the whole reply: no body follows, so it ends the
+            # piece under this one hold of the lock. Every other reply has a body (_reply).
+            landed = status == wire.ST_OK and not piece.read
             if landed:
+                if length or count != piece.count:
+                    if not discard:
+                        piece.state = RECEIVING
+                        self.current = piece  # _fail_all reports it
+                    raise ProtocolError(f"reply from {self.pool.where} announces {length} bytes, expected 0")
                 piece.state = DONE
-                self.last_used = time.monotonic()
             elif not discard:
                 piece.state = RECEIVING
                 self.current = piece  # _fail_all reports it if the reply breaks off
         if landed:
-            # Aborted meanwhile: it landed in full all the same; op.fail reports the abort (_finish).
-            piece.report(PeerConnectionError("aborted; the target answered") if piece.aborted else None, None, True)
+            if not discard:
+                # Aborted meanwhile: it landed in full all the same; op.fail reports the abort (_finish).
+                piece.report(PeerConnectionError("aborted; the target answered") if piece.aborted else None, None,
+                             True)
             return
         self._reply(sock, piece, status, count, length, discard)
         self.current = None
@@ -466,45 +472,18 @@ class Conn:
 
     # -- a result() caller reading its own reply ----------------------------------------------
 
-    def drive(self, piece: Piece, until: float) -> None:
-        """Read replies on this thread until ``piece`` is reported (see Transport.drive).
-
-        Only whole replies that already sit in the socket buffer are taken, so
-        this thread never blocks inside a frame: anything else (a reply still
-        arriving after a short poll, a partial status, the end of the
-        connection, a malformed header) is left to the reader thread, which
-        takes over when this returns.
-        """
-        sock = self.enter_drive(piece)
-        if sock is None:
-            return
-        try:  # drive_entered, inlined: this runs once per request waited on
-            self._drive(sock, piece, until)
-        except (OSError, MpcommError) as exc:
-            self._drive_failed(exc)
-        finally:
-            self.leave_drive()
-
-    def enter_drive(self, piece: Piece) -> socket.socket | None:
+    def enter_drive(self, piece: Piece) -> bool:
         """Take this connection's replies for a driver (the reader leaves them alone until
-        :meth:`leave_drive`); None when a driver cannot read here now."""
+        :meth:`leave_drive`); False when a driver cannot read here now."""
         with self.lock:
-            sock = self.sock
-            if (sock is None or self.broken or not self.ready or self.driving or self.reading
+            if (self.sock is None or self.broken or not self.ready or self.driving or self.reading
                     or piece.state == DONE or piece.conn is not self or self.pool.tls is not None):
-                return None
+                return False
             self.driving = True
             self._flags[0] = 1
-            return sock
+            return True
 
-    def drive_entered(self, sock: socket.socket, piece: Piece, until: float) -> None:
-        """:meth:`drive` on a connection this thread entered (:meth:`enter_drive`)."""
-        try:
-            self._drive(sock, piece, until)
-        except (OSError, MpcommError) as exc:
-            self._drive_failed(exc)
-
-    def _drive_failed(self, exc: OSError | MpcommError) -> None:
+    def drive_failed(self, exc: OSError | MpcommError) -> None:
         """A driver met a broken stream mid-frame: it can no longer be trusted; end the connection here."""
         if isinstance(exc, ProtocolError):
             self.pool.log.warning("tcp: closing data connection to %s: %s", self.pool.where, exc)
@@ -513,6 +492,20 @@ class Conn:
         with self.lock:
             self._shut(socket.SHUT_RDWR)
         self._fail_all(err, reader_started=True)
+
+    def hand_to_reader(self) -> None:
+        """No driver will read the replies pending here (a callback waits for one): the reader reads
+        them at once from now on, instead of leaving them to a driver and looking only every
+        LOOK_MAX. A driver at work hands them over itself when it leaves (:meth:`leave_drive`),
+        and the next driven reply makes the connection sticky again."""
+        with self.lock:
+            if self.driving or not self.sticky or self.broken:
+                return
+            self.sticky = False
+            self._flags[1] = 0
+            self.rcv.notify()
+            if self._bell >= 0:
+                os.eventfd_write(self._bell, 1)  # ends the native reader's sleep between looks
 
     def leave_drive(self) -> None:
         """Hand the replies back: to the next driver (sticky) or, if some are due, to the reader."""
@@ -526,57 +519,50 @@ class Conn:
                 if self._bell >= 0:
                     os.eventfd_write(self._bell, 1)  # the native reader: its turn now, not at its next look
 
-    def _drive(self, sock: socket.socket, piece: Piece, until: float) -> None:
-        fd = sock.fileno()
+    def _drive(self, piece: Piece, until: float) -> None:
+        sock = self.sock  # set before ``ready``, which enter_drive checked; never replaced
+        fd = sock.fileno()  # type: ignore[union-attr]
         head, hv = self._drive_head  # one driver at a time (``driving``): its header buffer is the connection's
-        poller = self._drive_poll
         spin = self.pool.busy_ns
         short = None  # since when a reply has been only partly there
-        nxt = busypoll.next_reply
+        nxt = busypoll.next_reply or self._next_reply
         while piece.state != DONE:
             now = time.monotonic()
             if now >= until:
                 return
-            if nxt is not None:  # the steps below, in one call (busypoll.py)
-                r = nxt(fd, spin, math.ceil(min(until - now, _DRIVE_SLICE) * 1000), _DRIVE_MAX, head)
-                if r == busypoll.REPLY_GOT:
-                    short = None
-                    self._one_reply(sock, head)
-                    self.driven += 1
-                elif r == busypoll.REPLY_SHORT:
-                    if until == math.inf and self._take_arriving(sock, hv, head):
-                        short = None
-                        continue
-                    short = now if short is None else short
-                    if now - short > spin / 1e9:
-                        return  # still arriving: the reader blocks for the rest, this thread need not
-                elif r != busypoll.REPLY_NONE:
-                    return  # not a reply this thread takes: the reader does
-                continue
-            if not busypoll.wait_readable(fd, spin) and not poller.poll(
-                    math.ceil(min(until - now, _DRIVE_SLICE) * 1000)):
-                continue
-            try:
-                got = sock.recv_into(hv, wire.RESP.size, _PEEK)
-            except BlockingIOError:
-                continue
-            if got == 0:
-                return  # the end of the connection: the reader meets it and reports
-            whole = got == wire.RESP.size and self._whole(fd, head)
-            if whole is None:
-                return  # not a reply this thread takes: the reader does
-            if not whole:
+            r = nxt(fd, spin, math.ceil(min(until - now, _DRIVE_SLICE) * 1000), _DRIVE_MAX, head)
+            if r == busypoll.REPLY_GOT:
+                short = None
+                self._one_reply(sock, head)
+                self.driven += 1
+            elif r == busypoll.REPLY_SHORT:
                 if until == math.inf and self._take_arriving(sock, hv, head):
                     short = None
                     continue
                 short = now if short is None else short
                 if now - short > spin / 1e9:
                     return  # still arriving: the reader blocks for the rest, this thread need not
-                continue
-            short = None
-            self._recv_exact(sock, hv)  # all of it is in the buffer: none of these calls block
-            self._one_reply(sock, head)
-            self.driven += 1
+            elif r != busypoll.REPLY_NONE:
+                return  # not a reply this thread takes (or the end of the connection): the reader's
+
+    def _next_reply(self, fd: int, spin: int, wait_ms: int, max_len: int, head: bytearray) -> int:
+        """busypoll.next_reply's Python twin (no compiled helper, or MPCOMM_TCP_NATIVE_WAITS=0)."""
+        if not busypoll.wait_readable(fd, spin) and not self._drive_poll.poll(wait_ms):
+            return busypoll.REPLY_NONE
+        hv = self._drive_head[1]
+        try:
+            got = self.sock.recv_into(hv, wire.RESP.size, _PEEK)  # type: ignore[union-attr]
+        except BlockingIOError:
+            return busypoll.REPLY_NONE
+        if got == 0:
+            return busypoll.REPLY_LEAVE  # the end of the connection: the reader meets it and reports
+        whole = got == wire.RESP.size and self._whole(fd, head, max_len)
+        if whole is None:
+            return busypoll.REPLY_LEAVE
+        if not whole:
+            return busypoll.REPLY_SHORT
+        self._recv_exact(self.sock, hv)  # type: ignore[arg-type]  # all of it is in the buffer: no block
+        return busypoll.REPLY_GOT
 
     def _take_arriving(self, sock: socket.socket, hv: memoryview, head: bytearray) -> bool:
         """A driver with no time limit (``result()`` without a timeout) reads a reply that is still
@@ -597,10 +583,10 @@ class Conn:
         self.driven += 1
         return True
 
-    def _whole(self, fd: int, head: bytearray) -> bool | None:
+    def _whole(self, fd: int, head: bytearray, max_len: int) -> bool | None:
         """Whether the reply whose header is ``head`` sits whole in the socket buffer; None: not for a driver."""
         magic, status, _flags, _count, _rid, length = wire.RESP.unpack(head)
-        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR, wire.ST_PARTIAL) or length > _DRIVE_MAX:
+        if magic != wire.RESP_MAGIC or status not in (wire.ST_OK, wire.ST_ERR, wire.ST_PARTIAL) or length > max_len:
             return None
         if length == 0:
             return True
@@ -639,12 +625,11 @@ class Conn:
     def _reply(self, sock: socket.socket, piece: Piece, status: int, count: int, length: int,
                discard: bool) -> None:
         where = self.pool.where
-        if status == wire.ST_OK:
-            expect = sum(v.nbytes for v in piece.dests) if piece.read else 0
+        if status == wire.ST_OK:  # a read's (a write's OK has no body: _one_reply ended it)
+            expect = sum(v.nbytes for v in piece.dests)
             if length != expect or count != piece.count:
                 raise ProtocolError(f"reply from {where} announces {length} bytes, expected {expect}")
-            if piece.read:
-                self._payload(sock, piece.dests, discard)
+            self._payload(sock, piece.dests, discard)
             self._finish(piece, None, None, discard)
             return
         if status == wire.ST_ERR:
@@ -724,6 +709,33 @@ class Conn:
             self._shut(socket.SHUT_RDWR)  # wakes the writer and the reader
 
 
+def drive(pieces: list[Piece], until: float) -> None:
+    """Read the replies of ``pieces`` (one request's frames) on this thread, the ``result()``
+    caller's, until they are reported or ``until`` passes (see the module docstring).
+
+    Every connection that carries one of them is entered first, so no reader takes a reply
+    of this request while this thread reads another connection's; then the frames are driven
+    one after the other (the others' replies wait in their sockets meanwhile). A frame whose
+    connection a driver cannot enter now is left to that connection's reader.
+    """
+    entered: list[Conn] = []
+    try:
+        for piece in pieces:
+            conn = piece.conn
+            if conn is not None and conn not in entered and conn.enter_drive(piece):
+                entered.append(conn)
+        for piece in pieces:
+            conn = piece.conn
+            if piece.state != DONE and conn in entered:
+                try:
+                    conn._drive(piece, until)  # type: ignore[union-attr]
+                except (OSError, MpcommError) as exc:
+                    conn.drive_failed(exc)  # type: ignore[union-attr]
+    finally:
+        for conn in entered:
+            conn.leave_drive()
+
+
 def _load(conn: Conn) -> int:
     return conn.load
 
@@ -772,9 +784,7 @@ class Pool:
             return c
 
     def pick(self, n: int = 1) -> list[Conn]:
-        """``n`` distinct connections (fewer if ``size`` is smaller), least loaded first."""
-        if n == 1:
-            return [self.pick_one()]
+        """``n`` distinct connections (fewer if ``size`` is smaller), least loaded first (one: pick_one)."""
         with self._lock:
             if self.closed:
                 raise PeerConnectionError(f"connections to {self.where} were closed")

@@ -58,7 +58,7 @@ from mpcomm.peer import PeerInfo, parse_endpoint
 from mpcomm.transport_kit import AcceptLoop, FenceTimer, Pieces, stripes
 
 from . import dataport, wire
-from .client import DONE, Piece, Pool, next_id
+from .client import Piece, Pool, drive, next_id
 from .server import Server
 from .staging import Staged
 from .staging import state_of as staging_state
@@ -165,8 +165,13 @@ class TcpTransport(Transport):
             if pool is None:
                 o = self.ctx.options
                 pool = self._pinned = cuda_runtime.PinnedPool(int(o["staging_chunk"]), int(o["staging_limit"]))
-        st = op.state = Staged(op, pool, self.post)
+        st = op.state = Staged(op, pool, self._post_chunk)
         st.start()
+
+    def _post_chunk(self, sub: Any) -> None:
+        """A staged chunk (staging.py): staging's own callback waits for it, never a driver."""
+        self.post(sub)
+        self.undriven(sub)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -247,50 +252,57 @@ class TcpTransport(Transport):
                                                    int(idle) if isinstance(idle, int) and idle > 0 else 60_000)
         return pool
 
-    def _header(self, op_code: int, count: int, rid: int, remote: Any, offset: int, length: int,
-                deadline: float) -> memoryview:
-        return memoryview(wire.REQ.pack(wire.REQ_MAGIC, op_code, 0, count, rid, remote.region_id, remote.token,
-                                        int(remote.epoch, 16), offset, length, deadline))
-
-    @staticmethod
-    def _submit(pool: Pool, conn: Any, piece: Piece, inline: bool) -> None:
-        while not conn.submit(piece, inline):
-            conn = pool.pick_one()  # that one was closing (idle, broken): dial another
+    def _send(self, unit: Any, pool: Pool, pieces: list[Piece]) -> None:
+        """Every frame of ``unit`` (a request, a group or a notification) to its connection: the one
+        way a request's bytes leave (see "Paths" in docs/tcp.md). A frame up to ``inline_threshold``
+        (a read's always: it carries no payload) is tried on this thread first (Conn.submit)."""
+        unit.state = pieces
+        n = len(pieces)
+        try:
+            conns = pool.pick(n) if n > 1 else (pool.pick_one(),)
+        except MpcommError as exc:
+            for piece in pieces:
+                piece.report(exc, None, True)
+            return
+        if len(conns) < n:  # more frames than connections (a batch over max_batch): round robin
+            conns = [conns[k % len(conns)] for k in range(n)]
+        inline = self._inline
+        for piece, conn in zip(pieces, conns):
+            try:
+                while not conn.submit(piece, piece.read or piece.size <= inline):
+                    conn = pool.pick_one()  # that one was closing (idle, broken): dial another
+            except MpcommError as exc:
+                piece.report(exc, None, True)
+        if unit.aborted:  # aborted while we posted: reach the pieces abort() could not see yet
+            self.abort(unit)
 
     def post(self, op: Any) -> None:
-        if op.length == 0:
+        """One frame for the request (:func:`_frame`), or one per stripe from ``stripe_threshold`` bytes.
+
+        A one-frame request's piece reports ``op`` itself (no
+        :class:`~mpcomm.transport_kit.Pieces` between them); a write carrying its notification
+        (``op.notification``, only ever a one-frame write: :meth:`carries_notification`) has it
+        between header and data."""
+        length = op.length
+        if length == 0:
             op.complete(0)
             return
-        if not 0 <= op.local_offset <= op.local.size - op.length:
-            raise _outside(op.local, op.local_offset, op.length)
+        if not 0 <= op.local_offset <= op.local.size - length:
+            raise _outside(op.local, op.local_offset, length)
         if op.local.kind != "host":
             self._stage(op)
             return
         pool = self._pool(op.peer, op.remote.address)
-        if op.length < self._stripe_threshold or self._conns == 1:
-            self._post_one(op, pool)  # the common small request: one frame, no striping
+        if length < self._stripe_threshold or self._conns == 1:
+            self._send(op, pool, [_frame(op, 0, length, op.notification, _Reporter(op))])
             return
-        ranges = stripes(op.length, min(self._conns, math.ceil(op.length / (self._stripe_threshold // 2))))
+        ranges = stripes(length, min(self._conns, math.ceil(length / (self._stripe_threshold // 2))))
         pieces = Pieces(op, len(ranges))
-        plist: list[Piece] = []
-        op.state = plist
-        read = op.kind == "read"
-        code = wire.OP_READ if read else wire.OP_WRITE
-        conns = pool.pick(len(ranges))
-        view = op.local_view
-        for i, (start, ln) in enumerate(ranges):
-            rid = next_id()
-            head = self._header(code, 0, rid, op.remote, op.remote_offset + start, ln, op.deadline_wall)
-            part = view[start : start + ln]
-            piece = Piece(rid, read, [head] if read else [head, part], [part] if read else [],
-                          lambda err, _status, confirmed: pieces.done(err, confirmed=confirmed), 0, ln)
-            plist.append(piece)
-            try:
-                self._submit(pool, conns[i % len(conns)], piece, read or ln <= self._inline)
-            except MpcommError as exc:
-                piece.report(exc, None, True)
-        if op.aborted:  # aborted while we posted: reach the pieces abort() could not see yet
-            self.abort(op)
+
+        def report(err: BaseException | None, _status: Any, confirmed: bool) -> None:
+            pieces.done(err, confirmed=confirmed)
+
+        self._send(op, pool, [_frame(op, start, ln, None, report) for start, ln in ranges])
 
     def carries_notification(self, op: Any) -> bool:
         """A write the target's server takes as one WRITE frame carrying its note (wire.py FLAG_NOTE):
@@ -299,39 +311,6 @@ class TcpTransport(Transport):
         info = op.peer.transports.get(self.name) if op.peer is not None else None
         return (bool(info and info.get("write_note")) and not self.closed and 0 < op.length
                 and (op.length < self._stripe_threshold or self._conns == 1) and op.local.kind == "host")
-
-    def _post_one(self, op: Any, pool: Pool) -> None:
-        """One frame for the whole request: what ``post`` does for one stripe, with no
-        :class:`~mpcomm.transport_kit.Pieces` between the piece and ``op`` (the piece reports it).
-        A write carrying its notification (``op.notification``) has it between header and data."""
-        read = op.kind == "read"
-        length, remote = op.length, op.remote
-        rid = next_id()
-        note = op.notification
-        name = b"" if note is None else str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
-        epoch = _EPOCHS.get(remote.epoch)
-        if epoch is None:
-            epoch = _EPOCHS[remote.epoch] = int(remote.epoch, 16)
-            if len(_EPOCHS) > 1024:
-                _EPOCHS.clear()  # bounded; the epochs in use come back on their next request
-                _EPOCHS[remote.epoch] = epoch
-        head = memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_READ if read else wire.OP_WRITE,
-                                        0 if note is None else wire.FLAG_NOTE, len(name), rid,
-                                        remote.region_id, remote.token, epoch, op.remote_offset,
-                                        length, op.deadline_wall))
-        part = op.local.view[op.local_offset : op.local_offset + length]
-        views = [head] if read else [head, part]
-        if note is not None:
-            views[1:1] = [v for v in (memoryview(wire.NOTE_LEN.pack(len(note))), memoryview(name), memoryview(note))
-                          if v.nbytes]
-        piece = Piece(rid, read, views, [part] if read else [], _Reporter(op), 0, length)
-        op.state = [piece]
-        try:
-            self._submit(pool, pool.pick_one(), piece, read or length <= self._inline)
-        except MpcommError as exc:
-            piece.report(exc, None, True)
-        if op.aborted:  # aborted while we posted: reach the piece abort() could not see yet
-            self.abort(op)
 
     def post_many(self, group: Any) -> None:
         """One frame per connection for the whole group (see the module docstring)."""
@@ -361,13 +340,14 @@ class TcpTransport(Transport):
         read = group.kind == "read"
         code = wire.OP_READV if read else wire.OP_WRITEV
         local = group.local.view
+        remote = group.remote
+        epoch = _epoch(remote)
         plist: list[Piece] = []
-        group.state = plist
-        conns = pool.pick(len(runs))
-        for k, (a, b) in enumerate(runs):
+        for a, b in runs:
             rid = next_id()
             size = sum(lens[a:b])
-            head = self._header(code, b - a, rid, group.remote, 0, size, group.deadline_wall)
+            head = memoryview(wire.request(code, 0, b - a, rid, remote.region_id, remote.token, epoch, 0, size,
+                                           group.deadline_wall))
             ro, ln = roffs[a:b], lens[a:b]
             if not wire.LITTLE:
                 ro.byteswap()
@@ -376,14 +356,9 @@ class TcpTransport(Transport):
             views = [head, memoryview(ro).cast("B"), memoryview(ln).cast("B")]
             if not read:
                 views += [p for p in parts if p.nbytes]
-            piece = Piece(rid, read, views, parts if read else [], self._group_reporter(group, a, b), b - a, size)
-            plist.append(piece)
-            try:
-                self._submit(pool, conns[k % len(conns)], piece, size <= self._inline)
-            except MpcommError as exc:
-                piece.report(exc, None, True)
-        if group.aborted:
-            self.abort(group)
+            plist.append(Piece(rid, read, views, parts if read else [], self._group_reporter(group, a, b), b - a,
+                               size))
+        self._send(group, pool, plist)
 
     def _runs(self, lens: Any, total: int, pool: Pool) -> list[tuple[int, int]]:
         """Contiguous index runs: one per connection for a large group, none over the peer's max_batch."""
@@ -437,8 +412,7 @@ class TcpTransport(Transport):
         name = str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
         rid = next_id()
         left = max(deadline - time.monotonic(), 0.0)
-        head = memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.OP_NOTIFY, 0, len(name), rid, 0, 0, 0, 0, len(data),
-                                        time.time() + left))
+        head = memoryview(wire.request(wire.OP_NOTIFY, 0, len(name), rid, 0, 0, 0, 0, len(data), time.time() + left))
         done = threading.Event()
         outcome: list[BaseException | None] = []
 
@@ -448,10 +422,9 @@ class TcpTransport(Transport):
 
         views = [v for v in (head, memoryview(name), memoryview(data)) if v.nbytes]
         piece = Piece(rid, False, views, [], report, 0, len(data))
-        self._submit(pool, pool.pick(1)[0], piece, True)
+        self._send(_Note(), pool, [piece])
+        drive([piece], deadline)  # read the reply on this thread when it is there
         conn = piece.conn
-        if conn is not None:
-            conn.drive(piece, deadline)  # read the reply on this thread when it is there
         if not done.wait(max(deadline - time.monotonic(), 0.0)):
             if conn is not None:
                 conn.abort(piece)
@@ -461,38 +434,20 @@ class TcpTransport(Transport):
         return True
 
     def drive(self, op: Any, until: float) -> None:
-        """Read the replies of ``op``'s frames on the ``result()`` caller's thread (see Conn.drive).
-
-        Every frame: a striped request's stripes and a batch's runs, on whichever connections
-        they went, one after the other (the replies of the others wait in their sockets
-        meanwhile). A frame whose connection a driver cannot read now is left to that
-        connection's reader, and so is the rest of the request.
-        """
+        """Read the replies of ``op``'s frames on the ``result()`` caller's thread (client.drive)."""
         plist = op.state
-        if type(plist) is not list or not plist:
-            return  # not posted yet, or staged (a Staged stands there, with its own host requests)
-        if len(plist) == 1:
-            conn = plist[0].conn
-            if conn is not None:
-                conn.drive(plist[0], until)
-            return
-        # Every connection first, so no reader takes a reply of this request while this
-        # thread reads another connection's.
-        entered: dict[Any, Any] = {}
-        try:
+        if type(plist) is list and plist:  # else not posted yet, or staged (a Staged stands there)
+            drive(plist, until)
+
+    def undriven(self, op: Any) -> None:
+        """No ``result()`` caller will drive ``op`` (a callback waits for it): its connections'
+        readers read its replies at once (client.Conn.hand_to_reader), not at their next look."""
+        plist = op.state
+        if type(plist) is list:
             for piece in plist:
                 conn = piece.conn
-                if conn is not None and conn not in entered:
-                    sock = conn.enter_drive(piece)
-                    if sock is not None:
-                        entered[conn] = sock
-            for piece in plist:
-                sock = entered.get(piece.conn)
-                if sock is not None and piece.state != DONE:
-                    piece.conn.drive_entered(sock, piece, until)
-        finally:
-            for conn in entered:
-                conn.leave_drive()
+                if conn is not None:
+                    conn.hand_to_reader()
 
     def abort(self, op: Any) -> None:
         staged = staging_state(op)
@@ -537,6 +492,38 @@ class TcpTransport(Transport):
 logging.getLogger("mpcomm.transport.tcp").addHandler(logging.NullHandler())
 
 
+def _epoch(remote: Any) -> int:
+    """``remote``'s epoch as the request header carries it (parsed once per epoch, not per request)."""
+    epoch = _EPOCHS.get(remote.epoch)
+    if epoch is None:
+        epoch = _EPOCHS[remote.epoch] = int(remote.epoch, 16)
+        if len(_EPOCHS) > 1024:
+            _EPOCHS.clear()  # bounded; the epochs in use come back on their next request
+            _EPOCHS[remote.epoch] = epoch
+    return epoch
+
+
+def _frame(op: Any, start: int, ln: int, note: bytes | None, report: Any) -> Piece:
+    """The frame of ``op``'s bytes [start, start + ln): the one READ/WRITE frame rule."""
+    read = op.kind == "read"
+    remote = op.remote
+    epoch = _EPOCHS.get(remote.epoch)
+    if epoch is None:
+        epoch = _epoch(remote)
+    rid = next_id()
+    lo = op.local_offset + start
+    part = op.local.view[lo : lo + ln]
+    name = b"" if note is None else str(remote.name).encode("utf-8", "replace")[: wire.MAX_NOTE_REGION]
+    head = memoryview(wire.request(wire.OP_READ if read else wire.OP_WRITE, 0 if note is None else wire.FLAG_NOTE,
+                                   len(name), rid, remote.region_id, remote.token, epoch,
+                                   op.remote_offset + start, ln, op.deadline_wall))
+    views = [head] if read else [head, part]
+    if note is not None:
+        views[1:1] = [v for v in (memoryview(wire.NOTE_LEN.pack(len(note))), memoryview(name),
+                                  memoryview(note)) if v.nbytes]
+    return Piece(rid, read, views, [part] if read else [], report, 0, ln)
+
+
 class _Reporter:
     """A one-piece request's report: the piece ends the request (Pieces.done for a count of 1),
     then lets go of it (``op.state`` leads back here: no cycle left for the collector)."""
@@ -552,6 +539,13 @@ class _Reporter:
             op.complete(None)
         else:
             op.fail(err, confirmed=confirmed)
+
+
+class _Note:
+    """A notification's unit for :meth:`TcpTransport._send` (notify() waits for its piece itself)."""
+
+    __slots__ = ("state",)
+    aborted = False
 
 
 def _outside(region: Any, off: int, n: int, index: int | None = None, side: str = "local") -> OutOfBoundsError:

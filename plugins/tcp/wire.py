@@ -48,6 +48,7 @@ with :data:`RESP`, so a change here that it misses fails there.
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 
@@ -67,6 +68,12 @@ MAX_NOTIFY = 64 << 10  # the largest note any node takes (mpcomm.engine.notify.M
 ST_OK, ST_ERR, ST_PARTIAL = 0, 1, 2
 MAX_ERROR_PAYLOAD = 64 << 10
 LITTLE = sys.byteorder == "little"
+
+
+#: A REQ header's bytes: ``request(op, flags, count, req_id, region_id, token, epoch, offset, length,
+#: deadline)``. Every frame the initiator sends starts with one built here (a C call: no Python frame
+#: per request).
+request = functools.partial(REQ.pack, REQ_MAGIC)
 
 
 def ident(text: str) -> bytes:

@@ -259,3 +259,40 @@ def test_a_driver_that_leaves_requests_pending_hands_them_to_the_reader_at_once(
         lags.append(time.monotonic() - left)
     lags.sort()
     assert lags[len(lags) // 2] < 0.005, f"replies left to the reader waited {lags}"
+
+
+def test_a_callback_after_driven_requests_is_answered_as_promptly_as_before_them(
+        spawn: Any, make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A callback-only request after a stretch of driven ones: adding its callback hands the connection
+    to the reader (Transport.undriven, rung through its bell), so its reply is not left for the
+    reader's next look, up to LOOK_MAX later (docs/tcp.md, "Paths"). Compared with a callback-only
+    write on the same fresh connection before any driven one, median of five engines; LOOK_MAX is
+    made 100 ms so a reply left to the next look shows whatever the machine's load."""
+    monkeypatch.setattr(client, "LOOK_MAX", 0.1)
+    target = spawn()
+
+    def callback_lag(ini: mpcomm.Engine, remote: Any, src: Any) -> float:
+        done = threading.Event()
+        t0 = time.monotonic()
+        ini.write(src, remote, 0, 4096).add_done_callback(lambda _t: done.set())
+        assert done.wait(10)
+        return time.monotonic() - t0
+
+    before, after = [], []
+    for _ in range(5):
+        ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
+        remote = ini.open(target.address, "kv")
+        src = ini.allocate(8192)
+        callback_lag(ini, remote, src)  # the connection is dialled
+        before.append(callback_lag(ini, remote, src))
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.3:  # driven: the reader's looks grow LOOK_MAX apart
+            ini.write(src, remote, 4096, 4096, local_offset=4096).result(10)
+        after.append(callback_lag(ini, remote, src))
+        ini.close()
+    before.sort()
+    after.sort()
+    base = before[2]
+    print(f"callback-only reply, median of 5: {base * 1e3:.2f} ms before driven requests, {after[2] * 1e3:.2f} after")
+    assert after[2] <= 4 * base + 5 * client.HANDOFF, (
+        f"callback-only replies after driven requests waited {after}, before them {before} (s)")
