@@ -356,7 +356,7 @@ class TcpTransport(Transport):
             views = [head, memoryview(ro).cast("B"), memoryview(ln).cast("B")]
             if not read:
                 views += [p for p in parts if p.nbytes]
-            plist.append(Piece(rid, read, views, parts if read else [], self._group_reporter(group, a, b), b - a,
+            plist.append(Piece(rid, read, views, parts if read else [], _GroupReporter(group, a, b), b - a,
                                size))
         self._send(group, pool, plist)
 
@@ -381,23 +381,6 @@ class TcpTransport(Transport):
         if a < count:
             runs.append((a, count))
         return runs
-
-    @staticmethod
-    def _group_reporter(group: Any, a: int, b: int) -> Any:
-        def report(err: BaseException | None, status: bytes | None, confirmed: bool) -> None:
-            if err is None:
-                group.complete(indices=range(a, b))
-                return
-            if status is None:
-                group.fail(err, indices=range(a, b), confirmed=confirmed)
-                return
-            ok = [a + i for i, s in enumerate(status) if not s]
-            bad = [a + i for i, s in enumerate(status) if s]
-            if ok:
-                group.complete(indices=ok)
-            group.fail(err, indices=bad, confirmed=confirmed)
-
-        return report
 
     def notify(self, peer: PeerInfo, remote: Any, data: bytes, deadline: float) -> bool:
         """A NOTIFY frame on a data connection, where the peer's native data port takes them.
@@ -539,6 +522,31 @@ class _Reporter:
             op.complete(None)
         else:
             op.fail(err, confirmed=confirmed)
+
+
+class _GroupReporter:
+    """A group run's report (indices ``a``..``b``): like :class:`_Reporter`, it lets go of the group
+    once it reported, since ``group.state`` holds the pieces that hold this."""
+
+    __slots__ = ("group", "a", "b")
+
+    def __init__(self, group: Any, a: int, b: int) -> None:
+        self.group, self.a, self.b = group, a, b
+
+    def __call__(self, err: BaseException | None, status: bytes | None, confirmed: bool) -> None:
+        group, self.group = self.group, None
+        a, b = self.a, self.b
+        if err is None:
+            group.complete(indices=range(a, b))
+            return
+        if status is None:
+            group.fail(err, indices=range(a, b), confirmed=confirmed)
+            return
+        ok = [a + i for i, s in enumerate(status) if not s]
+        bad = [a + i for i, s in enumerate(status) if s]
+        if ok:
+            group.complete(indices=ok)
+        group.fail(err, indices=bad, confirmed=confirmed)
 
 
 class _Note:

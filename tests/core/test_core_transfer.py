@@ -498,7 +498,9 @@ def test_numpy_integers_are_offsets_and_lengths(kv: Any) -> None:
 
 
 @pytest.mark.parametrize("how", ["submit", "write_many", "read_many", "prepared", "members", "submit-notify"])
-def test_a_finished_batch_and_its_groups_are_freed_without_the_cyclic_gc(make_engine: Any, how: str) -> None:
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_finished_batch_and_its_groups_are_freed_without_the_cyclic_gc(make_engine: Any, how: str,
+                                                                         transport: str) -> None:
     """Batch -> parts -> group -> batch (the engine's back reference) and member -> group ->
     member_handles -> member were cycles: every finished batch waited for the cycle collector.
     With the collector off, the batch and its groups go when the caller drops the handle."""
@@ -507,7 +509,7 @@ def test_a_finished_batch_and_its_groups_are_freed_without_the_cyclic_gc(make_en
 
     from mpcomm.transport import OperationGroup
 
-    target, ini = make_engine(transports=["shm"]), make_engine(transports=["shm"])
+    target, ini = make_engine(transports=[transport]), make_engine(transports=[transport])
     target.register(bytearray(1 << 16), name="kv")
     remote = ini.open(target.address, "kv")
     src = ini.register(bytearray(1 << 16), name="src")
