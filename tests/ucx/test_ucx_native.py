@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ucx_support import ERR_IO, FREE, PROGRESS, RMA, StandInLane
+from ucx_support import ERR_IO, FREE, PROGRESS, RMA, StandInLane, ucx_pair
 
 from mpcomm.plugins.ucx import _native
 
@@ -68,18 +68,7 @@ def test_a_refused_merged_operation_marks_every_piece_it_covered(lib: Any) -> No
 
 def test_adjacent_batch_lands_whole_through_real_ucx() -> None:
     """A contiguous 64 x 4 KiB write_many/read_many (merged into one put/get) lands byte for byte."""
-    import mpcomm
-    from mpcomm.plugins.ucx.transport import UcxTransport
-
-    avail = UcxTransport.availability()
-    if not avail:
-        pytest.skip(f"ucx transport unavailable: {avail.reason}")
-    target = mpcomm.Engine(transports=["ucx"])
-    ini = mpcomm.Engine(transports=["ucx"])
-    try:
-        kv = target.allocate(1 << 20, name="kv")
-        remote = ini.open(target.address, "kv")
-        src = ini.allocate(1 << 20, name="src")
+    with ucx_pair() as (target, ini, kv, remote, src):
         n, size = 64, 4096
         src.view[: n * size] = bytes(range(256)) * (n * size // 256)
         lo = [i * size for i in range(n)]
@@ -91,28 +80,16 @@ def test_adjacent_batch_lands_whole_through_real_ucx() -> None:
         back = ini.read_many(src, remote, [(512 << 10) + x for x in lo], ro, [size] * n)
         assert back.result(10) == n * size
         assert bytes(src.view[512 << 10:(512 << 10) + n * size]) == bytes(src.view[: n * size])
-    finally:
-        ini.close(timeout=5)
-        target.close(timeout=5)
 
 
 def test_a_group_to_an_attached_region_goes_in_one_native_call_and_lands() -> None:
     """post_many's hot path: once the region is attached, each write_many/submit group is issued
     and flushed in one native call (and, on a local-copy lane, reported inside it), byte for byte."""
     import mpcomm
-    from mpcomm.plugins.ucx.transport import UcxTransport
 
-    avail = UcxTransport.availability()
-    if not avail:
-        pytest.skip(f"ucx transport unavailable: {avail.reason}")
     if _native.module() is None:
         pytest.skip(f"no extension module for the ucx helper: {_native.reason}")
-    target = mpcomm.Engine(transports=["ucx"])
-    ini = mpcomm.Engine(transports=["ucx"])
-    try:
-        kv = target.allocate(1 << 20, name="kv")
-        remote = ini.open(target.address, "kv")
-        src = ini.allocate(1 << 20, name="src")
+    with ucx_pair() as (target, ini, kv, remote, src):
         t = ini.transports["ucx"]
         n, size = 64, 4096
         lo = [i * size for i in range(n)]
@@ -128,9 +105,6 @@ def test_a_group_to_an_attached_region_goes_in_one_native_call_and_lands() -> No
             assert ini.submit(reqs).result(10) == n * size
             assert bytes(src.view[512 << 10:(512 << 10) + n * size]) == bytes([k + 1]) * (n * size)
         assert t.hot_groups - before == 6
-    finally:
-        ini.close(timeout=5)
-        target.close(timeout=5)
 
 
 def test_a_failed_flush_status_is_read_as_the_signed_byte_it_is() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ucx_support import StandInLane
+from ucx_support import StandInLane, ucx_pair
 
 import mpcomm
 from mpcomm.engine.checks import fits
@@ -109,15 +109,7 @@ def test_single_requests_and_groups_go_through_the_same_entry_once_each() -> Non
     """Over real UCX: the engine's bound move, post() and post_many() each make one call of the
     one entry per request (or group), and the engine's bound move is the attachment's lane."""
     mod = _module()
-    avail = UcxTransport.availability()
-    if not avail:
-        pytest.skip(f"ucx transport unavailable: {avail.reason}")
-    target = mpcomm.Engine(transports=["ucx"])
-    ini = mpcomm.Engine(transports=["ucx"])
-    try:
-        kv = target.allocate(1 << 20, name="kv")
-        remote = ini.open(target.address, "kv")
-        src = ini.allocate(1 << 20, name="src")
+    with ucx_pair() as (target, ini, kv, remote, src):
         ucx = ini.transports["ucx"]
         for _ in range(3):  # attach (general path), then the lane binds
             assert ini.write(src, remote, 0, 4096).result(10) == 4096
@@ -146,9 +138,6 @@ def test_single_requests_and_groups_go_through_the_same_entry_once_each() -> Non
         bound = [b.move for k, b in ini._pipeline.bindings.items() if k[2] == "write"]
         if ucx._local_rma(peer):
             assert bound and bound[0] in lanes
-    finally:
-        ini.close(timeout=5)
-        target.close(timeout=5)
 
 
 def test_a_fast_path_write_restarted_on_a_fresh_endpoint_lands(make_engine: Any) -> None:

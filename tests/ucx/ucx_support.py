@@ -18,6 +18,8 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, TypeVar
 
 import pytest
@@ -155,3 +157,25 @@ class StoppableTarget:
         except BaseException:
             os.kill(pid, signal.SIGCONT)
             raise
+
+
+@contextmanager
+def ucx_pair(size: int = 1 << 20) -> Iterator[tuple[Any, Any, Any, Any, Any]]:
+    """Two in-process engines over real UCX (the test skips, saying why, when ucx is unavailable):
+    ``(target, initiator, kv, remote, src)`` with a ``size``-byte target region "kv", the
+    initiator's handle on it and a ``size``-byte source region; both engines closed afterwards."""
+    import mpcomm
+    from mpcomm.plugins.ucx.transport import UcxTransport
+
+    avail = UcxTransport.availability()
+    if not avail:
+        pytest.skip(f"ucx transport unavailable: {avail.reason}")
+    target = mpcomm.Engine(transports=["ucx"])
+    ini = mpcomm.Engine(transports=["ucx"])
+    try:
+        kv = target.allocate(size, name="kv")
+        remote = ini.open(target.address, "kv")
+        yield target, ini, kv, remote, ini.allocate(size, name="src")
+    finally:
+        ini.close(timeout=5)
+        target.close(timeout=5)
