@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tcp_support import closed, error_code, reply, req, wait_for
 
@@ -264,6 +264,13 @@ def _exchange(tgt: Any, frame: bytes) -> tuple[Any, ...]:
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# One input of each kind of answer, so test_the_twin_comparison_saw_every_kind_of_answer does not
+# depend on what the random draw found (it missed "closed" once in CI): OK, refused, partial, and a
+# batch whose descriptor is past 2^63 (no payload follows it: drained to its deadline, then closed).
+@example(op=wire.OP_WRITE, offs=[0], lens=[8], big=None, fill=7)
+@example(op=wire.OP_READ, offs=[0], lens=[8], big=U64, fill=1)
+@example(op=wire.OP_READV, offs=[0, 1 << 20], lens=[8, 8], big=None, fill=1)
+@example(op=wire.OP_WRITEV, offs=[1 << 63], lens=[4096], big=None, fill=1)
 @given(op=st.sampled_from([wire.OP_READ, wire.OP_WRITE, wire.OP_READV, wire.OP_WRITEV]),
        offs=st.lists(_OFF, min_size=1, max_size=4), lens=st.lists(_SMALL, min_size=1, max_size=4),
        big=st.sampled_from([None, (1 << 63) - 1, 1 << 63, U64]), fill=st.integers(1, 255))
