@@ -1079,7 +1079,7 @@ static int send_all(int fd, struct iovec *iov, size_t cnt, double end) {
 }
 
 /* ---- one connection ----------------------------------------------------------------------- */
-/* The busy-poll pause of one connection (spin_readable). */
+/* The busy-poll pause of one connection (spin_recv). */
 typedef struct {
     unsigned skip;    /* requests still to wait for by blocking */
     unsigned backoff; /* the pause after the next preempted poll, in requests */
@@ -1560,8 +1560,10 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
     return reply(x, ST_OK, 0, req_id, NULL, 0, end);
 }
 
-/* Poll fd without sleeping for up to budget_ns (busypoll.py's rules: a bounded number of spinners):
- * 1 when it turned readable (or closed, or failed), 0 when it did not or nobody polled.
+/* Look for a request on fd without sleeping for up to budget_ns (busypoll.py's rules: a bounded
+ * number of spinners). The look is recv(h, n, MSG_DONTWAIT) itself, so a look that finds the
+ * request has (part of) its header already: > 0 bytes received into h, IO_EOF / IO_ERR (errno set)
+ * when the connection ended or failed, 0 when nothing came or nobody polled (the caller blocks).
  *
  * A poller that is always runnable loses the scheduler's wake-up preference. Where the CPUs are
  * oversubscribed (the application spins on one, the initiator polls on another) it then waits for
@@ -1584,7 +1586,7 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
 #define PREEMPTED_S 500e-6
 #define PAUSE_MIN 64u
 #define PAUSE_MAX 8192u
-static int spin_readable(Port *p, int fd, long long budget_ns, Pause *pz) {
+static long long spin_recv(Port *p, int fd, unsigned char *h, size_t n, long long budget_ns, Pause *pz) {
     if (budget_ns <= 0)
         return 0;
     if (pz->skip > 0) {
@@ -1596,16 +1598,15 @@ static int spin_readable(Port *p, int fd, long long budget_ns, Pause *pz) {
         __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
         return 0;
     }
-    int ready = 0, preempted = 0;
+    int preempted = 0;
+    long long got = 0;
     double now = mono(), end = now + budget_ns / 1e9, last = now;
-    struct pollfd q = {fd, POLLIN, 0};
     for (;;) {
-        q.revents = 0;
-        int r = poll(&q, 1, 0);
+        ssize_t r = recv(fd, h, n, MSG_DONTWAIT);
         now = mono();
         preempted = now - last > PREEMPTED_S;
-        if (r != 0) {
-            ready = r > 0; /* readable, closed or failed: the caller's recv says which */
+        if (r > 0 || r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+            got = r > 0 ? r : r == 0 ? IO_EOF : IO_ERR;
             break;
         }
         if (preempted || now >= end)
@@ -1613,6 +1614,7 @@ static int spin_readable(Port *p, int fd, long long budget_ns, Pause *pz) {
         last = now;
         sched_yield();
     }
+    int ready = got != 0, saved = errno; /* IO_ERR's errno, for the caller's message */
     __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
     if (preempted) {
         pz->backoff = pz->backoff < PAUSE_MIN ? PAUSE_MIN : pz->backoff;
@@ -1625,7 +1627,8 @@ static int spin_readable(Port *p, int fd, long long budget_ns, Pause *pz) {
     __atomic_add_fetch(&p->stat_polls, 1, __ATOMIC_RELAXED);
     if (ready)
         __atomic_add_fetch(&p->stat_found, 1, __ATOMIC_RELAXED);
-    return ready;
+    errno = saved;
+    return got;
 }
 
 /* A request header (wire.py REQ), decoded. */
@@ -1688,16 +1691,21 @@ static int parse_req(const unsigned char *h, double now, double max_request, Req
 static int one(Ctx *x, int first) {
     Port *p = x->p;
     unsigned char h[REQ_SIZE];
-    /* A poll that found the socket readable needs no second look (one system call less). */
-    int w = !first && spin_readable(p, x->fd, p->busy_ns, &x->pause) ? 0
-                                                                         : wait_fd(x->fd, POLLIN, mono() + p->idle);
-    if (w == IO_DEADLINE)
-        return END_CLOSED; /* idle for idle_timeout_ms: it dials again when needed */
-    if (w)
-        return io_end(x, w, "tcp request header");
-    if (__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE))
+    /* The busy-poll's look is the header's recv itself: a spin that finds the request has its
+     * header already (one system call less per request than a poll() and a recv after it). */
+    long long got = first ? 0 : spin_recv(p, x->fd, h, REQ_SIZE, p->busy_ns, &x->pause);
+    if (got == 0) {
+        int w = wait_fd(x->fd, POLLIN, mono() + p->idle);
+        if (w == IO_DEADLINE)
+            return END_CLOSED; /* idle for idle_timeout_ms: it dials again when needed */
+        if (w)
+            return io_end(x, w, "tcp request header");
+        if (__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE))
+            return END_CLOSED;
+        got = recv_some(x->fd, h, REQ_SIZE, mono() + p->handshake);
+    } else if (__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE)) {
         return END_CLOSED;
-    long long got = recv_some(x->fd, h, REQ_SIZE, mono() + p->handshake);
+    }
     if (got == IO_EOF)
         return END_CLOSED;
     if (got < 0)
