@@ -1000,8 +1000,19 @@ static int wait_fd(int fd, short ev, double end) {
     }
 }
 
-/* Receive up to n bytes (at least one) by end: > 0 bytes, or IO_*. */
-static long long recv_some(int fd, unsigned char *buf, size_t n, double end) {
+/* Bytes the connection's header read took from the socket beyond the header (the start of the
+ * frame's payload, or of the next frame): one recv() takes a small write's header and payload
+ * together. Every later read of the stream takes from here first (recv_some), so the bytes are
+ * consumed in stream order whoever reads them; the payload is copied into a region only by
+ * recv_region, after its admission and range check, as a payload read from the socket is. */
+#define CARRY_SIZE 16384
+typedef struct {
+    unsigned char b[CARRY_SIZE];
+    size_t at, len; /* b[at..len) not consumed yet */
+} Carry;
+
+/* Receive up to n bytes (at least one) from the socket by end: > 0 bytes, or IO_*. */
+static long long recv_sock(int fd, unsigned char *buf, size_t n, double end) {
     for (;;) {
         ssize_t r = recv(fd, buf, n, MSG_DONTWAIT);
         if (r > 0)
@@ -1018,11 +1029,22 @@ static long long recv_some(int fd, unsigned char *buf, size_t n, double end) {
     }
 }
 
+/* Receive up to n bytes (at least one) by end, from cy's bytes first: > 0 bytes, or IO_*. */
+static long long recv_some(int fd, Carry *cy, unsigned char *buf, size_t n, double end) {
+    if (cy->at < cy->len) {
+        size_t k = cy->len - cy->at < n ? cy->len - cy->at : n;
+        memcpy(buf, cy->b + cy->at, k);
+        cy->at += k;
+        return (long long)k;
+    }
+    return recv_sock(fd, buf, n, end);
+}
+
 /* Receive exactly n bytes by end: 0, or IO_*. */
-static int recv_exact(int fd, unsigned char *buf, size_t n, double end) {
+static int recv_exact(int fd, Carry *cy, unsigned char *buf, size_t n, double end) {
     size_t pos = 0;
     while (pos < n) {
-        long long r = recv_some(fd, buf + pos, n - pos, end);
+        long long r = recv_some(fd, cy, buf + pos, n - pos, end);
         if (r < 0)
             return (int)r;
         pos += (size_t)r;
@@ -1031,10 +1053,10 @@ static int recv_exact(int fd, unsigned char *buf, size_t n, double end) {
 }
 
 /* Swallow n payload bytes into the discard buffer by end: 0, or IO_*. */
-static int drain(int fd, uint64_t n, double end) {
+static int drain(int fd, Carry *cy, uint64_t n, double end) {
     while (n) {
         size_t k = n < sizeof discard_buf ? (size_t)n : sizeof discard_buf;
-        long long r = recv_some(fd, discard_buf, k, end);
+        long long r = recv_some(fd, cy, discard_buf, k, end);
         if (r < 0)
             return (int)r;
         n -= (uint64_t)r;
@@ -1079,7 +1101,7 @@ static int send_all(int fd, struct iovec *iov, size_t cnt, double end) {
 }
 
 /* ---- one connection ----------------------------------------------------------------------- */
-/* The busy-poll pause of one connection (spin_readable). */
+/* The busy-poll pause of one connection (spin_recv). */
 typedef struct {
     unsigned skip;    /* requests still to wait for by blocking */
     unsigned backoff; /* the pause after the next preempted poll, in requests */
@@ -1090,6 +1112,7 @@ typedef struct {
     int fd;
     char why[512]; /* how the connection ended, for the log */
     Pause pause;
+    Carry carry;   /* read past the last header (recv_some) */
     char peer[64]; /* the initiator's node id, as HELLO and authentication proved it */
     size_t plen;
 } Ctx;
@@ -1201,7 +1224,7 @@ static long long recv_region(Ctx *x, Entry *e, uint64_t off, uint64_t n, double 
         uint64_t k = n - pos;
         if (k > x->p->chunk)
             k = x->p->chunk;
-        long long r = recv_some(x->fd, dst + pos, (size_t)k, end);
+        long long r = recv_some(x->fd, &x->carry, dst + pos, (size_t)k, end);
         if (r == IO_DEADLINE)
             return (long long)pos;
         if (r < 0)
@@ -1218,7 +1241,7 @@ static int do_write(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint6
     Entry *e;
     int code = admit(p, x->c, rid, token, epoch, off, n, ACC_W, end, 1, &e, msg, sizeof msg);
     if (code) {
-        int r = drain(x->fd, n, end + p->grace);
+        int r = drain(x->fd, &x->carry, n, end + p->grace);
         if (r)
             return io_end(x, r, "tcp payload");
         return refuse(x, req_id, code, msg, end);
@@ -1228,7 +1251,7 @@ static int do_write(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, uint6
     if (pos < 0)
         return io_end(x, (int)pos, "tcp payload");
     if ((uint64_t)pos < n) {
-        int r = drain(x->fd, n - (uint64_t)pos, end + p->grace);
+        int r = drain(x->fd, &x->carry, n - (uint64_t)pos, end + p->grace);
         if (r)
             return io_end(x, r, "tcp payload");
         snprintf(msg, sizeof msg, "deadline passed after %lld of %llu bytes; the range is partly written", pos,
@@ -1272,7 +1295,7 @@ static int do_batch(Ctx *x, int op, uint32_t count, uint64_t req_id, uint64_t ri
         rc = fail(x, END_OS, "out of memory for a batch of %u", count);
         goto out;
     }
-    int r = recv_exact(x->fd, desc, (size_t)count * 16, end + p->grace);
+    int r = recv_exact(x->fd, &x->carry, desc, (size_t)count * 16, end + p->grace);
     if (r) {
         rc = io_end(x, r, "tcp batch descriptors");
         goto out;
@@ -1323,7 +1346,7 @@ static int do_batch(Ctx *x, int op, uint32_t count, uint64_t req_id, uint64_t ri
         }
     }
     if (code) { /* refused as a whole (token, epoch, access, deadline): nothing is touched */
-        if (write && (r = drain(x->fd, total, end + p->grace))) {
+        if (write && (r = drain(x->fd, &x->carry, total, end + p->grace))) {
             rc = io_end(x, r, "tcp payload");
             goto out;
         }
@@ -1341,7 +1364,7 @@ static int do_batch(Ctx *x, int op, uint32_t count, uint64_t req_id, uint64_t ri
         for (uint32_t i = 0; i < count; i++) {
             uint64_t n = lens[i];
             if (status[i]) {
-                if ((r = drain(x->fd, n, end + p->grace))) {
+                if ((r = drain(x->fd, &x->carry, n, end + p->grace))) {
                     rc = io_end(x, r, "tcp payload");
                     goto out;
                 }
@@ -1358,7 +1381,7 @@ static int do_batch(Ctx *x, int op, uint32_t count, uint64_t req_id, uint64_t ri
                     left += lens[j];
                 release(p, x->c, e);
                 e = NULL;
-                if ((r = drain(x->fd, left, end + p->grace))) {
+                if ((r = drain(x->fd, &x->carry, left, end + p->grace))) {
                     rc = io_end(x, r, "tcp payload");
                     goto out;
                 }
@@ -1448,7 +1471,7 @@ static int do_notify(Ctx *x, uint64_t req_id, uint32_t rlen, uint64_t dlen, doub
     unsigned char *buf = malloc(total + 1);
     if (!buf)
         return fail(x, END_OS, "out of memory for a notification");
-    int r = recv_exact(x->fd, buf, total, end + p->grace);
+    int r = recv_exact(x->fd, &x->carry, buf, total, end + p->grace);
     if (r) {
         free(buf);
         return io_end(x, r, "tcp notification");
@@ -1505,7 +1528,7 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
     if (!p->notes)
         return fail(x, END_PROTOCOL, "notification frame, but this port delivers none");
     unsigned char ext[NOTE_LEN_SIZE];
-    int r = recv_exact(x->fd, ext, NOTE_LEN_SIZE, end + p->grace);
+    int r = recv_exact(x->fd, &x->carry, ext, NOTE_LEN_SIZE, end + p->grace);
     if (r)
         return io_end(x, r, "tcp notification");
     uint64_t dlen = get_be64(ext);
@@ -1516,7 +1539,7 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
     unsigned char *buf = malloc(total + 1);
     if (!buf)
         return fail(x, END_OS, "out of memory for a notification");
-    r = recv_exact(x->fd, buf, total, end + p->grace);
+    r = recv_exact(x->fd, &x->carry, buf, total, end + p->grace);
     if (r) {
         free(buf);
         return io_end(x, r, "tcp notification");
@@ -1533,7 +1556,7 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
     }
     if (code) {
         free(buf);
-        r = drain(x->fd, n, end + p->grace);
+        r = drain(x->fd, &x->carry, n, end + p->grace);
         if (r)
             return io_end(x, r, "tcp payload");
         return refuse(x, req_id, code, msg, end);
@@ -1545,7 +1568,7 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
         free(buf);
         if (pos < 0)
             return io_end(x, (int)pos, "tcp payload");
-        r = drain(x->fd, n - (uint64_t)pos, end + p->grace);
+        r = drain(x->fd, &x->carry, n - (uint64_t)pos, end + p->grace);
         if (r)
             return io_end(x, r, "tcp payload");
         snprintf(msg, sizeof msg,
@@ -1560,8 +1583,10 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
     return reply(x, ST_OK, 0, req_id, NULL, 0, end);
 }
 
-/* Poll fd without sleeping for up to budget_ns (busypoll.py's rules: a bounded number of spinners):
- * 1 when it turned readable (or closed, or failed), 0 when it did not or nobody polled.
+/* Look for a request on fd without sleeping for up to budget_ns (busypoll.py's rules: a bounded
+ * number of spinners). The look is recv(h, n, MSG_DONTWAIT) itself, so a look that finds the
+ * request has (part of) its header already: > 0 bytes received into h, IO_EOF / IO_ERR (errno set)
+ * when the connection ended or failed, 0 when nothing came or nobody polled (the caller blocks).
  *
  * A poller that is always runnable loses the scheduler's wake-up preference. Where the CPUs are
  * oversubscribed (the application spins on one, the initiator polls on another) it then waits for
@@ -1584,7 +1609,7 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
 #define PREEMPTED_S 500e-6
 #define PAUSE_MIN 64u
 #define PAUSE_MAX 8192u
-static int spin_readable(Port *p, int fd, long long budget_ns, Pause *pz) {
+static long long spin_recv(Port *p, int fd, unsigned char *h, size_t n, long long budget_ns, Pause *pz) {
     if (budget_ns <= 0)
         return 0;
     if (pz->skip > 0) {
@@ -1596,16 +1621,15 @@ static int spin_readable(Port *p, int fd, long long budget_ns, Pause *pz) {
         __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
         return 0;
     }
-    int ready = 0, preempted = 0;
+    int preempted = 0;
+    long long got = 0;
     double now = mono(), end = now + budget_ns / 1e9, last = now;
-    struct pollfd q = {fd, POLLIN, 0};
     for (;;) {
-        q.revents = 0;
-        int r = poll(&q, 1, 0);
+        ssize_t r = recv(fd, h, n, MSG_DONTWAIT);
         now = mono();
         preempted = now - last > PREEMPTED_S;
-        if (r != 0) {
-            ready = r > 0; /* readable, closed or failed: the caller's recv says which */
+        if (r > 0 || r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+            got = r > 0 ? r : r == 0 ? IO_EOF : IO_ERR;
             break;
         }
         if (preempted || now >= end)
@@ -1613,6 +1637,7 @@ static int spin_readable(Port *p, int fd, long long budget_ns, Pause *pz) {
         last = now;
         sched_yield();
     }
+    int ready = got != 0, saved = errno; /* IO_ERR's errno, for the caller's message */
     __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
     if (preempted) {
         pz->backoff = pz->backoff < PAUSE_MIN ? PAUSE_MIN : pz->backoff;
@@ -1625,7 +1650,8 @@ static int spin_readable(Port *p, int fd, long long budget_ns, Pause *pz) {
     __atomic_add_fetch(&p->stat_polls, 1, __ATOMIC_RELAXED);
     if (ready)
         __atomic_add_fetch(&p->stat_found, 1, __ATOMIC_RELAXED);
-    return ready;
+    errno = saved;
+    return got;
 }
 
 /* A request header (wire.py REQ), decoded. */
@@ -1688,25 +1714,34 @@ static int parse_req(const unsigned char *h, double now, double max_request, Req
 static int one(Ctx *x, int first) {
     Port *p = x->p;
     unsigned char h[REQ_SIZE];
-    /* A poll that found the socket readable needs no second look (one system call less). */
-    int w = !first && spin_readable(p, x->fd, p->busy_ns, &x->pause) ? 0
-                                                                         : wait_fd(x->fd, POLLIN, mono() + p->idle);
-    if (w == IO_DEADLINE)
-        return END_CLOSED; /* idle for idle_timeout_ms: it dials again when needed */
-    if (w)
-        return io_end(x, w, "tcp request header");
-    if (__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE))
-        return END_CLOSED;
-    long long got = recv_some(x->fd, h, REQ_SIZE, mono() + p->handshake);
-    if (got == IO_EOF)
-        return END_CLOSED;
-    if (got < 0)
-        return io_end(x, (int)got, "tcp request header");
-    if (got < REQ_SIZE) {
-        int r = recv_exact(x->fd, h + got, (size_t)(REQ_SIZE - got), mono() + p->handshake);
-        if (r)
-            return io_end(x, r, "tcp request header");
+    Carry *cy = &x->carry;
+    if (cy->at == cy->len) {
+        /* Nothing read ahead: wait for the next frame and read as much of it as there is, up to
+         * CARRY_SIZE (a small write's header and payload in one recv). The busy-poll's look is
+         * that recv itself: a spin that finds the request has read it already (no poll() first). */
+        cy->at = cy->len = 0;
+        long long got = first ? 0 : spin_recv(p, x->fd, cy->b, CARRY_SIZE, p->busy_ns, &x->pause);
+        if (got == 0) {
+            int w = wait_fd(x->fd, POLLIN, mono() + p->idle);
+            if (w == IO_DEADLINE)
+                return END_CLOSED; /* idle for idle_timeout_ms: it dials again when needed */
+            if (w)
+                return io_end(x, w, "tcp request header");
+            if (__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE))
+                return END_CLOSED;
+            got = recv_sock(x->fd, cy->b, CARRY_SIZE, mono() + p->handshake);
+        } else if (__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE)) {
+            return END_CLOSED;
+        }
+        if (got == IO_EOF)
+            return END_CLOSED;
+        if (got < 0)
+            return io_end(x, (int)got, "tcp request header");
+        cy->len = (size_t)got;
     }
+    int r = recv_exact(x->fd, cy, h, REQ_SIZE, mono() + p->handshake);
+    if (r)
+        return io_end(x, r, "tcp request header");
     Req q;
     if (parse_req(h, wall(), p->max_request, &q, x->why, sizeof x->why))
         return END_PROTOCOL;
@@ -1941,6 +1976,7 @@ static PyObject *Port_run(Port *self, PyObject *args) {
     x.fd = fd;
     x.why[0] = 0;
     memset(&x.pause, 0, sizeof x.pause);
+    x.carry.at = x.carry.len = 0;
     x.plen = (size_t)plen < sizeof x.peer ? (size_t)plen : sizeof x.peer;
     memcpy(x.peer, peer, x.plen);
     int rc;

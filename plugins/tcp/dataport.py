@@ -91,7 +91,7 @@ class NativePort:
         if len(os.sched_getaffinity(0)) < MIN_CPUS_TO_POLL:
             # A poller needs a CPU of its own: with one, it only takes turns with the application.
             # With 2 it polls, and pauses for some requests when it finds itself preempted
-            # (_dataport.c spin_readable: 64 requests, doubling while a competitor stays): on a
+            # (_dataport.c spin_recv: 64 requests, doubling while a competitor stays): on a
             # quiet 2-CPU machine a blocking target thread answered a 4 KiB write in 66-70 us, a
             # polling one in 32-35 us, idle or with the application spinning.
             busy = 0

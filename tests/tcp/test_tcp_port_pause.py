@@ -5,7 +5,7 @@ when a poll finds itself preempted (a CPU competitor: an application spinning in
 pause was one second: one transient preemption on an otherwise idle machine made half of a 2 s
 Mooncake-API benchmark wait at the blocking wake-up (66-70 us instead of 32-35). Now the pause is
 PAUSE_MIN (64) requests, doubling with each preempted try up to PAUSE_MAX (8192), and halving with
-each clean poll (``_dataport.c`` spin_readable).
+each clean poll (``_dataport.c`` spin_recv).
 
 These tests run a real Port on a real loopback tcp connection. The competitor is a real process
 pinned to the port thread's CPU (stopped and continued with signals); whether a request was waited
