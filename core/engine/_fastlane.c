@@ -26,7 +26,7 @@ int mpcomm_fastlane_abi(void) { return MP_ABI; }
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
-#include <structmember.h> /* T_OBJECT_EX: the slots of Request.FIELDS */
+#include <structmember.h> /* T_OBJECT_EX: the slots of Request.FIELDS and Landed.FIELDS */
 #include <time.h>
 
 /* What lane(...) binds, in this order (a tuple: the callable's self). No name of a Python
@@ -182,10 +182,11 @@ static int unlease(PyObject *const *s) {
     return 0;
 }
 
-/* field = value through the descriptor Landed.FIELDS hands (a slot: no name, no lookup). */
-static int set_field(PyObject *const *s, int field, PyObject *h, PyObject *value) {
-    PyObject *d = PyTuple_GET_ITEM(s[S_FIELDS], field);
-    return Py_TYPE(d)->tp_descr_set(d, h, value);
+/* field = value, stored in the slot whose descriptor Landed.FIELDS hands (no name, no lookup):
+ * lane() checked each is an object slot of the handle class, so a fresh handle holds it empty. */
+static void set_field(PyObject *const *s, int field, PyObject *h, PyObject *value) {
+    PyMemberDescrObject *d = (PyMemberDescrObject *)PyTuple_GET_ITEM(s[S_FIELDS], field);
+    *(PyObject **)((char *)h + d->d_member->offset) = Py_NewRef(value);
 }
 
 /* A handle born COMPLETED: Landed.__init__'s five attributes, set here without its frame
@@ -193,13 +194,16 @@ static int set_field(PyObject *const *s, int field, PyObject *h, PyObject *value
 static PyObject *landed(PyObject *const *s, PyObject *nobj, PyObject *req, double t0) {
     PyTypeObject *tp = (PyTypeObject *)s[S_LANDED];
     PyObject *h = tp->tp_new(tp, s_empty, NULL);
-    if (h == NULL)
-        return NULL;
     PyObject *t0obj = PyFloat_FromDouble(t0), *t1obj = PyFloat_FromDouble(monotonic());
-    if (t0obj == NULL || t1obj == NULL || set_field(s, FIELD_BYTES_MOVED, h, nobj) < 0
-        || set_field(s, FIELD_ORIGIN, h, s[S_ORIGIN]) < 0 || set_field(s, FIELD_REQUEST_ARGS, h, req) < 0
-        || set_field(s, FIELD_SUBMITTED_AT, h, t0obj) < 0 || set_field(s, FIELD_FINISHED_AT, h, t1obj) < 0)
+    if (h == NULL || t0obj == NULL || t1obj == NULL) {
         Py_CLEAR(h);
+    } else {
+        set_field(s, FIELD_BYTES_MOVED, h, nobj);
+        set_field(s, FIELD_ORIGIN, h, s[S_ORIGIN]);
+        set_field(s, FIELD_REQUEST_ARGS, h, req);
+        set_field(s, FIELD_SUBMITTED_AT, h, t0obj);
+        set_field(s, FIELD_FINISHED_AT, h, t1obj);
+    }
     Py_XDECREF(t0obj);
     Py_XDECREF(t1obj);
     return h;
@@ -342,12 +346,17 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return f;
 }
 
-static int is_field_tuple(PyObject *t) {
+/* Whether t is FIELD_COUNT writable object slots of tp (what set_field stores into). */
+static int is_field_tuple(PyObject *t, PyTypeObject *tp) {
     if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != FIELD_COUNT)
         return 0;
-    for (Py_ssize_t i = 0; i < FIELD_COUNT; i++)
-        if (Py_TYPE(PyTuple_GET_ITEM(t, i))->tp_descr_set == NULL)
+    for (Py_ssize_t i = 0; i < FIELD_COUNT; i++) {
+        PyObject *d = PyTuple_GET_ITEM(t, i);
+        if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || !PyType_IsSubtype(tp, PyDescr_TYPE(d))
+            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX
+            || (((PyMemberDescrObject *)d)->d_member->flags & READONLY))
             return 0;
+    }
     return 1;
 }
 
@@ -359,7 +368,7 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (nargs != S_COUNT || !PyLong_CheckExact(args[S_LSIZE]) || !PyLong_CheckExact(args[S_RSIZE])
         || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
         || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
-        || !is_field_tuple(args[S_FIELDS]) || !PyCallable_Check(args[S_REFUSING])
+        || !is_field_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED]) || !PyCallable_Check(args[S_REFUSING])
         || !PyCallable_Check(args[S_CLOSERS]) || !PyCallable_Check(args[S_WAKE])
         || !PyCallable_Check(args[S_ALIVE]) || !PyCallable_Check(args[S_CLOSED])) {
         PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);

@@ -533,3 +533,27 @@ def test_a_handles_attributes_take_the_plain_lookup_and_its_future_is_built_on_d
     assert not t._built
     fut_state = t._state  # builds it
     assert t._built and fut_state == "PENDING"
+
+
+def test_the_c_step_takes_only_object_slots_of_the_handle_class_as_its_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C step stores a born-done handle's five fields straight into their slots (issue 28, shm
+    4 KiB latency): lane() refuses anything else as FIELDS (a property, another class's slot)."""
+    mod = _native()
+    seen: list[tuple[Any, ...]] = []
+    real = mod.lane
+    monkeypatch.setattr(mod, "lane", lambda *args: seen.append(args) or real(*args))
+    p = Pair(native=True)
+    assert p.run is not None and len(seen) == 1
+    args = list(seen[0])
+    at = next(i for i, a in enumerate(args) if a is Landed.FIELDS)
+
+    class Other:
+        __slots__ = ("a", "b", "c", "d", "e")
+
+    settable = property(lambda self: None, lambda self, v: None)
+    for fields in ((settable,) * 5, (Other.a, Other.b, Other.c, Other.d, Other.e), Landed.FIELDS[:4]):
+        args[at] = fields
+        with pytest.raises(TypeError):
+            real(*args)
+    args[at] = Landed.FIELDS
+    assert callable(real(*args))
