@@ -298,52 +298,35 @@ release_fail:
 static PyMethodDef run_def = {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
                               "run(lo, ro, length, timeout): one request on a bound pair, or None"};
 
-/* go(src, remote, lo, ro, length, timeout) -> handle | None: Engine.write/read's first step. The
- * pair's run in the engine's table (bound.py keys it (id(local), id(remote), kind)), called; None:
- * no binding, or it declined. self is [table, kind, key]: key is the last pair's, kept for the next
- * request of the same pair (the ids compared, as the table compares them; the lookup is made anew). */
-static PyObject *step_go(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "go(src, remote, lo, ro, length, timeout) takes 6 arguments");
+/* go(state, src, remote, lo, ro, length, timeout) -> handle | None: Engine.write/read's first
+ * step (fastlane.step binds state). The pair's run in the engine's table (bound.py keys it
+ * (id(local), id(remote), kind)), called; None: no binding, or it declined. state is
+ * [table, kind, key]: key is the last pair's, kept for the next request of the same pair (the
+ * ids compared, as the table compares them; the lookup is made anew each time). */
+static PyObject *py_go(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    PyObject *st = nargs == 7 ? args[0] : NULL;
+    if (st == NULL || !PyList_CheckExact(st) || PyList_GET_SIZE(st) != 3 || !PyDict_CheckExact(PyList_GET_ITEM(st, 0))) {
+        PyErr_SetString(PyExc_TypeError, "go([table, kind, key], src, remote, lo, ro, length, timeout)");
         return NULL;
     }
-    PyObject *key = PyList_GET_ITEM(self, 2);
-    if (!PyTuple_CheckExact(key) || PyLong_AsVoidPtr(PyTuple_GET_ITEM(key, 0)) != args[0]
-        || PyLong_AsVoidPtr(PyTuple_GET_ITEM(key, 1)) != args[1]) {
-        PyObject *a = PyLong_FromVoidPtr(args[0]), *b = PyLong_FromVoidPtr(args[1]);
-        key = a == NULL || b == NULL ? NULL : PyTuple_Pack(3, a, b, PyList_GET_ITEM(self, 1));
+    PyObject *key = PyList_GET_ITEM(st, 2);
+    if (!PyTuple_CheckExact(key) || PyTuple_GET_SIZE(key) != 3 || PyLong_AsVoidPtr(PyTuple_GET_ITEM(key, 0)) != args[1]
+        || PyLong_AsVoidPtr(PyTuple_GET_ITEM(key, 1)) != args[2]) {
+        PyErr_Clear();  /* a key not of ours: made anew */
+        PyObject *a = PyLong_FromVoidPtr(args[1]), *b = PyLong_FromVoidPtr(args[2]);
+        key = a == NULL || b == NULL ? NULL : PyTuple_Pack(3, a, b, PyList_GET_ITEM(st, 1));
         Py_XDECREF(a);
         Py_XDECREF(b);
-        if (key == NULL || PyList_SetItem(self, 2, key) < 0)  /* the list takes key */
+        if (key == NULL || PyList_SetItem(st, 2, key) < 0)  /* the list takes key */
             return NULL;
     }
-    PyObject *run = Py_XNewRef(PyDict_GetItemWithError(PyList_GET_ITEM(self, 0), key));
+    PyObject *run = Py_XNewRef(PyDict_GetItemWithError(PyList_GET_ITEM(st, 0), key));
     if (run == NULL)  /* held: the run may unbind its own pair */
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    PyObject *h = PyObject_Vectorcall(run, args + 2, 4, NULL);
+    PyObject *h = PyObject_Vectorcall(run, args + 3, 4, NULL);
     Py_DECREF(run);
     return h;
-}
-
-static PyMethodDef go_def = {"go", (PyCFunction)(void (*)(void))step_go, METH_FASTCALL,
-                             "go(src, remote, lo, ro, length, timeout): a bound pair's run, or None"};
-
-/* step(table, kind) -> go, Engine.write's (kind "write") or read's lookup of its bound pairs. */
-static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 2 || !PyDict_CheckExact(args[0]) || !PyUnicode_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "step(table: dict, kind: str)");
-        return NULL;
-    }
-    PyObject *t = PyList_New(3);
-    if (t == NULL)
-        return NULL;
-    PyList_SET_ITEM(t, 0, Py_NewRef(args[0]));
-    PyList_SET_ITEM(t, 1, Py_NewRef(args[1]));
-    PyList_SET_ITEM(t, 2, Py_NewRef(Py_None));
-    PyObject *f = PyCFunction_New(&go_def, t);
-    Py_DECREF(t);
-    return f;
 }
 
 /* Whether t is FIELD_COUNT writable object slots of tp (what set_field stores into). */
@@ -526,7 +509,7 @@ static PyMethodDef mp_methods[] = {
     {"scan", (PyCFunction)(void (*)(void))py_scan, METH_FASTCALL,
      "the leading requests of a batch that form one group, their integers copied"},
     {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound pair's run callable"},
-    {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL, "Engine.write/read's lookup of a bound pair"},
+    {"go", (PyCFunction)(void (*)(void))py_go, METH_FASTCALL, "Engine.write/read's lookup of a bound pair"},
     {"first_bad", (PyCFunction)(void (*)(void))py_first_bad, METH_FASTCALL,
      "checks.first_bad over three array('q') buffers"},
     {NULL, NULL, 0, NULL},

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from types import ModuleType
+from types import MethodType, ModuleType
 from typing import Any
 
 from .. import native_helper
@@ -72,10 +72,11 @@ def status() -> str:
 def step(table: dict[Any, Any], kind: str) -> Any:
     """``go(src, remote, lo, ro, length, timeout) -> handle | None``: ``Engine.write`` (``kind``
     "write") or ``read`` looks up a bound pair's C step in ``table`` (keyed ``(id(local), id(remote),
-    kind)``) and runs it; the module's ``step`` where in use, else the same lookup in Python."""
+    kind)``) and runs it; the module's ``go`` bound to its state where in use, else the same lookup
+    in Python."""
     mod = module()
     if mod is not None:
-        return mod.step(table, kind)
+        return MethodType(mod.go, [table, kind, None])
 
     def go(src: Any, remote: Any, lo: Any, ro: Any, length: Any, timeout: Any) -> Any:
         run = table.get((id(src), id(remote), kind))
