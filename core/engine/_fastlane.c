@@ -329,13 +329,14 @@ static PyObject *py_go(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return h;
 }
 
-/* Whether t is FIELD_COUNT writable object slots of tp (what set_field stores into). */
-static int is_field_tuple(PyObject *t, PyTypeObject *tp) {
-    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != FIELD_COUNT)
+/* Whether t is a tuple of n descriptors of writable object slots tp defines (Landed.FIELDS, what
+ * set_field stores into; Request.FIELDS, what scan reads). */
+static int is_slot_tuple(PyObject *t, PyTypeObject *tp, Py_ssize_t n) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != n)
         return 0;
-    for (Py_ssize_t i = 0; i < FIELD_COUNT; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *d = PyTuple_GET_ITEM(t, i);
-        if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || !PyType_IsSubtype(tp, PyDescr_TYPE(d))
+        if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || PyDescr_TYPE(d) != tp
             || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX
             || (((PyMemberDescrObject *)d)->d_member->flags & READONLY))
             return 0;
@@ -351,7 +352,7 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (nargs != S_COUNT || !PyLong_CheckExact(args[S_LSIZE]) || !PyLong_CheckExact(args[S_RSIZE])
         || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
         || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
-        || !is_field_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED]) || !PyCallable_Check(args[S_REFUSING])
+        || !is_slot_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED], FIELD_COUNT) || !PyCallable_Check(args[S_REFUSING])
         || !PyCallable_Check(args[S_CLOSERS]) || !PyCallable_Check(args[S_WAKE])
         || !PyCallable_Check(args[S_ALIVE]) || !PyCallable_Check(args[S_CLOSED])) {
         PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);
@@ -452,22 +453,14 @@ enum { R_OP, R_LOCAL, R_REMOTE, R_RO, R_LEN, R_LO, R_NOTIFY, R_TIMEOUT, R_ROUTE,
 
 static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6 || !PyType_Check(args[1]) || !PyTuple_CheckExact(args[2])
-        || PyTuple_GET_SIZE(args[2]) != R_COUNT) {
-        PyErr_SetString(PyExc_TypeError, "scan(requests, type, fields, lo, ro, ln)");
+    if (nargs != 6 || !PyType_Check(args[1]) || !is_slot_tuple(args[2], (PyTypeObject *)args[1], R_COUNT)) {
+        PyErr_SetString(PyExc_TypeError, "scan(requests, type, fields: the type's slot descriptors, lo, ro, ln)");
         return NULL;
     }
     PyTypeObject *tp = (PyTypeObject *)args[1];
     Py_ssize_t off[R_COUNT];
-    for (int f = 0; f < R_COUNT; f++) {
-        PyObject *d = PyTuple_GET_ITEM(args[2], f);
-        if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || PyDescr_TYPE(d) != tp
-            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
-            PyErr_SetString(PyExc_TypeError, "scan takes the type's slot descriptors");
-            return NULL;
-        }
-        off[f] = ((PyMemberDescrObject *)d)->d_member->offset;
-    }
+    for (int f = 0; f < R_COUNT; f++)
+        off[f] = ((PyMemberDescrObject *)PyTuple_GET_ITEM(args[2], f))->d_member->offset;
     PyObject *seq = args[0];
     if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq))
         return PyLong_FromLong(0);
