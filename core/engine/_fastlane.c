@@ -306,7 +306,8 @@ static PyMethodDef run_def = {"run", (PyCFunction)(void (*)(void))lane_run, METH
 static PyObject *py_go(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     PyObject *st = nargs == 7 ? args[0] : NULL;
-    if (st == NULL || !PyList_CheckExact(st) || PyList_GET_SIZE(st) != 3 || !PyDict_CheckExact(PyList_GET_ITEM(st, 0))) {
+    if (st == NULL || !PyList_CheckExact(st) || PyList_GET_SIZE(st) != 3
+        || !PyDict_CheckExact(PyList_GET_ITEM(st, 0))) {
         PyErr_SetString(PyExc_TypeError, "go([table, kind, key], src, remote, lo, ro, length, timeout)");
         return NULL;
     }
@@ -352,8 +353,8 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (nargs != S_COUNT || !PyLong_CheckExact(args[S_LSIZE]) || !PyLong_CheckExact(args[S_RSIZE])
         || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
         || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
-        || !is_slot_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED], FIELD_COUNT) || !PyCallable_Check(args[S_REFUSING])
-        || !PyCallable_Check(args[S_CLOSERS]) || !PyCallable_Check(args[S_WAKE])
+        || !is_slot_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED], FIELD_COUNT)
+        || !PyCallable_Check(args[S_REFUSING]) || !PyCallable_Check(args[S_CLOSERS]) || !PyCallable_Check(args[S_WAKE])
         || !PyCallable_Check(args[S_ALIVE]) || !PyCallable_Check(args[S_CLOSED])) {
         PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);
         return NULL;

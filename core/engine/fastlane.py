@@ -23,7 +23,8 @@ from .. import native_helper
 
 log = logging.getLogger("mpcomm.engine")
 
-ABI = 4  # 4: step (Engine.write/read's lookup); 3: scan (planning); 2: what the lane reads comes as probes and descriptors, not attribute names
+ABI = 4  # 4: go (Engine.write/read's lookup); 3: scan (planning); 2: what the lane reads comes as probes
+#          and descriptors, not attribute names
 MODULE = "mpcomm.engine._mpcomm_fastlane"
 
 _lock = threading.Lock()

@@ -295,7 +295,8 @@ def test_the_c_move_reads_the_mappings_error_through_its_slot_descriptor() -> No
     class Other:
         __slots__ = ("error",)
 
-    for error, mapping in ((operator.attrgetter("error"), m), (Other.error, m), (shm_transport._MAPPING_ERROR, Other())):
+    refused = ((operator.attrgetter("error"), m), (Other.error, m), (shm_transport._MAPPING_ERROR, Other()))
+    for error, mapping in refused:
         with pytest.raises(TypeError):
             make(error, mapping)
     move = make(shm_transport._MAPPING_ERROR, m)
