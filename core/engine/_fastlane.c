@@ -322,7 +322,9 @@ static PyObject *py_go(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         if (key == NULL || PyList_SetItem(st, 2, key) < 0)  /* the list takes key */
             return NULL;
     }
+    Py_INCREF(key);  /* held through the lookup, whatever another thread's go sets in st */
     PyObject *run = Py_XNewRef(PyDict_GetItemWithError(PyList_GET_ITEM(st, 0), key));
+    Py_DECREF(key);
     if (run == NULL)  /* held: the run may unbind its own pair */
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     PyObject *h = PyObject_Vectorcall(run, args + 3, 4, NULL);
