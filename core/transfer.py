@@ -128,6 +128,28 @@ _depth = threading.local()
 #: What Future.__init__ sets: reading one of them builds a handle's Future base.
 _FUTURE_FIELDS = frozenset(vars(Future()))
 _MAX_INLINE_DEPTH = 16
+
+
+class _FutureField:
+    """One of a handle's lazily built fields: reading it while the instance lacks it builds the
+    handle's Future base (``_future()``), whose stores land in the instance's ``__dict__``, which a
+    non-data descriptor lets win from then on. What a ``__getattr__`` hook did, without it: a class
+    with one pays a slower lookup for every attribute of every handle, ``result`` included."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, h: Any, owner: Any = None) -> Any:
+        if h is None:
+            return self
+        if not h._built:
+            h._future()
+        try:
+            return h.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
 _OPEN = threading.Lock()  # the wake lock of handles born done: never held, never waited on
 
 
@@ -224,11 +246,7 @@ class Transfer(Future):  # type: ignore[type-arg]
     # of the Future's internals is named here: it is built by Future.__init__
     # and resolved by Future's own methods.
 
-    def __getattr__(self, name: str) -> Any:
-        if self._built or name not in _FUTURE_FIELDS:
-            raise AttributeError(name)
-        self._future()
-        return object.__getattribute__(self, name)
+    # Each of _FUTURE_FIELDS is a _FutureField (set below the class).
 
     def _future(self) -> None:
         """Build the Future base (any thread; once)."""
@@ -590,6 +608,9 @@ class Transfer(Future):  # type: ignore[type-arg]
         self.run_callbacks()
 
 
+for _name in _FUTURE_FIELDS:
+    setattr(Transfer, _name, _FutureField(_name))
+
 _materialising = threading.Lock()
 
 
@@ -609,9 +630,9 @@ class Landed(Transfer):
     record. Its Future base (a Condition and the Future's own fields) is built
     only when something outside this class asks for it -- ``concurrent.futures.wait``
     or ``as_completed`` look at a Future's fields directly -- by running
-    ``Future.__init__`` and ``Future.set_result`` on first access to an
-    attribute the instance lacks; nothing of the Future's internals is named
-    or touched here.
+    ``Future.__init__`` and ``Future.set_result`` on the first read of one of
+    its fields (:class:`_FutureField`); nothing of the Future's internals is
+    named or touched here.
     """
 
     # The five attributes __init__ sets are slots: engine/_fastlane.c sets them through these
@@ -650,9 +671,11 @@ class Landed(Transfer):
     dispatch = property(lambda self: self._origin.dispatch)
     outcome = property(lambda self: (None, self.bytes_moved))
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "_future_built" in self.__dict__:
-            raise AttributeError(name)
+    # Transfer.__init__'s two fields, built with the Future's (no __getattr__: see _FutureField).
+    _callbacks = _FutureField("_callbacks")
+    _lock = _FutureField("_lock")
+
+    def _future(self) -> None:
         with _materialising:
             if "_future_built" not in self.__dict__:
                 self._callbacks = []
@@ -660,7 +683,6 @@ class Landed(Transfer):
                 Future.__init__(self)
                 Future.set_result(self, self.bytes_moved)
                 self.__dict__["_future_built"] = True
-        return object.__getattribute__(self, name)
 
     def done(self) -> bool:
         return True

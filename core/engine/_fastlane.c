@@ -18,7 +18,7 @@
  * the five attributes Landed.__init__ sets (core/transfer.py, see landed());
  * each of those places names this file, and the tests compare the two lanes.
  */
-#define MP_ABI 3
+#define MP_ABI 4
 
 int mpcomm_fastlane_abi(void) { return MP_ABI; }
 
@@ -26,7 +26,7 @@ int mpcomm_fastlane_abi(void) { return MP_ABI; }
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
-#include <structmember.h> /* T_OBJECT_EX: the slots of Request.FIELDS */
+#include <structmember.h> /* T_OBJECT_EX: the slots of Request.FIELDS and Landed.FIELDS */
 #include <time.h>
 
 /* What lane(...) binds, in this order (a tuple: the callable's self). No name of a Python
@@ -182,10 +182,11 @@ static int unlease(PyObject *const *s) {
     return 0;
 }
 
-/* field = value through the descriptor Landed.FIELDS hands (a slot: no name, no lookup). */
-static int set_field(PyObject *const *s, int field, PyObject *h, PyObject *value) {
-    PyObject *d = PyTuple_GET_ITEM(s[S_FIELDS], field);
-    return Py_TYPE(d)->tp_descr_set(d, h, value);
+/* field = value, stored in the slot whose descriptor Landed.FIELDS hands (no name, no lookup):
+ * lane() checked each is an object slot of the handle class, so a fresh handle holds it empty. */
+static void set_field(PyObject *const *s, int field, PyObject *h, PyObject *value) {
+    PyMemberDescrObject *d = (PyMemberDescrObject *)PyTuple_GET_ITEM(s[S_FIELDS], field);
+    *(PyObject **)((char *)h + d->d_member->offset) = Py_NewRef(value);
 }
 
 /* A handle born COMPLETED: Landed.__init__'s five attributes, set here without its frame
@@ -193,13 +194,16 @@ static int set_field(PyObject *const *s, int field, PyObject *h, PyObject *value
 static PyObject *landed(PyObject *const *s, PyObject *nobj, PyObject *req, double t0) {
     PyTypeObject *tp = (PyTypeObject *)s[S_LANDED];
     PyObject *h = tp->tp_new(tp, s_empty, NULL);
-    if (h == NULL)
-        return NULL;
     PyObject *t0obj = PyFloat_FromDouble(t0), *t1obj = PyFloat_FromDouble(monotonic());
-    if (t0obj == NULL || t1obj == NULL || set_field(s, FIELD_BYTES_MOVED, h, nobj) < 0
-        || set_field(s, FIELD_ORIGIN, h, s[S_ORIGIN]) < 0 || set_field(s, FIELD_REQUEST_ARGS, h, req) < 0
-        || set_field(s, FIELD_SUBMITTED_AT, h, t0obj) < 0 || set_field(s, FIELD_FINISHED_AT, h, t1obj) < 0)
+    if (h == NULL || t0obj == NULL || t1obj == NULL) {
         Py_CLEAR(h);
+    } else {
+        set_field(s, FIELD_BYTES_MOVED, h, nobj);
+        set_field(s, FIELD_ORIGIN, h, s[S_ORIGIN]);
+        set_field(s, FIELD_REQUEST_ARGS, h, req);
+        set_field(s, FIELD_SUBMITTED_AT, h, t0obj);
+        set_field(s, FIELD_FINISHED_AT, h, t1obj);
+    }
     Py_XDECREF(t0obj);
     Py_XDECREF(t1obj);
     return h;
@@ -294,12 +298,52 @@ release_fail:
 static PyMethodDef run_def = {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
                               "run(lo, ro, length, timeout): one request on a bound pair, or None"};
 
-static int is_field_tuple(PyObject *t) {
-    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != FIELD_COUNT)
+/* go(state, src, remote, lo, ro, length, timeout) -> handle | None: Engine.write/read's first
+ * step (fastlane.step binds state). The pair's run in the engine's table (bound.py keys it
+ * (id(local), id(remote), kind)), called; None: no binding, or it declined. state is
+ * [table, kind, key]: key is the last pair's, kept for the next request of the same pair (the
+ * ids compared, as the table compares them; the lookup is made anew each time). */
+static PyObject *py_go(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    PyObject *st = nargs == 7 ? args[0] : NULL;
+    if (st == NULL || !PyList_CheckExact(st) || PyList_GET_SIZE(st) != 3
+        || !PyDict_CheckExact(PyList_GET_ITEM(st, 0))) {
+        PyErr_SetString(PyExc_TypeError, "go([table, kind, key], src, remote, lo, ro, length, timeout)");
+        return NULL;
+    }
+    PyObject *key = PyList_GET_ITEM(st, 2);
+    if (!PyTuple_CheckExact(key) || PyTuple_GET_SIZE(key) != 3 || PyLong_AsVoidPtr(PyTuple_GET_ITEM(key, 0)) != args[1]
+        || PyLong_AsVoidPtr(PyTuple_GET_ITEM(key, 1)) != args[2]) {
+        PyErr_Clear();  /* a key not of ours: made anew */
+        PyObject *a = PyLong_FromVoidPtr(args[1]), *b = PyLong_FromVoidPtr(args[2]);
+        key = a == NULL || b == NULL ? NULL : PyTuple_Pack(3, a, b, PyList_GET_ITEM(st, 1));
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        if (key == NULL || PyList_SetItem(st, 2, key) < 0)  /* the list takes key */
+            return NULL;
+    }
+    Py_INCREF(key);  /* held through the lookup, whatever another thread's go sets in st */
+    PyObject *run = Py_XNewRef(PyDict_GetItemWithError(PyList_GET_ITEM(st, 0), key));
+    Py_DECREF(key);
+    if (run == NULL)  /* held: the run may unbind its own pair */
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject *h = PyObject_Vectorcall(run, args + 3, 4, NULL);
+    Py_DECREF(run);
+    return h;
+}
+
+/* Whether t is a tuple of n descriptors of writable object slots tp defines (Landed.FIELDS, what
+ * set_field stores into; Request.FIELDS, what scan reads). */
+static int is_slot_tuple(PyObject *t, PyTypeObject *tp, Py_ssize_t n) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != n)
         return 0;
-    for (Py_ssize_t i = 0; i < FIELD_COUNT; i++)
-        if (Py_TYPE(PyTuple_GET_ITEM(t, i))->tp_descr_set == NULL)
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyTuple_GET_ITEM(t, i);
+        if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || PyDescr_TYPE(d) != tp
+            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX
+            || (((PyMemberDescrObject *)d)->d_member->flags & READONLY))
             return 0;
+    }
     return 1;
 }
 
@@ -311,8 +355,8 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (nargs != S_COUNT || !PyLong_CheckExact(args[S_LSIZE]) || !PyLong_CheckExact(args[S_RSIZE])
         || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
         || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
-        || !is_field_tuple(args[S_FIELDS]) || !PyCallable_Check(args[S_REFUSING])
-        || !PyCallable_Check(args[S_CLOSERS]) || !PyCallable_Check(args[S_WAKE])
+        || !is_slot_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED], FIELD_COUNT)
+        || !PyCallable_Check(args[S_REFUSING]) || !PyCallable_Check(args[S_CLOSERS]) || !PyCallable_Check(args[S_WAKE])
         || !PyCallable_Check(args[S_ALIVE]) || !PyCallable_Check(args[S_CLOSED])) {
         PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);
         return NULL;
@@ -412,22 +456,14 @@ enum { R_OP, R_LOCAL, R_REMOTE, R_RO, R_LEN, R_LO, R_NOTIFY, R_TIMEOUT, R_ROUTE,
 
 static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6 || !PyType_Check(args[1]) || !PyTuple_CheckExact(args[2])
-        || PyTuple_GET_SIZE(args[2]) != R_COUNT) {
-        PyErr_SetString(PyExc_TypeError, "scan(requests, type, fields, lo, ro, ln)");
+    if (nargs != 6 || !PyType_Check(args[1]) || !is_slot_tuple(args[2], (PyTypeObject *)args[1], R_COUNT)) {
+        PyErr_SetString(PyExc_TypeError, "scan(requests, type, fields: the type's slot descriptors, lo, ro, ln)");
         return NULL;
     }
     PyTypeObject *tp = (PyTypeObject *)args[1];
     Py_ssize_t off[R_COUNT];
-    for (int f = 0; f < R_COUNT; f++) {
-        PyObject *d = PyTuple_GET_ITEM(args[2], f);
-        if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || PyDescr_TYPE(d) != tp
-            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
-            PyErr_SetString(PyExc_TypeError, "scan takes the type's slot descriptors");
-            return NULL;
-        }
-        off[f] = ((PyMemberDescrObject *)d)->d_member->offset;
-    }
+    for (int f = 0; f < R_COUNT; f++)
+        off[f] = ((PyMemberDescrObject *)PyTuple_GET_ITEM(args[2], f))->d_member->offset;
     PyObject *seq = args[0];
     if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq))
         return PyLong_FromLong(0);
@@ -469,6 +505,7 @@ static PyMethodDef mp_methods[] = {
     {"scan", (PyCFunction)(void (*)(void))py_scan, METH_FASTCALL,
      "the leading requests of a batch that form one group, their integers copied"},
     {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound pair's run callable"},
+    {"go", (PyCFunction)(void (*)(void))py_go, METH_FASTCALL, "Engine.write/read's lookup of a bound pair"},
     {"first_bad", (PyCFunction)(void (*)(void))py_first_bad, METH_FASTCALL,
      "checks.first_bad over three array('q') buffers"},
     {NULL, NULL, 0, NULL},

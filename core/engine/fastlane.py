@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from types import ModuleType
+from types import MethodType, ModuleType
 from typing import Any
 
 from .. import native_helper
 
 log = logging.getLogger("mpcomm.engine")
 
-ABI = 3  # 3: scan (planning); 2: what the lane reads comes as probes and descriptors, not attribute names
+ABI = 4  # 4: go (Engine.write/read's lookup); 3: scan (planning); 2: what the lane reads comes as probes
+#          and descriptors, not attribute names
 MODULE = "mpcomm.engine._mpcomm_fastlane"
 
 _lock = threading.Lock()
@@ -67,3 +68,18 @@ def status() -> str:
     """``"in use"``, or why not (loads the module first): what ``Engine.stats()["inline_lane"]`` shows."""
     module()
     return reason
+
+
+def step(table: dict[Any, Any], kind: str) -> Any:
+    """``go(src, remote, lo, ro, length, timeout) -> handle | None``: ``Engine.write`` (``kind``
+    "write") or ``read`` looks up a bound pair's C step in ``table`` (keyed ``(id(local), id(remote),
+    kind)``) and runs it; the module's ``go`` bound to its state where in use, else the same lookup
+    in Python."""
+    mod = module()
+    if mod is not None:
+        return MethodType(mod.go, [table, kind, None])
+
+    def go(src: Any, remote: Any, lo: Any, ro: Any, length: Any, timeout: Any) -> Any:
+        run = table.get((id(src), id(remote), kind))
+        return None if run is None else run(lo, ro, length, timeout)
+    return go

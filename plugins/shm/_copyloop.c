@@ -32,7 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MP_ABI 5
+#define MP_ABI 6
 #define MP_IOV 1024 /* IOV_MAX on Linux */
 
 int mp_abi(void) { return MP_ABI; }
@@ -600,6 +600,7 @@ int64_t mp_cma(int pid, int wr, char *local, char *remote, int64_t n, int pidfd)
 
 #define MP_KEEP_GIL (64 << 10)
 #include <stddef.h> /* offsetof */
+#include <structmember.h> /* T_OBJECT_EX: the mapping's error slot */
 
 static int mp_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *sig) {
     if (nargs != want) {
@@ -779,12 +780,14 @@ static PyObject *py_cma_many(PyObject *self, PyObject *const *args, Py_ssize_t n
  * up to `small` bytes under the mapping's lock after error(mapping) said None (the
  * revocation sets it under that lock), a longer one between enter() (None: admitted) and
  * exit(); True once the bytes landed and the owner is alive. What it calls on the mapping
- * comes as objects, no attribute name is read here. Anything but exact ints declines
+ * comes as objects, and `error` as the descriptor of the mapping's slot (read at its offset,
+ * no call): no attribute name is read here. Anything but exact ints declines
  * (False), as a range that does not fit: the general path decides. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    PyObject *acquire, *release, *error, *enter, *exit, *mapping;
+    PyObject *acquire, *release, *enter, *exit, *mapping;
+    Py_ssize_t error; /* the offset of the mapping's error slot */
     char *base, *laddr;
     long long size, lsize, limit, small;
     int pidfd, write, cma, pid;
@@ -794,7 +797,6 @@ static void mover_dealloc(PyObject *o) {
     Mover *m = (Mover *)o;
     Py_XDECREF(m->acquire);
     Py_XDECREF(m->release);
-    Py_XDECREF(m->error);
     Py_XDECREF(m->enter);
     Py_XDECREF(m->exit);
     Py_XDECREF(m->mapping);
@@ -845,22 +847,9 @@ static PyObject *mover_call(PyObject *self, PyObject *const *args, size_t nargsf
     } else {
         if (mp_call0(m->acquire) < 0)
             return NULL;
-        PyObject *e = PyObject_CallOneArg(m->error, m->mapping);
-        int revoked = e == NULL ? -1 : e != Py_None;
-        Py_XDECREF(e);
-        if (revoked) {
-            PyObject *et, *ev, *tb;
-            PyErr_Fetch(&et, &ev, &tb); /* a failed lookup's exception, kept aside for the release */
-            if (mp_call0(m->release) < 0) {
-                Py_XDECREF(et);
-                Py_XDECREF(ev);
-                Py_XDECREF(tb);
+        if (*(PyObject **)((char *)m->mapping + m->error) != Py_None) { /* revoked (or unset) */
+            if (mp_call0(m->release) < 0)
                 return NULL;
-            }
-            if (revoked < 0) {
-                PyErr_Restore(et, ev, tb);
-                return NULL;
-            }
             Py_RETURN_FALSE;
         }
     }
@@ -912,13 +901,19 @@ static PyObject *py_mover(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_ValueError, "mover: negative size");
         return NULL;
     }
+    PyMemberDescrObject *err = (PyMemberDescrObject *)args[2];
+    if (!Py_IS_TYPE(args[2], &PyMemberDescr_Type) || !PyObject_TypeCheck(args[5], PyDescr_TYPE(err))
+        || err->d_member->type != T_OBJECT_EX) {
+        PyErr_SetString(PyExc_TypeError, "mover: error is the descriptor of an object slot of the mapping");
+        return NULL;
+    }
     Mover *m = PyObject_New(Mover, &MoverType);
     if (m == NULL)
         return NULL;
     m->vectorcall = mover_call;
     m->acquire = Py_NewRef(args[0]);
     m->release = Py_NewRef(args[1]);
-    m->error = Py_NewRef(args[2]);
+    m->error = err->d_member->offset;
     m->enter = Py_NewRef(args[3]);
     m->exit = Py_NewRef(args[4]);
     m->mapping = Py_NewRef(args[5]);

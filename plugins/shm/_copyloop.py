@@ -42,7 +42,7 @@ from . import _native
 
 log = logging.getLogger("mpcomm.transport.shm")
 
-ABI = 5
+ABI = 6
 MODULE = "mpcomm.plugins.shm._mpcomm_copyloop"
 _ENV = "MPCOMM_SHM_NATIVE"
 

@@ -86,7 +86,6 @@ import errno
 import json
 import logging
 import mmap
-import operator
 import os
 import secrets
 import socket
@@ -131,8 +130,6 @@ _FD_CLIENTS = 64  # fd-socket clients served at once
 _FD_TIMEOUT = 1.0  # seconds an fd-socket client gets per step (one recv, one send: an initiator sends at once)
 _SMALL = 64 << 10  # the fast path copies up to this size under the mapping's lock (one lock, no counter)
 _CLAIM_WINDOW = 50e-6  # seconds a posted copy waits for its result() caller before a worker takes it
-#: _Mapping.error, read by the C move under the mapping's lock (beside the class: no name in C).
-_MAPPING_ERROR = operator.attrgetter("error")
 
 
 @dataclass(eq=False)
@@ -254,6 +251,10 @@ class _Mapping:
                 os.close(fd)
             except OSError:  # pragma: no cover
                 pass
+
+
+#: _Mapping.error's slot descriptor: the C move reads the slot under the mapping's lock (no name in C).
+_MAPPING_ERROR = _Mapping.error
 
 
 @dataclass(eq=False)

@@ -407,7 +407,7 @@ def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pyt
         for _ in range(2):  # the first connects and caches the route; the second lands inline and binds
             assert ini.write(src, remote, 0, 4096).result(5) == 4096
         assert ini._pipeline.bindings, "the pair should be bound after an inline write"
-        runs = list(ini._fast.values())  # the bound pairs' C steps
+        runs = list(ini._pipeline.native.values())  # the bound pairs' C steps
         assert bool(runs) is native
         assert all(type(r).__name__ == "builtin_function_or_method" for r in runs)
         for i in range(1, 64):
@@ -423,7 +423,7 @@ def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pyt
         ini.unregister(src)
         with pytest.raises(mpcomm.errors.RegionClosedError):
             ini.write(src, remote, 0, 4096)
-        assert not ini._fast and not ini._pipeline.bindings
+        assert not ini._pipeline.native and not ini._pipeline.bindings
 
 
 class _FailingLookup(Region):
@@ -470,11 +470,90 @@ def test_a_region_open_again_after_a_refused_lease_gets_its_c_step_back() -> Non
         for _ in range(2):
             assert ini.write(src, remote, 0, 4096).result(5) == 4096
         key = (id(src), id(remote), "write")
-        assert key in ini._fast and key in ini._pipeline.bindings
+        assert key in ini._pipeline.native and key in ini._pipeline.bindings
         src._refusing = True  # what close() sets first
         with pytest.raises(mpcomm.errors.RegionClosedError):
             ini.write(src, remote, 0, 4096)
-        assert key not in ini._fast and key not in ini._pipeline.bindings
+        assert key not in ini._pipeline.native and key not in ini._pipeline.bindings
         src._refusing = False  # the close timed out: open again
         assert isinstance(ini.write(src, remote, 0, 4096), Landed)
-        assert key in ini._fast and key in ini._pipeline.bindings
+        assert key in ini._pipeline.native and key in ini._pipeline.bindings
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_the_write_step_finds_each_pair_and_nothing_after_its_unbinding(native: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine.write's first step keeps the last pair's key for the next request (issue 28, shm 4 KiB
+    latency): the lookup is still made each time, so two pairs in turn land each in its place and a
+    pair dropped from the table (forget_fast: routes changed) is no longer run."""
+    if native:
+        _native()
+    else:
+        monkeypatch.setenv("MPCOMM_FASTLANE", "0")
+    with mpcomm.Engine(transports=["shm"]) as target, mpcomm.Engine(transports=["shm"]) as ini:
+        kv = target.allocate(1 << 20, name="kv")
+        remote = ini.open(target.address, "kv")
+        a, b = ini.allocate(4096, name="a"), ini.allocate(4096, name="b")
+        a.view[:] = b"\xaa" * 4096
+        b.view[:] = b"\xbb" * 4096
+        for _ in range(2):
+            ini.write(a, remote, 0, 4096).result(5)
+            ini.write(b, remote, 4096, 4096).result(5)
+        assert len(ini._pipeline.native) == (2 if native else 0)
+        for i in range(8):
+            src = a if i % 2 == 0 else b
+            kv.view[i * 4096:(i + 1) * 4096] = b"\0" * 4096
+            assert ini.write(src, remote, i * 4096, 4096).result(0) == 4096
+            assert bytes(kv.view[i * 4096:(i + 1) * 4096]) == bytes(src.view)
+        ini._pipeline.forget_fast()
+        seen: list[Any] = []
+        real = ini._pipeline.single
+        monkeypatch.setattr(ini._pipeline, "single", lambda *args: seen.append(args) or real(*args))
+        assert ini.write(a, remote, 0, 4096).result(5) == 4096
+        assert len(seen) == 1, "a forgotten pair must take the one Python path"
+
+
+def test_a_handles_attributes_take_the_plain_lookup_and_its_future_is_built_on_demand() -> None:
+    """No __getattr__ hook on Transfer (a class with one pays a slower lookup for every attribute,
+    result() included: issue 28, shm 4 KiB latency); the Future base is still built on the first
+    read of one of its fields, for a born-done handle and for a posted one."""
+    import concurrent.futures as cf
+
+    assert not hasattr(mpcomm.Transfer, "__getattr__") and not hasattr(Landed, "__getattr__")
+    p = Pair(native=True)
+    h = p.run(0, 0, 64, None)
+    assert isinstance(h, Landed) and "_future_built" not in h.__dict__
+    with pytest.raises(AttributeError):
+        h.no_such_field  # noqa: B018
+    assert "_future_built" not in h.__dict__
+    done, pending = cf.wait([h], timeout=0)
+    assert done == {h} and not pending and "_future_built" in h.__dict__
+    assert list(cf.as_completed([h], timeout=1)) == [h] and h.result(0) == 64
+    t = mpcomm.Transfer()
+    assert not t._built
+    fut_state = t._state  # builds it
+    assert t._built and fut_state == "PENDING"
+
+
+def test_the_c_step_takes_only_object_slots_of_the_handle_class_as_its_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C step stores a born-done handle's five fields straight into their slots (issue 28, shm
+    4 KiB latency): lane() refuses anything else as FIELDS (a property, another class's slot)."""
+    mod = _native()
+    seen: list[tuple[Any, ...]] = []
+    real = mod.lane
+    monkeypatch.setattr(mod, "lane", lambda *args: seen.append(args) or real(*args))
+    p = Pair(native=True)
+    assert p.run is not None and len(seen) == 1
+    args = list(seen[0])
+    at = next(i for i, a in enumerate(args) if a is Landed.FIELDS)
+
+    class Other:
+        __slots__ = ("a", "b", "c", "d", "e")
+
+    settable = property(lambda self: None, lambda self, v: None)
+    for fields in ((settable,) * 5, (Other.a, Other.b, Other.c, Other.d, Other.e), Landed.FIELDS[:4]):
+        args[at] = fields
+        with pytest.raises(TypeError):
+            real(*args)
+    args[at] = Landed.FIELDS
+    assert callable(real(*args))
