@@ -18,6 +18,8 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -393,15 +395,22 @@ def test_the_c_lane_keeps_no_reference() -> None:
 # -- through a real engine --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@contextmanager
+def _shm_pair(native: bool, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """Two shm engines with the C step (skips, saying why, when it is not built) or without it
+    (MPCOMM_FASTLANE=0): ``(target, initiator, kv, remote)`` with a 1 MiB target region "kv"."""
     if native:
         _native()
     else:
         monkeypatch.setenv("MPCOMM_FASTLANE", "0")
     with mpcomm.Engine(transports=["shm"]) as target, mpcomm.Engine(transports=["shm"]) as ini:
         kv = target.allocate(1 << 20, name="kv")
-        remote = ini.open(target.address, "kv")
+        yield target, ini, kv, ini.open(target.address, "kv")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _shm_pair(native, monkeypatch) as (target, ini, kv, remote):
         src = ini.allocate(1 << 16, name="src")
         src.view[:4096] = b"\x11" * 4096
         for _ in range(2):  # the first connects and caches the route; the second lands inline and binds
@@ -486,13 +495,7 @@ def test_the_write_step_finds_each_pair_and_nothing_after_its_unbinding(native: 
     """Engine.write's first step keeps the last pair's key for the next request (issue 28, shm 4 KiB
     latency): the lookup is still made each time, so two pairs in turn land each in its place and a
     pair dropped from the table (forget_fast: routes changed) is no longer run."""
-    if native:
-        _native()
-    else:
-        monkeypatch.setenv("MPCOMM_FASTLANE", "0")
-    with mpcomm.Engine(transports=["shm"]) as target, mpcomm.Engine(transports=["shm"]) as ini:
-        kv = target.allocate(1 << 20, name="kv")
-        remote = ini.open(target.address, "kv")
+    with _shm_pair(native, monkeypatch) as (target, ini, kv, remote):
         a, b = ini.allocate(4096, name="a"), ini.allocate(4096, name="b")
         a.view[:] = b"\xaa" * 4096
         b.view[:] = b"\xbb" * 4096
