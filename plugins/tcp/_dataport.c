@@ -1609,11 +1609,31 @@ static int do_write_note(Ctx *x, uint64_t req_id, uint64_t rid, uint64_t token, 
 #define PREEMPTED_S 500e-6
 #define PAUSE_MIN 64u
 #define PAUSE_MAX 8192u
+/* 1 when the next request is one of the pause (waited for by blocking), counting it off. */
+static int pause_skips(Pause *pz) {
+    if (pz->skip == 0)
+        return 0;
+    pz->skip--;
+    return 1;
+}
+
+/* The pause after a poll: a preempted one starts a pause of backoff requests (at least PAUSE_MIN)
+ * and doubles the next one up to PAUSE_MAX; a clean one halves it. spin_recv's rule, and
+ * pause_trace's (the tests walk it there without a scheduler). */
+static void pause_after(Pause *pz, int preempted) {
+    if (preempted) {
+        pz->backoff = pz->backoff < PAUSE_MIN ? PAUSE_MIN : pz->backoff;
+        pz->skip = pz->backoff;
+        pz->backoff = pz->backoff >= PAUSE_MAX / 2 ? PAUSE_MAX : pz->backoff * 2;
+    } else {
+        pz->backoff /= 2;
+    }
+}
+
 static long long spin_recv(Port *p, int fd, unsigned char *h, size_t n, long long budget_ns, Pause *pz) {
     if (budget_ns <= 0)
         return 0;
-    if (pz->skip > 0) {
-        pz->skip--;
+    if (pause_skips(pz)) {
         __atomic_add_fetch(&p->stat_paused, 1, __ATOMIC_RELAXED);
         return 0;
     }
@@ -1639,14 +1659,9 @@ static long long spin_recv(Port *p, int fd, unsigned char *h, size_t n, long lon
     }
     int ready = got != 0, saved = errno; /* IO_ERR's errno, for the caller's message */
     __atomic_sub_fetch(&spinners, 1, __ATOMIC_ACQ_REL);
-    if (preempted) {
-        pz->backoff = pz->backoff < PAUSE_MIN ? PAUSE_MIN : pz->backoff;
-        pz->skip = pz->backoff;
-        pz->backoff = pz->backoff >= PAUSE_MAX / 2 ? PAUSE_MAX : pz->backoff * 2;
+    pause_after(pz, preempted);
+    if (preempted)
         __atomic_add_fetch(&p->stat_preempted, 1, __ATOMIC_RELAXED);
-    } else {
-        pz->backoff /= 2;
-    }
     __atomic_add_fetch(&p->stat_polls, 1, __ATOMIC_RELAXED);
     if (ready)
         __atomic_add_fetch(&p->stat_found, 1, __ATOMIC_RELAXED);
@@ -2156,7 +2171,55 @@ static PyObject *rate_trace(PyObject *mod, PyObject *args) {
     return out;
 }
 
+/* pause_trace(polls, requests) -> str: one connection's busy-poll pause over `requests` waits, each
+ * 'p' (one of the pause: blocking), 'c' (a clean poll) or 'x' (a preempted poll), where the k-th
+ * poll is preempted when polls[k] is true (false past its end). For tests: the rule without a
+ * scheduler. */
+static PyObject *pause_trace(PyObject *mod, PyObject *args) {
+    PyObject *polls;
+    Py_ssize_t requests;
+    if (!PyArg_ParseTuple(args, "On", &polls, &requests))
+        return NULL;
+    if (requests < 0 || requests > 1000000) {
+        PyErr_SetString(PyExc_ValueError, "requests: 0 .. 1000000");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(polls, "polls: a sequence of booleans");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), k = 0;
+    char *out = PyMem_Malloc((size_t)requests + 1);
+    if (!out) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    Pause pz = {0, 0};
+    for (Py_ssize_t i = 0; i < requests; i++) {
+        if (pause_skips(&pz)) {
+            out[i] = 'p';
+            continue;
+        }
+        int preempted = 0;
+        if (k < n) {
+            preempted = PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq, k++));
+            if (preempted < 0) {
+                PyMem_Free(out);
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        pause_after(&pz, preempted);
+        out[i] = preempted ? 'x' : 'c';
+    }
+    Py_DECREF(seq);
+    PyObject *r = PyUnicode_FromStringAndSize(out, requests);
+    PyMem_Free(out);
+    return r;
+}
+
 static PyMethodDef module_methods[] = {
+    {"pause_trace", pause_trace, METH_VARARGS,
+     "pause_trace(polls, requests) -> 'p'/'c'/'x' per request: the busy-poll pause rule, for tests"},
     {"rate_trace", rate_trace, METH_VARARGS,
      "rate_trace(rate, times) -> [(admitted, idle)]: one sender's notification bucket, for tests"},
     {"set_spin_limit", set_spin_limit, METH_O, "How many connections may busy-poll at once."},

@@ -125,14 +125,22 @@ def _on(p: subprocess.Popen[bytes], cpu: int) -> None:
 
 
 def _polling(s: Served) -> None:
-    """Read until a read is one the port found by polling: it polls for the next one now (a pause
-    that the machine's own load started has run out)."""
-    for _ in range(PAUSE_MAX + 100):
-        found = s.stats()["found"]
+    """Read until a read is one the port found by a poll that was not preempted: it polls for the
+    next one now (a pause that the machine's own load started has run out)."""
+    for _ in range(2 * PAUSE_MAX):
+        before = s.stats()
         s.read()
-        if s.stats()["found"] > found:
+        after = s.stats()
+        if after["found"] > before["found"] and after["preempted"] == before["preempted"]:
             return
-    pytest.fail(f"the port never polled: {s.stats()}")
+    _loaded(f"no poll of {2 * PAUSE_MAX} requests ran without being preempted: {s.stats()}")
+
+
+def _loaded(what: str) -> None:
+    """The machine's own load (other processes on the port's CPU) preempted the port's polls, which
+    the port rightly treats as a competitor: what the test wanted to see cannot happen here. The
+    rule itself is checked without a scheduler (test_the_pause_rule_*)."""
+    pytest.skip(f"the machine's own load preempts the port's polls: {what}")
 
 
 def _preempt_one_poll(s: Served, p: subprocess.Popen[bytes]) -> None:
@@ -165,6 +173,8 @@ def test_after_one_preempted_poll_the_port_polls_again_within_a_few_requests(com
             if s.stats()["polls"] > polls:
                 first = i
                 break
+        if (first is None or first > 8 * PAUSE_MIN) and s.stats()["preempted"] > stats["preempted"]:
+            _loaded(f"more preempted polls than the test's one: {stats} -> {s.stats()}")
         assert first is not None, f"no poll in {10 * PAUSE_MIN} requests after one preemption: {stats} -> {s.stats()}"
         assert first <= 8 * PAUSE_MIN, f"the first poll came at request {first}: {stats} -> {s.stats()}"
         # Every request before it was one of the pause, but the first (the preempted poll's own wait)
@@ -206,12 +216,15 @@ def test_the_pause_is_per_request_and_ends_with_the_competitor(competitor: Any) 
         _on(competitor, s.port_cpu)
         s.read(600)
         os.kill(competitor.pid, signal.SIGSTOP)
-        skipped = s.stats()["paused"]
+        gone = s.stats()
+        skipped = gone["paused"]
         for _ in range(PAUSE_MAX // 500 + 2):
             s.read(500)
             if s.blocked(50) <= 25:
                 break
         else:
+            if s.stats()["preempted"] > gone["preempted"]:
+                _loaded(f"polls preempted after the competitor stopped: {gone} -> {s.stats()}")
             pytest.fail(f"still blocking after {PAUSE_MAX + 1100} requests without a competitor: {s.stats()}")
         assert s.stats()["paused"] - skipped <= PAUSE_MAX
     finally:
@@ -230,6 +243,45 @@ def test_poll_stats_count_polls_that_found_the_request() -> None:
         # Each request is waited for by one poll or in a pause (or right after a preempted poll); the
         # next request's pause may be counted already when the last reply came.
         assert 50 - (after["preempted"] - before["preempted"]) <= polls + paused <= 51
-        assert polls >= 1 and found >= 0.8 * polls, after  # a poll with a 200 ms budget finds its request
+        # A poll with a 200 ms budget finds its request unless it was preempted (then it gives up at
+        # once: the machine's own load can do that here), so every poll not preempted found one.
+        assert polls >= 1 and found >= polls - (after["preempted"] - before["preempted"]), after
     finally:
         s.close()
+
+
+# -- the rule without a scheduler (the C bookkeeping spin_recv runs, through pause_trace) ---------
+
+
+def _pauses(trace: str) -> list[int]:
+    return [len(run) for run in trace.replace("x", " ").replace("c", " ").split()]
+
+
+def test_the_pause_rule_after_one_preempted_poll_is_pause_min_requests() -> None:
+    t = DP.pause_trace([True], PAUSE_MIN + 10)
+    assert t == "x" + "p" * PAUSE_MIN + "c" * 9  # then every wait is a clean poll again
+    assert DP.pause_trace([], 100) == "c" * 100  # a poll that is never preempted never pauses
+
+
+def test_the_pause_rule_doubles_while_the_competitor_stays_up_to_pause_max() -> None:
+    t = DP.pause_trace([True] * 12, 4 * PAUSE_MAX)
+    pauses = _pauses(t)
+    want, p = [], PAUSE_MIN
+    while len(want) < 10:
+        want.append(p)
+        p = min(2 * p, PAUSE_MAX)
+    assert pauses[:10] == want and max(pauses) == PAUSE_MAX
+    # The spinning-target case of the real-port test: 600 requests cost 4 preempted tries.
+    assert DP.pause_trace([True] * 600, 600).count("x") == 4
+
+
+def test_the_pause_rule_ends_with_the_competitor_and_halves_with_clean_polls() -> None:
+    # A long stretch with a competitor (the pause at PAUSE_MAX), then none: the port polls again
+    # once the pause in progress has run out (within PAUSE_MAX requests), and each clean poll
+    # halves the next pause.
+    polls = [True] * 9 + [False] * 3 + [True]
+    t = DP.pause_trace(polls, 6 * PAUSE_MAX)
+    last_x = [i for i, c in enumerate(t) if c == "x"]
+    assert t[last_x[8] + 1:last_x[8] + 1 + PAUSE_MAX] == "p" * PAUSE_MAX
+    assert t[last_x[8] + 1 + PAUSE_MAX:last_x[8] + 4 + PAUSE_MAX] == "ccc"
+    assert _pauses(t)[-1] == PAUSE_MAX // 8  # 8192 halved three times
