@@ -150,6 +150,8 @@ class _FutureField:
             return h.__dict__[self.name]
         except KeyError:
             raise AttributeError(self.name) from None
+
+
 _OPEN = threading.Lock()  # the wake lock of handles born done: never held, never waited on
 
 
