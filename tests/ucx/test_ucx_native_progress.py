@@ -39,6 +39,16 @@ def _p50(ini: mpcomm.Engine, src: Any, remote: Any, n: int, fill: int) -> float:
     return sorted(lat)[len(lat) // 2]
 
 
+def _wired(ini: Any, address: str, writes: int) -> tuple[Any, Any, Any]:
+    """``ini``'s handle on the target's "kv", a 4 KiB source and its ucx transport, after ``writes``
+    4 KiB writes (the region attached and the endpoint wired up)."""
+    remote = ini.open(address, "kv", timeout=10)
+    src = ini.allocate(4096)
+    for _ in range(writes):
+        ini.write(src, remote, 0, 4096).result(5)
+    return remote, src, ini.transports["ucx"]
+
+
 def test_a_target_spinning_in_python_still_serves_tcp_puts_and_gets(make_engine: Any) -> None:
     with SpinningTarget(TCP, ["ucx"]) as target:
         ini = make_engine(TCP, transports=["ucx"])
@@ -86,11 +96,7 @@ def test_a_result_waiter_reports_its_own_request(make_engine: Any) -> None:
     reported on the waiting thread, and the transport's Python thread is not woken for it."""
     with StoppableTarget() as target:
         ini = make_engine(TCP, transports=["ucx"])
-        remote = ini.open(target.address, "kv", timeout=10)
-        src = ini.allocate(4096)
-        for _ in range(5):
-            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
-        tr = ini.transports["ucx"]
+        remote, src, tr = _wired(ini, target.address, 5)
         woke, driven = tr.wakeups, tr.waiter_reports
         for i in range(20):
             src.view[:8] = i.to_bytes(8, "little")
@@ -164,11 +170,7 @@ def test_an_answer_that_beats_its_caller_to_result_is_reported_by_the_caller(mak
     thread hands it off, and the posting thread then reports it itself -- not this race."""
     with StoppableTarget() as target:
         ini = make_engine(_claiming(2_000_000), transports=["ucx"])  # 2 s: surely longer than the sleep
-        remote = ini.open(target.address, "kv", timeout=10)
-        src = ini.allocate(4096)
-        for _ in range(3):
-            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
-        tr = ini.transports["ucx"]
+        remote, src, tr = _wired(ini, target.address, 3)
         woke, driven = tr.wakeups, tr.waiter_reports
         for i in range(10):
             src.view[:8] = i.to_bytes(8, "little")
@@ -277,11 +279,7 @@ def test_a_waiter_polls_for_its_answer_and_the_loop_thread_stays_asleep(make_eng
     consumed the polling waiter's event signals it)."""
     with StoppableTarget() as target:
         ini = make_engine({"plugins": {"ucx": {"tls": "tcp,self", "park_us": park_us}}}, transports=["ucx"])
-        remote = ini.open(target.address, "kv", timeout=10)
-        src = ini.allocate(4096)
-        for _ in range(20):
-            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
-        tr = ini.transports["ucx"]
+        remote, src, tr = _wired(ini, target.address, 20)
         loop = tr._loop
         n = 30
         sleeps, driven = loop.sleeps, tr.waiter_reports
@@ -336,10 +334,7 @@ def test_an_idle_target_serves_each_write_without_ucx_async_thread(make_engine: 
     try:
         address = proc.stdout.readline().strip()  # type: ignore[union-attr]
         ini = make_engine(TCP, transports=["ucx"])
-        remote = ini.open(address, "kv", timeout=10)
-        src = ini.allocate(4096)
-        for _ in range(20):
-            ini.write(src, remote, 0, 4096).result(5)  # attached and wired up
+        remote, src, _ = _wired(ini, address, 20)
 
         def async_switches() -> int:
             proc.stdin.write("\n")  # type: ignore[union-attr]
