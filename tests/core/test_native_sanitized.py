@@ -14,7 +14,7 @@ tests/regressions/test_native_path.py), the differential lane test over shm and 
 (tests/core/test_lane_agreement.py) and tcp's native data port (tests/tcp/test_tcp_native_port.py:
 its in-process table and server tests; the in-process notification tests of
 tests/tcp/test_tcp_notify_native.py and of tests/tcp/test_tcp_write_note.py, noting WRITE frames
-included; the senders' rate buckets of tests/tcp/test_tcp_notify_rate.py; the targets it starts as subprocesses load the installed build). Bounded at about a minute here; skipped, saying why, without
+included; the read-ahead of tests/tcp/test_tcp_port_stream.py and the pause rule of tests/tcp/test_tcp_port_pause.py; the senders' rate buckets of tests/tcp/test_tcp_notify_rate.py; the targets it starts as subprocesses load the installed build). Bounded at about a minute here; skipped, saying why, without
 gcc's libasan.
 
 Then atheris runs over the same build for a fixed number of seconds each
@@ -89,6 +89,11 @@ TESTS = [
     "tests/tcp/test_tcp_write_note.py::test_generated_noting_frames_get_an_answer_or_a_closed_connection",
     "tests/tcp/test_tcp_native_messages.py",
     "tests/tcp/test_tcp_busypoll.py",  # tcp's busy-poll module and its one argument parser
+    # the data port's read-ahead (Carry: frames in one segment and cut anywhere) and its pause rule
+    "tests/tcp/test_tcp_port_stream.py",
+    "tests/tcp/test_tcp_port_pause.py::test_the_pause_rule_after_one_preempted_poll_is_pause_min_requests",
+    "tests/tcp/test_tcp_port_pause.py::test_the_pause_rule_doubles_while_the_competitor_stays_up_to_pause_max",
+    "tests/tcp/test_tcp_port_pause.py::test_the_pause_rule_ends_with_the_competitor_and_halves_with_clean_polls",
     # the senders' notify_rate buckets in the native queue (128-bit arithmetic, the bounded table)
     "tests/tcp/test_tcp_notify_rate.py::test_the_native_and_the_python_bucket_rule_agree",
     "tests/tcp/test_tcp_notify_rate.py::test_a_sender_gets_the_burst_and_then_the_rate_never_more",
