@@ -54,7 +54,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from .errors import MpcommError, TransferTimeout
+from .errors import MpcommError, PeerConnectionError, TransferTimeout
 
 if TYPE_CHECKING:
     from .config import Config
@@ -374,11 +374,20 @@ class Operation:
         stopped (bytes may still land there). The caller then sees
         ``TransferTimeout(confirmed=False)`` (or a TransferError saying so).
         """
-        self._finish(_final_error(self.abort_exc, exc, confirmed), 0)
+        self._finish(_final_error(self, exc, confirmed), 0)
 
 
-def _final_error(abort: BaseException | None, exc: BaseException, confirmed: bool) -> BaseException:
-    """What the caller sees: the abort's reason (timeout, cancel, close) over the incidental error."""
+def _final_error(unit: Operation | OperationGroup, exc: BaseException, confirmed: bool) -> BaseException:
+    """What the caller sees: the abort's reason (timeout, cancel, close) over the incidental error.
+
+    A lost connection reported once the unit's deadline has passed is its timeout too, even
+    where the engine's timer has not aborted it yet (a loaded machine runs it late): the target
+    enforces the same deadline and drops the connection of a request that outlived it, so the
+    deadline is the reason, and the path is not to blame.
+    """
+    abort = unit.abort_exc
+    if abort is None and isinstance(exc, PeerConnectionError) and time.monotonic() >= unit.deadline:
+        abort = timeout_error(unit)
     if abort is not None:
         if isinstance(abort, MpcommError) and exc is not abort and abort.__cause__ is None:
             abort.__cause__ = exc
@@ -617,7 +626,7 @@ class OperationGroup:
         incidental error the abort caused. ``confirmed=False`` as for
         :meth:`Operation.fail`.
         """
-        self._report(indices, FAILED, _final_error(self.abort_exc, exc, confirmed))
+        self._report(indices, FAILED, _final_error(self, exc, confirmed))
 
     def members(self) -> list[Operation]:
         """Every request as a lone :class:`Operation` (made once, then the same list).
