@@ -275,6 +275,7 @@ class Operation:
         transport: the transport it was posted to.
         state: a free slot for the transport's per-operation state.
         index: position in its :class:`OperationGroup` (-1 for a lone request).
+        undriven: no ``result()`` caller is expected to drive it (read-only, see there).
     """
 
     __slots__ = ("kind", "local", "local_offset", "remote", "remote_offset", "length", "deadline",
@@ -328,6 +329,16 @@ class Operation:
     def done(self) -> bool:
         return self._done
 
+    @property
+    def undriven(self) -> bool:
+        """No ``result()`` caller is expected to :meth:`Transport.drive` this request, as far as the
+        engine knows when it is posted: its handle is reaped from a completion queue, or a callback
+        or a ``done()`` poller already waits for it. A transport that leaves answers to a driver for
+        a while reads this one's promptly from the start, as after :meth:`Transport.undriven` (which
+        covers a callback or poller that comes after the post). Cheap; False for a request no
+        engine made."""
+        return _undriven(self)
+
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
 
@@ -375,6 +386,13 @@ class Operation:
         ``TransferTimeout(confirmed=False)`` (or a TransferError saying so).
         """
         self._finish(_final_error(self.abort_exc, exc, confirmed), 0)
+
+
+def _undriven(unit: Operation | OperationGroup) -> bool:
+    """:attr:`Operation.undriven` and :attr:`OperationGroup.undriven`: asks the handle the engine
+    made for the unit (``transfer``, :meth:`~mpcomm.transfer.Transfer.waits_undriven`)."""
+    t = unit.__dict__.get("transfer")
+    return t is not None and t.waits_undriven()
 
 
 def _final_error(abort: BaseException | None, exc: BaseException, confirmed: bool) -> BaseException:
@@ -540,6 +558,11 @@ class OperationGroup:
     @property
     def aborted(self) -> bool:
         return self.abort_exc is not None
+
+    @property
+    def undriven(self) -> bool:
+        """As :attr:`Operation.undriven`, for the group's batch."""
+        return _undriven(self)
 
     @property
     def total_bytes(self) -> int:
