@@ -390,9 +390,16 @@ class Operation:
 
 def _undriven(unit: Operation | OperationGroup) -> bool:
     """:attr:`Operation.undriven` and :attr:`OperationGroup.undriven`: asks the handle the engine
-    made for the unit (``transfer``, :meth:`~mpcomm.transfer.Transfer.waits_undriven`)."""
-    t = unit.__dict__.get("transfer")
-    return t is not None and t.waits_undriven()
+    made for the unit (``transfer``, :meth:`~mpcomm.transfer.Transfer.waits_undriven`) and, for a
+    lone request of a batch, the batch's handle (``batch``: its callbacks and pollers wait there)."""
+    d = unit.__dict__
+    t = d.get("transfer")
+    if t is None:
+        return False
+    if t.waits_undriven():
+        return True
+    b = d.get("batch")
+    return b is not None and b is not t and b.waits_undriven()
 
 
 def _final_error(abort: BaseException | None, exc: BaseException, confirmed: bool) -> BaseException:
@@ -850,10 +857,13 @@ class Transport:
         """
 
     def undriven(self, op: Operation | OperationGroup) -> None:
-        """Optional: a callback now waits for the posted ``op``, and maybe no ``result()`` caller will
-        :meth:`drive` it. A transport that leaves answers to a driver for a while reads ``op``'s
-        promptly instead. Called on the thread that added the callback, outside every engine
-        lock; never blocks, never raises. The default does nothing (tcp: docs/tcp.md, "Paths")."""
+        """Optional: a callback or a poller now waits for the posted ``op``, and maybe no ``result()``
+        caller will :meth:`drive` it. A transport that leaves answers to a driver for a while reads
+        ``op``'s promptly instead. Called by ``Transfer.add_done_callback`` and by the first
+        ``Transfer.done()`` that answers False, on that thread, outside every engine lock; never
+        blocks, never raises. What is known at post (a completion queue reaps it, or a callback or
+        poller came before the post) is ``op.undriven``: read it in :meth:`post`/:meth:`post_many`
+        and treat it as this call. The default does nothing (tcp: docs/tcp.md, "Paths")."""
 
     def abort(self, op: Operation | OperationGroup) -> None:
         """``op.abort_exc`` is set: stop ``op`` as soon as possible.
