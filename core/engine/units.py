@@ -58,6 +58,7 @@ class BoundOp(Op):
     stage = POSTED
     holds_slot = True
     attempt = 0
+    undriven = False  # posted inside write()/read() before its handle exists, no completion queue (Operation.undriven)
 
 
 class Slots:
