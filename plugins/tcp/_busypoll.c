@@ -305,8 +305,9 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
  * this thread (it left with requests pending): it ends the sleep between looks, and the wait
  * goes on as the flags say handoff_ns later. Rung with BELL_NOW or more (Conn.hand_to_reader:
  * a request no driver will read, such as one a completion queue or a callback waits for), the
- * wait goes on as the flags say at once, with no handoff_ns first. After 2 * look_ns of looks that found neither a
- * driver nor a reply, it sleeps in poll() until bytes come, and then looks as before. */
+ * wait goes on as the flags say at once, with no handoff_ns first. After 2 * look_ns of looks
+ * that found neither a driver nor a reply, it sleeps in poll() until bytes come, and then looks
+ * as before. */
 #define BELL_NOW (1ULL << 32) /* busypoll.BELL_NOW: an eventfd counter of 1s never reaches it */
 
 static int readable_now(int fd) {
