@@ -388,20 +388,6 @@ class Operation:
         self._finish(_final_error(self.abort_exc, exc, confirmed), 0)
 
 
-def _undriven(unit: Operation | OperationGroup) -> bool:
-    """:attr:`Operation.undriven` and :attr:`OperationGroup.undriven`: asks the handle the engine
-    made for the unit (``transfer``, :meth:`~mpcomm.transfer.Transfer.waits_undriven`) and, for a
-    lone request of a batch, the batch's handle (``batch``: its callbacks and pollers wait there)."""
-    d = unit.__dict__
-    t = d.get("transfer")
-    if t is None:
-        return False
-    if t.waits_undriven():
-        return True
-    b = d.get("batch")
-    return b is not None and b is not t and b.waits_undriven()
-
-
 def _final_error(abort: BaseException | None, exc: BaseException, confirmed: bool) -> BaseException:
     """What the caller sees: the abort's reason (timeout, cancel, close) over the incidental error."""
     if abort is not None:
@@ -464,6 +450,20 @@ def int64_array(values: Any, count: int | None, what: str, copy: bool = True) ->
 
 #: Per-index states of an :class:`OperationGroup` (``group.status[i]``).
 PENDING, DONE, FAILED = 0, 1, 2
+
+
+def _undriven(unit: Operation | OperationGroup) -> bool:
+    """:attr:`Operation.undriven` and :attr:`OperationGroup.undriven`: asks the handle the engine
+    made for the unit (``transfer``, :meth:`~mpcomm.transfer.Transfer.waits_undriven`) and, for a
+    lone request of a batch, the batch's handle (``batch``: its callbacks and pollers wait there)."""
+    d = unit.__dict__
+    t = d.get("transfer")
+    if t is None:
+        return False
+    if t.waits_undriven():
+        return True
+    b = d.get("batch")
+    return b is not None and b is not t and b.waits_undriven()
 
 
 class OperationGroup:
