@@ -115,13 +115,16 @@ Request.FIELDS = (Request.op, Request.local, Request.remote, Request.remote_offs
 class Dispatch:
     """What the engine plugs into a handle (its completion thread and canceller)."""
 
-    __slots__ = ("push", "on_dispatch_thread", "cancel")
+    __slots__ = ("push", "on_dispatch_thread", "cancel", "undriven")
 
     def __init__(self, push: Callable[[Any], None], on_dispatch_thread: Callable[[], bool],
-                 cancel: Callable[[Transfer], None]) -> None:
+                 cancel: Callable[[Transfer], None], *, undriven: bool = False) -> None:
         self.push = push
         self.on_dispatch_thread = on_dispatch_thread
         self.cancel = cancel
+        #: Its handles are reaped by their user (a completion queue's ``poll``): no ``result()``
+        #: caller is expected to drive them (:meth:`Transfer.waits_undriven`).
+        self.undriven = undriven
 
 
 _depth = threading.local()
@@ -196,6 +199,8 @@ class Transfer(Future):  # type: ignore[type-arg]
     #: without the lock (single stores under the GIL); a recorder reads it under ``_lock``.
     _driver = 0
     _left_to_waiter = False  # the engine left settling to a waiter (no completion-thread push)
+    #: done() answered False once: a poller waits on it (see done()). A plain store, read unlocked.
+    _polled = False
     #: Held until the outcome is recorded; a result() waiter with no outcome after its drive
     #: blocks on it, and whoever records the outcome releases it: the waiter wakes directly,
     #: not through the completion thread. Made (under _lock) by the first waiter that has to
@@ -279,10 +284,22 @@ class Transfer(Future):  # type: ignore[type-arg]
             self.settle()
 
     def done(self) -> bool:
+        """True once the request is over. Never blocks.
+
+        A False answer is a poll (an event loop's, or ``MPI_Test``'s): whoever asks may never
+        drive this request in ``result()``, so the first one hands it to its transport as a
+        callback does (:meth:`Transport.undriven`: tcp's reader reads its reply at once rather
+        than leaving it to a driver), once per handle; later polls only look.
+        """
         self._sync()
         if self._applied:
             return True
-        return self._built and Future.done(self)
+        if self._built and Future.done(self):
+            return True
+        if not self._polled:
+            self._polled = True  # before the hand-over: a post racing it sees it (waits_undriven)
+            undriven(self._driven())
+        return False
 
     def running(self) -> bool:
         return self.status is POSTED and not self.done()
@@ -382,6 +399,15 @@ class Transfer(Future):  # type: ignore[type-arg]
     def _driven(self) -> tuple[Any, ...]:
         """The posted units a waiter may drive (Transport.drive): this request's own."""
         return () if self.operation is None else (self.operation,)
+
+    def waits_undriven(self) -> bool:
+        """True when this handle is waited on other than by a ``result()`` caller that drives it:
+        it is reaped from a completion queue, a callback waits for it, or ``done()`` was polled on
+        it in flight. Read when its request is posted (:attr:`Operation.undriven`), so a request
+        held before it was posted (its peer still connecting, ``post=False``, a busy transport)
+        is handed over as one posted at once would have been."""
+        d = self.dispatch
+        return self._polled or bool(self._callbacks) or (d is not None and d.undriven)
 
     def leave_to_waiter(self) -> bool:
         """Engine, after :meth:`record_outcome`: True when a ``result()`` waiter will settle this handle.

@@ -275,6 +275,7 @@ class Operation:
         transport: the transport it was posted to.
         state: a free slot for the transport's per-operation state.
         index: position in its :class:`OperationGroup` (-1 for a lone request).
+        undriven: no ``result()`` caller is expected to drive it (read-only, see there).
     """
 
     __slots__ = ("kind", "local", "local_offset", "remote", "remote_offset", "length", "deadline",
@@ -327,6 +328,16 @@ class Operation:
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def undriven(self) -> bool:
+        """No ``result()`` caller is expected to :meth:`Transport.drive` this request, as far as the
+        engine knows when it is posted: its handle is reaped from a completion queue, or a callback
+        or a ``done()`` poller already waits for it. A transport that leaves answers to a driver for
+        a while reads this one's promptly from the start, as after :meth:`Transport.undriven` (which
+        covers a callback or poller that comes after the post). Cheap; False for a request no
+        engine made."""
+        return _undriven(self)
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -450,6 +461,20 @@ def int64_array(values: Any, count: int | None, what: str, copy: bool = True) ->
 PENDING, DONE, FAILED = 0, 1, 2
 
 
+def _undriven(unit: Operation | OperationGroup) -> bool:
+    """:attr:`Operation.undriven` and :attr:`OperationGroup.undriven`: asks the handle the engine
+    made for the unit (``transfer``, :meth:`~mpcomm.transfer.Transfer.waits_undriven`) and, for a
+    lone request of a batch, the batch's handle (``batch``: its callbacks and pollers wait there)."""
+    d = unit.__dict__
+    t = d.get("transfer")
+    if t is None:
+        return False
+    if t.waits_undriven():
+        return True
+    b = d.get("batch")
+    return b is not None and b is not t and b.waits_undriven()
+
+
 class OperationGroup:
     """A vectorised batch, as a transport sees it: N requests of one ``kind``
     between one local region and one remote region.
@@ -549,6 +574,11 @@ class OperationGroup:
     @property
     def aborted(self) -> bool:
         return self.abort_exc is not None
+
+    @property
+    def undriven(self) -> bool:
+        """As :attr:`Operation.undriven`, for the group's batch."""
+        return _undriven(self)
 
     @property
     def total_bytes(self) -> int:
@@ -836,10 +866,13 @@ class Transport:
         """
 
     def undriven(self, op: Operation | OperationGroup) -> None:
-        """Optional: a callback now waits for the posted ``op``, and maybe no ``result()`` caller will
-        :meth:`drive` it. A transport that leaves answers to a driver for a while reads ``op``'s
-        promptly instead. Called on the thread that added the callback, outside every engine
-        lock; never blocks, never raises. The default does nothing (tcp: docs/tcp.md, "Paths")."""
+        """Optional: a callback or a poller now waits for the posted ``op``, and maybe no ``result()``
+        caller will :meth:`drive` it. A transport that leaves answers to a driver for a while reads
+        ``op``'s promptly instead. Called by ``Transfer.add_done_callback`` and by the first
+        ``Transfer.done()`` that answers False, on that thread, outside every engine lock; never
+        blocks, never raises. What is known at post (a completion queue reaps it, or a callback or
+        poller came before the post) is ``op.undriven``: read it in :meth:`post`/:meth:`post_many`
+        and treat it as this call. The default does nothing (tcp: docs/tcp.md, "Paths")."""
 
     def abort(self, op: Operation | OperationGroup) -> None:
         """``op.abort_exc`` is set: stop ``op`` as soon as possible.

@@ -28,7 +28,7 @@ class Admission:
         per_engine = cq.__dict__.setdefault("dispatch", {})
         d = per_engine.get(id(self))
         if d is None:
-            d = per_engine[id(self)] = Dispatch(cq.push, cq.on_thread, self.cancel)
+            d = per_engine[id(self)] = Dispatch(cq.push, cq.on_thread, self.cancel, undriven=True)  # reaped by poll()
         return d
 
     def _local(self, buf: Any, name: str) -> tuple[Region, bool]:

@@ -58,6 +58,9 @@ class BoundOp(Op):
     stage = POSTED
     holds_slot = True
     attempt = 0
+    #: Posted inside write()/read(), before its handle exists, with no completion queue: nothing but
+    #: result() can wait on it yet (Operation.undriven, read by a transport's post).
+    undriven = False
 
 
 class Slots:

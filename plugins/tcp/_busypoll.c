@@ -303,8 +303,13 @@ static PyObject *py_next_reply(PyObject *self, PyObject *const *args, Py_ssize_t
  * requests). The price: a reply nobody drives, after a stretch of driven ones, waits up to
  * look_ns + handoff_ns. bell (an eventfd, or -1) is rung when a driver hands the replies to
  * this thread (it left with requests pending): it ends the sleep between looks, and the wait
- * goes on as the flags say handoff_ns later. After 2 * look_ns of looks that found neither a
- * driver nor a reply, it sleeps in poll() until bytes come, and then looks as before. */
+ * goes on as the flags say handoff_ns later. Rung with BELL_NOW or more (Conn.hand_to_reader:
+ * a request no driver will read, such as one a completion queue or a callback waits for), the
+ * wait goes on as the flags say at once, with no handoff_ns first. After 2 * look_ns of looks
+ * that found neither a driver nor a reply, it sleeps in poll() until bytes come, and then looks
+ * as before. */
+#define BELL_NOW (1ULL << 32) /* busypoll.BELL_NOW: an eventfd counter of 1s never reaches it */
+
 static int readable_now(int fd) {
     struct pollfd p = {.fd = fd, .events = POLLIN};
     int n = poll(&p, 1, 0);
@@ -411,7 +416,7 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
                 break;
             }
             if (n > 0 && bell >= 0 && p[1].revents) {
-                uint64_t rung;
+                uint64_t rung = 0;
                 if (read((int)bell, &rung, sizeof rung) < 0 && errno != EAGAIN && errno != EINTR) {
                     r = 3;
                     break;
@@ -421,9 +426,12 @@ static PyObject *py_await_reply(PyObject *self, PyObject *const *args, Py_ssize_
                 if (!p[0].revents) {
                     /* Handed the replies: the flags say how to wait now, handoff_ns from now (as the
                      * 1 ms looks did): a caller that drives its next frames at once (a batch of
-                     * several groups, driven in turn) takes them itself; the rest are this thread's. */
-                    struct timespec h = {handoff / 1000000000LL, handoff % 1000000000LL};
-                    nanosleep(&h, NULL);
+                     * several groups, driven in turn) takes them itself; the rest are this thread's.
+                     * At once when no driver will come (BELL_NOW). */
+                    if (rung < BELL_NOW) {
+                        struct timespec h = {handoff / 1000000000LL, handoff % 1000000000LL};
+                        nanosleep(&h, NULL);
+                    }
                     continue;
                 }
             }

@@ -56,6 +56,9 @@ REPLY_NONE, REPLY_GOT, REPLY_SHORT, REPLY_LEAVE = 0, 1, 2, 3
 #: no Python on that thread. None: the reader waits on its condition (the Python twin).
 await_reply: Callable[[int, Any, int, int, int], int] | None = None
 AWAIT_NONE, AWAIT_REPLY, AWAIT_END = 0, 1, 3
+#: What ``Conn.hand_to_reader`` adds to the reader's bell (an eventfd): no driver will come, so
+#: ``await_reply`` goes on at once, without the HANDOFF a leaving driver's ring (1) waits first.
+BELL_NOW = 1 << 32
 #: Why busy-polling is or is not available (shown in the transport's availability).
 reason = "not loaded yet"
 

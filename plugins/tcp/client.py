@@ -505,7 +505,8 @@ class Conn:
             self._flags[1] = 0
             self.rcv.notify()
             if self._bell >= 0:
-                os.eventfd_write(self._bell, 1)  # ends the native reader's sleep between looks
+                # Ends the native reader's sleep between looks, with no HANDOFF wait: nobody drives these.
+                os.eventfd_write(self._bell, busypoll.BELL_NOW)
 
     def leave_drive(self) -> None:
         """Hand the replies back: to the next driver (sticky) or, if some are due, to the reader."""

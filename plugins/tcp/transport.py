@@ -295,14 +295,16 @@ class TcpTransport(Transport):
         pool = self._pool(op.peer, op.remote.address)
         if length < self._stripe_threshold or self._conns == 1:
             self._send(op, pool, [_frame(op, 0, length, op.notification, _Reporter(op))])
-            return
-        ranges = stripes(length, min(self._conns, math.ceil(length / (self._stripe_threshold // 2))))
-        pieces = Pieces(op, len(ranges))
+        else:
+            ranges = stripes(length, min(self._conns, math.ceil(length / (self._stripe_threshold // 2))))
+            pieces = Pieces(op, len(ranges))
 
-        def report(err: BaseException | None, _status: Any, confirmed: bool) -> None:
-            pieces.done(err, confirmed=confirmed)
+            def report(err: BaseException | None, _status: Any, confirmed: bool) -> None:
+                pieces.done(err, confirmed=confirmed)
 
-        self._send(op, pool, [_frame(op, start, ln, None, report) for start, ln in ranges])
+            self._send(op, pool, [_frame(op, start, ln, None, report) for start, ln in ranges])
+        if op.undriven:  # a completion queue, callback or poller waits: no driver will come
+            self.undriven(op)
 
     def carries_notification(self, op: Any) -> bool:
         """A write the target's server takes as one WRITE frame carrying its note (wire.py FLAG_NOTE):
@@ -359,6 +361,8 @@ class TcpTransport(Transport):
             plist.append(Piece(rid, read, views, parts if read else [], _GroupReporter(group, a, b), b - a,
                                size))
         self._send(group, pool, plist)
+        if group.undriven:  # as in post
+            self.undriven(group)
 
     def _runs(self, lens: Any, total: int, pool: Pool) -> list[tuple[int, int]]:
         """Contiguous index runs: one per connection for a large group, none over the peer's max_batch."""
@@ -423,8 +427,9 @@ class TcpTransport(Transport):
             drive(plist, until)
 
     def undriven(self, op: Any) -> None:
-        """No ``result()`` caller will drive ``op`` (a callback waits for it): its connections'
-        readers read its replies at once (client.Conn.hand_to_reader), not at their next look."""
+        """No ``result()`` caller will drive ``op`` (a callback or a ``done()`` poller waits for it; or,
+        called from post, ``op.undriven``: a completion queue reaps it): its connections' readers
+        read its replies at once (client.Conn.hand_to_reader), not at their next look."""
         plist = op.state
         if type(plist) is list:
             for piece in plist:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import errno
+import os
 import socket
 import struct
 import threading
@@ -284,3 +285,40 @@ def test_await_reply_sees_the_end_of_a_sticky_connection_at_once() -> None:
         t0 = time.monotonic()
         assert wait(a.fileno(), flags, 2_000_000_000, 2_000_000_000, 10_000) == busypoll.AWAIT_END
         assert time.monotonic() - t0 < 1.5
+
+
+@needs_module
+@pytest.mark.parametrize("ring", [1, busypoll.BELL_NOW])
+def test_await_reply_after_its_bell_waits_a_handoff_only_for_a_leaving_driver(ring: int) -> None:
+    """The bell ends the reader's sleep between looks. A driver that left with replies pending rings
+    1: the reader goes on handoff_ns later (the driver may come straight back for its next frames).
+    Conn.hand_to_reader rings BELL_NOW (no driver will come: a completion queue, a callback, a
+    done() poller waits): the reader goes on at once, and takes the reply sitting there."""
+    wait = busypoll.await_reply
+    assert wait is not None
+    handoff = 0.5  # long, so the two rings differ whatever the machine's load
+    a, b = socket.socketpair()
+    bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    try:
+        with a, b:
+            flags = array.array("i", (0, 1))  # not driving, sticky: the reader sleeps between looks
+            b.sendall(_reply(wire.ST_OK, 7))
+            out: list[tuple[int, float]] = []
+            rang = [0.0]
+            th = threading.Thread(target=lambda: out.append((wait(a.fileno(), flags, int(handoff * 1e9),
+                                                                  int(handoff * 1e9), 10_000, bell),
+                                                             time.monotonic())))
+            th.start()
+            time.sleep(0.05)  # asleep between its looks
+            flags[1] = 0  # handed over: no longer sticky (as the callers set it, before ringing)
+            rang[0] = time.monotonic()
+            os.eventfd_write(bell, ring)
+            th.join(10)
+            assert out and out[0][0] == busypoll.AWAIT_REPLY
+            took = out[0][1] - rang[0]
+            if ring == busypoll.BELL_NOW:
+                assert took < handoff / 2, took
+            else:
+                assert took >= handoff * 0.9, took
+    finally:
+        os.close(bell)
