@@ -84,8 +84,8 @@ class Admission:
         op.transfer = t
         return op
 
-    def _check_group(self, g: OperationGroup, index: list[int] | None = None,
-                     requests: Sequence[Request] | None = None) -> None:
+    def _check_group(self, g: OperationGroup, start: int = 0, requests: Sequence[Request] | None = None) -> None:
+        """Bounds of every entry of ``g`` (entry ``i`` is request ``start + i`` of ``requests``)."""
         lo, ro, ln, local, remote = g.local_offsets, g.remote_offsets, g.lengths, g.local, g.remote
         i = checks.first_bad(lo, ro, ln, local.size, remote.size)
         if i < 0:
@@ -93,7 +93,7 @@ class Admission:
         try:  # the error path only: name the first bad index
             checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo[i], ro[i], ln[i])
         except OutOfBoundsError as exc:
-            k = i if index is None else index[i]
+            k = start + i
             raise OutOfBoundsError(f"request {k} of the batch: {exc}; nothing was transferred",
                                    region=exc.region, peer=exc.peer,
                                    request=requests[k] if requests is not None else None) from None
