@@ -13,7 +13,7 @@ from ..transfer import Batch, Request, Transfer, Dispatch
 from ..transport import Operation, OperationGroup
 from . import checks
 from .completions import CompletionQueue
-from .units import WAITING, Op
+from .units import Op
 
 
 class Admission:
@@ -98,19 +98,11 @@ class Admission:
                                    region=exc.region, peer=exc.peer,
                                    request=requests[k] if requests is not None else None) from None
 
-    def _adopt(self, group: OperationGroup, batch: Batch, start: int, ephemeral: bool) -> None:
-        group.transfer = batch
-        group.batch = batch
+    def _adopt(self, group: OperationGroup, batch: Batch, start: int, ephemeral: bool, hint: Any) -> None:
+        group.transfer = group.batch = batch
         group.first_index = start
-        group.stage = WAITING
         group.ephemeral = ephemeral
-        group.holds_slot = False
-        group.posting = False
-        group.deadline_entry = None
-        group.notify_after = None
-        group.tracked = False
-        group.released = False
-        group.route_hint = None
+        group.route_hint = hint
         batch.parts.append((start, group))
         batch.operation = group if not batch.operation else batch.operation
 

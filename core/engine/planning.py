@@ -12,10 +12,10 @@ from ..errors import EngineClosedError, MpcommError, OutOfBoundsError, RegionClo
 from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request
-from ..transport import OperationGroup, int64_array
+from ..transport import int64_array
 from . import checks, fastlane
 from .notify import MAX_NOTIFY
-from .units import BatchOp
+from .units import BatchOp, Group
 
 if TYPE_CHECKING:
     from .requests import Pipeline
@@ -107,16 +107,15 @@ class Planning:
         self._check_access(kind, local, remote)
         t = self._timeout(timeout)
         now = time.monotonic()
-        group = OperationGroup(kind, local, remote, local_offsets, remote_offsets, lengths, now + t, time.time() + t,
-                               sink=self._group_reported)
+        group = Group(kind, local, remote, local_offsets, remote_offsets, lengths, now + t, time.time() + t,
+                      sink=self._group_reported)
         self._check_group(group)
         batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
         if group.count == 0:  # done at once (and never staged)
             batch.record_outcome(None, 0)
             self._deliver_inline(batch, batch.finish_inline)
             return batch
-        self._adopt(group, batch, 0, ephemeral)
-        group.route_hint = hint
+        self._adopt(group, batch, 0, ephemeral, hint)
         return self._launch_batch(batch, [group], post)
 
     def _plan(self, requests: Sequence[Request], timeout: float | None, route: Any = None) -> Plan:
@@ -226,11 +225,9 @@ class Planning:
             if local.closed:
                 raise RegionClosedError(f"region {local.name!r} is unregistered", region=local.name)
             # The plan's arrays are the engine's own copies, checked once (prepare/submit): no copy per post.
-            g = OperationGroup(spec.kind, local, spec.remote, spec.local_offsets, spec.remote_offsets,
-                               spec.lengths, now + spec.timeout, wall + spec.timeout, sink=self._group_reported,
-                               copy=False)
-            self._adopt(g, batch, spec.start, spec.ephemeral)
-            g.route_hint = spec.hint
+            g = Group(spec.kind, local, spec.remote, spec.local_offsets, spec.remote_offsets, spec.lengths,
+                      now + spec.timeout, wall + spec.timeout, sink=self._group_reported, copy=False)
+            self._adopt(g, batch, spec.start, spec.ephemeral, spec.hint)
             units.append(g)
         dispatch = batch.dispatch
         for i, req, local, lo, ro, length, t, ephemeral, hint in plan.singles:

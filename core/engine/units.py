@@ -12,19 +12,18 @@ import time
 import weakref
 from typing import Any
 
-from ..transport import Operation
+from ..transport import Operation, OperationGroup
 
 # Unit stages (``unit.stage``), moved on under ``unit._lock``.
 WAITING, POSTED, FINISHED = 0, 1, 2
 
 
-class Op(Operation):
-    """An engine's request: an Operation whose bookkeeping starts at these class-level defaults.
+class Unit:
+    """What the engine keeps on a unit (an :class:`Op` or a :class:`Group`), at these class-level
+    defaults: a unit stores only the fields that leave them (most never do), which keeps making
+    one cheap on the hottest path."""
 
-    A request stores only the fields that leave their default (most never
-    do), which keeps building one cheap on the hottest path.
-    """
-
+    __slots__ = ()
     stage = WAITING
     ephemeral = False
     notify_after: bytes | None = None
@@ -37,6 +36,15 @@ class Op(Operation):
     tracked = False
     released = False
     probe: str | None = None  # the health probe slot it holds (see Retries._end_probe)
+
+
+class Op(Unit, Operation):
+    """An engine's request."""
+
+
+class Group(Unit, OperationGroup):
+    """An engine's vectorised part of a batch (its ``batch``, ``transfer`` and ``first_index`` set
+    when a batch adopts it: :meth:`Admission._adopt`)."""
 
 
 class BatchOp(Op):
