@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BackPressureError, MpcommError, OutOfBoundsError, PermissionDeniedError, RegionClosedError
+from ..errors import BackPressureError, EngineClosedError, MpcommError, OutOfBoundsError, PermissionDeniedError, RegionClosedError
 from ..memory import Region, region_of
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request, Transfer, Dispatch
@@ -18,6 +18,10 @@ from .units import Op
 
 class Admission:
     """The :class:`~mpcomm.engine.requests.Pipeline`'s admission (a mixin: its state lives on the Pipeline)."""
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
 
     def _dispatch_for(self, cq: Any) -> Dispatch:
         if cq is None:
@@ -61,19 +65,15 @@ class Admission:
         if not isinstance(remote, RemoteRegion):
             raise MpcommError(f"remote must be a RemoteRegion (from Engine.open), not {type(remote).__name__}",
                               request=request)
-        if kind == "write":
-            if "w" not in remote.access:
-                raise PermissionDeniedError(f"remote region {remote.name!r} is read-only", region=remote.name,
-                                            peer=remote.address, request=request)
-        elif kind == "read":
-            if "w" not in local.access:
-                raise PermissionDeniedError(f"local buffer {local.name!r} is read-only; it cannot receive a read",
-                                            region=local.name, request=request)
-            if "r" not in remote.access:
-                raise PermissionDeniedError(f"remote region {remote.name!r} may not be read", region=remote.name,
-                                            peer=remote.address, request=request)
-        else:
+        if kind not in ("write", "read"):
             raise MpcommError(f"request op must be 'write' or 'read', not {kind!r}", request=request)
+        if kind == "read" and "w" not in local.access:
+            raise PermissionDeniedError(f"local buffer {local.name!r} is read-only; it cannot receive a read",
+                                        region=local.name, request=request)
+        if ("w" if kind == "write" else "r") not in remote.access:
+            what = "is read-only" if kind == "write" else "may not be read"
+            raise PermissionDeniedError(f"remote region {remote.name!r} {what}", region=remote.name,
+                                        peer=remote.address, request=request)
 
     def new_op(self, kind: str, local: Region, lo: int, remote: RemoteRegion, ro: int, length: int,
             timeout: float, dispatch: Dispatch, request: Request | None = None, cls: type[Op] = Op) -> Operation:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import EngineClosedError, MpcommError, OutOfBoundsError, RegionClosedError
+from ..errors import MpcommError, OutOfBoundsError, RegionClosedError
 from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request
@@ -39,10 +39,6 @@ class GroupSpec:
     ephemeral: bool
     start: int
     hint: tuple[str, ...] | None = None
-
-    @property
-    def count(self) -> int:
-        return len(self.lengths)
 
 
 class Plan:
@@ -76,10 +72,8 @@ class PreparedBatch:
 
     def post(self, *, completion_queue: Any = None) -> Batch:
         """Post every request once more; returns the new handle at once."""
-        p = self._pipeline
-        if p.closed:
-            raise EngineClosedError("the engine is closed")
-        return p._start_plan(self._plan, completion_queue, True)
+        self._pipeline._check_open()
+        return self._pipeline._start_plan(self._plan, completion_queue, True)
 
 
 _ZERO = array("q", (0,))
@@ -100,8 +94,7 @@ class Planning:
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
         """``write_many``/``read_many``: one group, built at once (no plan: the hottest batch path)."""
-        if self.closed:
-            raise EngineClosedError("the engine is closed")
+        self._check_open()
         hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral-batch")
         self._check_access(kind, local, remote)
@@ -111,10 +104,8 @@ class Planning:
                       sink=self._group_reported)
         self._check_group(group)
         batch = Batch(group.count, _dispatch=self._dispatch_for(cq))
-        if group.count == 0:  # done at once (and never staged)
-            batch.record_outcome(None, 0)
-            self._deliver_inline(batch, batch.finish_inline)
-            return batch
+        if not group.count:
+            return self._launch_batch(batch, [], post)
         self._adopt(group, batch, 0, ephemeral, hint)
         return self._launch_batch(batch, [group], post)
 
@@ -183,13 +174,11 @@ class Planning:
     def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
                route: Any = None) -> Batch:
         """Group the requests into vectorised parts and post (or stage) them."""
-        if self.closed:
-            raise EngineClosedError("the engine is closed")
+        self._check_open()
         return self._start_plan(self._plan(requests, timeout, route), cq, post)
 
     def prepare(self, requests: Sequence[Request], timeout: float | None) -> PreparedBatch:
-        if self.closed:
-            raise EngineClosedError("the engine is closed")
+        self._check_open()
         plan = self._plan(requests, timeout)
         if plan.singles or any(g.ephemeral for g in plan.groups):
             raise MpcommError("prepare() takes requests between registered Regions without notify; "
@@ -198,8 +187,7 @@ class Planning:
 
     def prepare_many(self, kind: str, local: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                      lengths: Any, timeout: float | None) -> PreparedBatch:
-        if self.closed:
-            raise EngineClosedError("the engine is closed")
+        self._check_open()
         if not isinstance(local, Region):
             raise MpcommError("prepare_many() needs a registered Region as the local buffer")
         region, _ = self._local(local, "")
@@ -211,7 +199,7 @@ class Planning:
         self._check_group(spec)  # type: ignore[arg-type]
         plan = Plan(None)
         plan.groups.append(spec)
-        plan.count = spec.count
+        plan.count = len(ln)
         return PreparedBatch(self, plan)
 
     def _start_plan(self, plan: Plan, cq: Any, post: bool) -> Batch:
@@ -245,12 +233,12 @@ class Planning:
     def _launch_batch(self, batch: Batch, units: list[Any], post: bool) -> Batch:
         """Hold every unit of ``batch`` (or none), then post or stage them; an empty batch is done."""
         batch.posting = False
-        batch.staged = not post
         batch.left = len(units)
-        if not units:
+        if not units:  # done at once (and never staged)
             batch.record_outcome(None, 0)
             self._deliver_inline(batch, batch.finish_inline)
             return batch
+        batch.staged = not post
         held: list[Any] = []
         try:
             for u in units:

@@ -98,12 +98,11 @@ class Slots:
             return False
         return True
 
-    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+    def acquire(self, timeout: float) -> bool:
+        """A slot, waiting up to ``timeout`` seconds for one; False when none came."""
         if self.try_acquire():
             return True
-        if not blocking:
-            return False
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
         with self._lock:
             # Counted before it looks again: a release that did not see the count came before
             # that look, so its token is seen; one that did takes the lock to notify, which it
@@ -111,8 +110,8 @@ class Slots:
             self._waiting += 1
             try:
                 while not self.try_acquire():
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
                         return False
                     self._cond.wait(left)
                 return True
