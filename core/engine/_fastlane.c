@@ -372,10 +372,10 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* first_bad(lo, ro, ln, lsize, rsize): the one batch bounds check (checks.first_bad), over
- * the engine's three array('q') buffers of one length, in one pass without an int object per
- * entry. The rule is fits() above, per entry: a negative value is out of bounds. -1 when every
- * entry fits; TypeError unless the buffers are C-contiguous int64 arrays of one length and the
- * sizes ints >= 0. */
+ * the first len(ln) entries of the engine's three array('q') buffers, in one pass without an
+ * int object per entry. The rule is fits() above, per entry: a negative value is out of bounds.
+ * -1 when every entry fits; TypeError unless the buffers are C-contiguous int64 arrays of
+ * len(ln) entries at least and the sizes ints >= 0. */
 static void release3(Py_buffer *b, int got) {
     while (got-- > 0)
         PyBuffer_Release(&b[got]);
@@ -419,31 +419,22 @@ static int size_arg(PyObject *o, unsigned long long *v) {
 static PyObject *py_first_bad(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     unsigned long long lsize, rsize;
+    Py_ssize_t n = nargs == 5 ? PyObject_Length(args[2]) : -1; /* before any buffer is held */
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "first_bad(lo, ro, ln, lsize, rsize)");
         return NULL;
     }
     Py_buffer b[3];
-    if (size_arg(args[3], &lsize) < 0 || size_arg(args[4], &rsize) < 0 || int64_buffers(args, b, 0, 0) < 0)
+    if (n < 0 || size_arg(args[3], &lsize) < 0 || size_arg(args[4], &rsize) < 0 || int64_buffers(args, b, 0, n) < 0)
         return NULL;
+    const long long *lo = b[0].buf, *ro = b[1].buf, *ln = b[2].buf;
     Py_ssize_t bad = -1;
-    PyObject *res = NULL;
-    if (b[0].len != b[2].len || b[1].len != b[2].len) {
-        PyErr_SetString(PyExc_TypeError, "first_bad takes buffers of one length");
-    } else {
-        const long long *lo = b[0].buf, *ro = b[1].buf, *ln = b[2].buf;
-        Py_ssize_t n = b[2].len / 8;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (ln[i] < 0 || lo[i] < 0 || ro[i] < 0 || !fits((unsigned long long)lo[i], (unsigned long long)ln[i], lsize)
-                || !fits((unsigned long long)ro[i], (unsigned long long)ln[i], rsize)) {
-                bad = i;
-                break;
-            }
-        }
-        res = PyLong_FromSsize_t(bad);
-    }
+    for (Py_ssize_t i = 0; i < n && bad < 0; i++)
+        if (ln[i] < 0 || lo[i] < 0 || ro[i] < 0 || !fits((unsigned long long)lo[i], (unsigned long long)ln[i], lsize)
+            || !fits((unsigned long long)ro[i], (unsigned long long)ln[i], rsize))
+            bad = i;
     release3(b, 3);
-    return res;
+    return PyLong_FromSsize_t(bad);
 }
 
 /* scan(requests, start, type, fields, lo, ro, ln) -> j: the end of the run of requests (a list

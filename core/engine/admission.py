@@ -109,16 +109,11 @@ class Admission:
     def _hold(self, unit: Any) -> None:
         """Lease the local region and take a queue_depth slot; raise (holding nothing) if either fails."""
         unit.local.acquire()
-        if self._raise_on_full:
-            ok = self.slots.try_acquire()
-        else:
-            ok = self.slots.acquire(timeout=max(0.0, unit.deadline - time.monotonic()))
+        ok = self.slots.try_acquire() if self._raise_on_full else self.slots.acquire(unit.deadline)
         if not ok:
             unit.local.release()
-            raise BackPressureError(
-                f"{self.slots.capacity} requests already in flight (runtime.queue_depth)",
-                request=unit.transfer.request,
-            )
+            raise BackPressureError(f"{self.slots.capacity} requests already in flight (runtime.queue_depth)",
+                                    request=unit.transfer.request)
         unit.holds_slot = True
 
     def _unhold(self, unit: Any) -> None:

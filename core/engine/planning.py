@@ -257,9 +257,7 @@ class Planning:
 
     def post_staged(self, batch: Batch) -> Batch:
         """Post the parts of a ``submit(..., post=False)`` batch that are still waiting."""
-        if not getattr(batch, "staged", False):
-            return batch
-        batch.staged = False
-        units = [part for _, part in batch.parts]
-        self._post_batch(batch, units, staged=True)
+        if batch.staged:
+            batch.staged = False
+            self._post_batch(batch, [part for _, part in batch.parts], staged=True)
         return batch

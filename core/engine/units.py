@@ -98,11 +98,10 @@ class Slots:
             return False
         return True
 
-    def acquire(self, timeout: float) -> bool:
-        """A slot, waiting up to ``timeout`` seconds for one; False when none came."""
+    def acquire(self, deadline: float) -> bool:
+        """A slot, waiting for one until ``deadline`` (``time.monotonic()``); False when none came."""
         if self.try_acquire():
             return True
-        deadline = time.monotonic() + timeout
         with self._lock:
             # Counted before it looks again: a release that did not see the count came before
             # that look, so its token is seen; one that did takes the lock to notify, which it

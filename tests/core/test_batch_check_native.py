@@ -49,7 +49,8 @@ def test_the_c_check_refuses_what_it_cannot_read_exactly() -> None:
     with pytest.raises(TypeError):
         checks.first_bad([0], q, q, 8, 8)  # not a buffer
     with pytest.raises(TypeError):
-        checks.first_bad(q, q, array("q", [0, 0]), 8, 8)  # lengths differ
+        checks.first_bad(q, q, array("q", [0, 0]), 8, 8)  # fewer offsets than lengths
+    assert checks.first_bad(array("q", [0, -1]), q, q, 8, 8) == -1  # only len(ln) entries are read
     for size in (-1, -(2**64), 8.0, None):
         with pytest.raises(TypeError):
             checks.first_bad(q, q, q, size, 8)
