@@ -42,9 +42,6 @@ class Admission:
             return buf, False
         return region_of(buf, name=name), True  # host buffer, DLPack / CUDA array, DeviceBuffer
 
-    def _timeout(self, timeout: float | None) -> float:
-        return checks.timeout_seconds(timeout, self.default_timeout)
-
     def _hint(self, route: Any, request: Any = None) -> tuple[str, ...] | None:
         """A per-request ``route=`` hint as a tuple of installed transport names (None: the rules decide)."""
         if route is None:

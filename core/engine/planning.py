@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MpcommError, OutOfBoundsError, RegionClosedError
+from ..errors import MpcommError, OutOfBoundsError
 from ..memory import Region
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request
@@ -98,7 +98,7 @@ class Planning:
         hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral-batch")
         self._check_access(kind, local, remote)
-        t = self._timeout(timeout)
+        t = checks.timeout_seconds(timeout, self.default_timeout)
         now = time.monotonic()
         group = Group(kind, local, remote, local_offsets, remote_offsets, lengths, now + t, time.time() + t,
                       sink=self._group_reported)
@@ -127,14 +127,13 @@ class Planning:
             req = seq[i]
             if j == i and not isinstance(req, Request):
                 raise MpcommError(f"submit() takes Request objects, not {type(req).__name__} (index {i})")
-            got = locals_.get(id(req.local))
-            if got is None:
-                got = locals_[id(req.local)] = self._local(req.local, f"ephemeral-{i}")
-            local, ephemeral = got
+            if id(req.local) not in locals_:  # one region per buffer object, made once
+                locals_[id(req.local)] = self._local(req.local, f"ephemeral-{i}")
+            local, ephemeral = locals_[id(req.local)]
             remote = req.remote
             hint = self._hint(route if req.route is None else req.route, req)
             self._check_access(req.op, local, remote, req)
-            t = self._timeout(timeout if req.timeout is None else req.timeout)
+            t = checks.timeout_seconds(timeout if req.timeout is None else req.timeout, self.default_timeout)
             if req.notify is not None:  # planned alone, as one request
                 # The offsets are read once: what was checked is what is posted.
                 a, c = req.local_offset, req.remote_offset
@@ -192,7 +191,7 @@ class Planning:
             raise MpcommError("prepare_many() needs a registered Region as the local buffer")
         region, _ = self._local(local, "")
         self._check_access(kind, region, remote)
-        t = self._timeout(timeout)
+        t = checks.timeout_seconds(timeout, self.default_timeout)
         ln = int64_array(lengths, None, "lengths")
         spec = GroupSpec(kind, region, remote, int64_array(local_offsets, len(ln), "local_offsets"),
                          int64_array(remote_offsets, len(ln), "remote_offsets"), ln, t, False, 0)
@@ -209,9 +208,7 @@ class Planning:
         now = time.monotonic()
         wall = time.time()
         for spec in plan.groups:
-            local = spec.local
-            if local.closed:
-                raise RegionClosedError(f"region {local.name!r} is unregistered", region=local.name)
+            local, _ = self._local(spec.local, "")  # refused once unregistered
             # The plan's arrays are the engine's own copies, checked once (prepare/submit): no copy per post.
             g = Group(spec.kind, local, spec.remote, spec.local_offsets, spec.remote_offsets, spec.lengths,
                       now + spec.timeout, wall + spec.timeout, sink=self._group_reported, copy=False)
