@@ -6,7 +6,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BackPressureError, EngineClosedError, MpcommError, OutOfBoundsError, PermissionDeniedError, RegionClosedError
+from ..errors import (BackPressureError, EngineClosedError, MpcommError, OutOfBoundsError, PermissionDeniedError,
+                      RegionClosedError)
 from ..memory import Region, region_of
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request, Transfer, Dispatch
@@ -19,7 +20,8 @@ from .units import Op
 class Admission:
     """The :class:`~mpcomm.engine.requests.Pipeline`'s admission (a mixin: its state lives on the Pipeline)."""
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """EngineClosedError once the engine is closed (every batch entry and posting asks)."""
         if self.closed:
             raise EngineClosedError("the engine is closed")
 

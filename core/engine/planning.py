@@ -72,7 +72,7 @@ class PreparedBatch:
 
     def post(self, *, completion_queue: Any = None) -> Batch:
         """Post every request once more; returns the new handle at once."""
-        self._pipeline._check_open()
+        self._pipeline.check_open()
         return self._pipeline._start_plan(self._plan, completion_queue, True)
 
 
@@ -94,7 +94,7 @@ class Planning:
     def vector(self, kind: str, buf: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                lengths: Any, timeout: float | None, cq: Any, post: bool = True, route: Any = None) -> Batch:
         """``write_many``/``read_many``: one group, built at once (no plan: the hottest batch path)."""
-        self._check_open()
+        self.check_open()
         hint = self._hint(route)
         local, ephemeral = self._local(buf, "ephemeral-batch")
         self._check_access(kind, local, remote)
@@ -173,11 +173,11 @@ class Planning:
     def submit(self, requests: Sequence[Request], timeout: float | None, cq: Any, post: bool,
                route: Any = None) -> Batch:
         """Group the requests into vectorised parts and post (or stage) them."""
-        self._check_open()
+        self.check_open()
         return self._start_plan(self._plan(requests, timeout, route), cq, post)
 
     def prepare(self, requests: Sequence[Request], timeout: float | None) -> PreparedBatch:
-        self._check_open()
+        self.check_open()
         plan = self._plan(requests, timeout)
         if plan.singles or any(g.ephemeral for g in plan.groups):
             raise MpcommError("prepare() takes requests between registered Regions without notify; "
@@ -186,7 +186,7 @@ class Planning:
 
     def prepare_many(self, kind: str, local: Any, remote: RemoteRegion, local_offsets: Any, remote_offsets: Any,
                      lengths: Any, timeout: float | None) -> PreparedBatch:
-        self._check_open()
+        self.check_open()
         if not isinstance(local, Region):
             raise MpcommError("prepare_many() needs a registered Region as the local buffer")
         region, _ = self._local(local, "")

@@ -24,7 +24,6 @@ from core_support import I64, fastlane_c
 
 import mpcomm
 from mpcomm import Request
-from mpcomm.engine import planning
 
 SIZE = 64 << 10
 
@@ -163,17 +162,20 @@ def test_an_interleaved_batch_is_cut_into_runs_and_lands_every_request(pair: Pai
     assert bytes(pair.dst.view[8192:8192 + 256]) == bytes(a.view[:256])
 
 
-def test_requests_planned_alone_are_groups_a_prepared_batch_takes(pair: Pair) -> None:
+def test_a_run_the_scan_does_not_take_is_still_one_group(pair: Pair) -> None:
+    """numpy integers, a subclass, a length of None: read in Python, one group all the same (one
+    lease, one queue_depth slot, as the contract says), and prepare() takes it."""
     np = pytest.importorskip("numpy")
     a = pair.src[0]
     reqs = [Request("write", a, pair.remote, np.int64(64 * i), np.int32(64), local_offset=np.uint16(64 * i))
             for i in range(4)] + [_Sub("write", a, pair.remote, 4096, None, local_offset=SIZE - 16)]
     prepared = pair.initiator.prepare(reqs)
-    assert prepared.count == 5
+    assert repr(prepared) == "<PreparedBatch x5 in 1 group(s)>"
     pair.dst.view[:] = bytes(SIZE)
     assert prepared.post().result(timeout=10) == 4 * 64 + 16
     assert bytes(pair.dst.view[:256]) == bytes(a.view[:256])
     assert bytes(pair.dst.view[4096:4096 + 16]) == bytes(a.view[SIZE - 16:])
+    assert pair.initiator.submit(deque(reqs), timeout=10).result(timeout=10) == 4 * 64 + 16  # any sequence
 
 
 def test_a_uniform_batch_moves_what_was_submitted_whatever_its_requests_become(pair: Pair) -> None:
