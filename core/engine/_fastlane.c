@@ -445,10 +445,10 @@ static PyObject *py_first_bad(PyObject *self, PyObject *const *args, Py_ssize_t 
  * A request joins while it is exactly `type` (Request), its op, local, remote, timeout and
  * route are the very objects of requests[start]'s, its notify is None and its three integers
  * are exact ints in int64 (negative ones too: first_bad checks the bounds next, over these
- * arrays). j == start: requests[start] is none of that, and planning.py plans it alone, in
- * Python. `fields` is Request.FIELDS: the slot descriptors of op, local, remote,
- * remote_offset, length, local_offset, notify, timeout and route, in that order (no attribute
- * name here). */
+ * arrays). j == start: requests[start] is none of that, and planning.py reads the run from it
+ * in Python (or plans a notifying request alone). `fields` is Request.FIELDS: the slot
+ * descriptors of op, local, remote, remote_offset, length, local_offset, notify, timeout and
+ * route, in that order (no attribute name here). */
 enum { R_OP, R_LOCAL, R_REMOTE, R_RO, R_LEN, R_LO, R_NOTIFY, R_TIMEOUT, R_ROUTE, R_COUNT };
 
 static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
