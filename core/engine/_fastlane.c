@@ -371,11 +371,11 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return f;
 }
 
-/* first_bad(lo, ro, ln, lsize, rsize): checks.first_bad for three array('q') buffers of one
- * length, in one pass without an int object per entry (a 64-piece batch spent about as long in
- * Python's min/max over them as in its copies). The rule is fits() above, per entry: a negative
- * value is out of bounds. -1 when every entry fits; TypeError unless the buffers are C-contiguous
- * int64 arrays of one length and the sizes are ints in [0, 2**63). */
+/* first_bad(lo, ro, ln, lsize, rsize): the one batch bounds check (checks.first_bad), over
+ * the first len(ln) entries of the engine's three array('q') buffers, in one pass without an
+ * int object per entry. The rule is fits() above, per entry: a negative value is out of bounds.
+ * -1 when every entry fits; TypeError unless the buffers are C-contiguous int64 arrays of
+ * len(ln) entries at least and the sizes ints >= 0. */
 static void release3(Py_buffer *b, int got) {
     while (got-- > 0)
         PyBuffer_Release(&b[got]);
@@ -399,82 +399,78 @@ static int int64_buffers(PyObject *const *o, Py_buffer *b, int flags, Py_ssize_t
     return 0;
 }
 
+/* A region size into *v: an int >= 0 (else -1, an error set); one of 2**64 or more is read as
+ * 2**64-1 (what PyLong_AsUnsignedLongLong returns for it), which decides every entry alike: an
+ * entry's off + n is below 2**64. */
+static int size_arg(PyObject *o, unsigned long long *v) {
+    int over = 0;
+    long long s = PyLong_AsLongLongAndOverflow(o, &over);
+    if (s == -1 && PyErr_Occurred())
+        return -1;
+    if (over < 0 || (over == 0 && s < 0)) {
+        PyErr_SetString(PyExc_TypeError, "first_bad takes sizes >= 0");
+        return -1;
+    }
+    *v = over ? PyLong_AsUnsignedLongLong(o) : (unsigned long long)s;
+    PyErr_Clear(); /* 2**64 or more: ULLONG_MAX */
+    return 0;
+}
+
 static PyObject *py_first_bad(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
+    unsigned long long lsize, rsize;
+    Py_ssize_t n = nargs == 5 ? PyObject_Length(args[2]) : -1; /* before any buffer is held */
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "first_bad(lo, ro, ln, lsize, rsize)");
         return NULL;
     }
-    long long lsize = PyLong_AsLongLong(args[3]), rsize;
-    if (lsize == -1 && PyErr_Occurred())
-        return NULL;
-    rsize = PyLong_AsLongLong(args[4]);
-    if (rsize == -1 && PyErr_Occurred())
-        return NULL;
-    if (lsize < 0 || rsize < 0) {
-        PyErr_SetString(PyExc_TypeError, "first_bad takes sizes in [0, 2**63)");
-        return NULL;
-    }
     Py_buffer b[3];
-    if (int64_buffers(args, b, 0, 0) < 0)
+    if (n < 0 || size_arg(args[3], &lsize) < 0 || size_arg(args[4], &rsize) < 0 || int64_buffers(args, b, 0, n) < 0)
         return NULL;
+    const long long *lo = b[0].buf, *ro = b[1].buf, *ln = b[2].buf;
     Py_ssize_t bad = -1;
-    PyObject *res = NULL;
-    if (b[0].len != b[2].len || b[1].len != b[2].len) {
-        PyErr_SetString(PyExc_TypeError, "first_bad takes buffers of one length");
-    } else {
-        const long long *lo = b[0].buf, *ro = b[1].buf, *ln = b[2].buf;
-        Py_ssize_t n = b[2].len / 8;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (ln[i] < 0 || lo[i] < 0 || ro[i] < 0
-                || !fits((unsigned long long)lo[i], (unsigned long long)ln[i], (unsigned long long)lsize)
-                || !fits((unsigned long long)ro[i], (unsigned long long)ln[i], (unsigned long long)rsize)) {
-                bad = i;
-                break;
-            }
-        }
-        res = PyLong_FromSsize_t(bad);
-    }
+    for (Py_ssize_t i = 0; i < n && bad < 0; i++)
+        if (ln[i] < 0 || lo[i] < 0 || ro[i] < 0 || !fits((unsigned long long)lo[i], (unsigned long long)ln[i], lsize)
+            || !fits((unsigned long long)ro[i], (unsigned long long)ln[i], rsize))
+            bad = i;
     release3(b, 3);
-    return res;
+    return PyLong_FromSsize_t(bad);
 }
 
-/* scan(requests, type, fields, lo, ro, ln) -> j: how many leading requests of a batch
- * (a list or tuple) are one vectorised group as planning.py's loop groups them, read
- * through their slots, with their offsets and lengths copied into the engine's arrays
- * lo, ro, ln (array('q') of at least len(requests) entries each).
+/* scan(requests, start, type, fields, lo, ro, ln) -> j: the end of the run of requests (a list
+ * or tuple) from `start` on that planning.py plans as one vectorised group, read through their
+ * slots, their offsets and lengths copied into the engine's arrays lo, ro, ln (array('q') of at
+ * least len(requests) entries each) at their own indices.
  *
- * A request counts while it is exactly `type` (Request) and its op, local, remote,
- * timeout and route are the very objects of the first request's, its notify is None and
- * its three integers are exact ints in int64 (negative ones too: the bounds are checked
- * next, by first_bad, over these arrays). Anything else ends the run, and planning.py's
- * loop plans the batch instead, deciding as it always does; this only spares it the
- * Python work per request where that loop would make one group of them all. `fields`
- * is Request.FIELDS: the slot descriptors of op, local, remote, remote_offset, length,
- * local_offset, notify, timeout and route, in that order (no attribute name here). */
+ * A request joins while it is exactly `type` (Request), its op, local, remote, timeout and
+ * route are the very objects of requests[start]'s, its notify is None and its three integers
+ * are exact ints in int64 (negative ones too: first_bad checks the bounds next, over these
+ * arrays). j == start: requests[start] is none of that, and planning.py reads the run from it
+ * in Python (or plans a notifying request alone). `fields` is Request.FIELDS: the slot
+ * descriptors of op, local, remote, remote_offset, length, local_offset, notify, timeout and
+ * route, in that order (no attribute name here). */
 enum { R_OP, R_LOCAL, R_REMOTE, R_RO, R_LEN, R_LO, R_NOTIFY, R_TIMEOUT, R_ROUTE, R_COUNT };
 
 static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6 || !PyType_Check(args[1]) || !is_slot_tuple(args[2], (PyTypeObject *)args[1], R_COUNT)) {
-        PyErr_SetString(PyExc_TypeError, "scan(requests, type, fields: the type's slot descriptors, lo, ro, ln)");
+    Py_ssize_t j = nargs == 7 ? PyLong_AsSsize_t(args[1]) : -1;
+    if (j < 0 || !PyType_Check(args[2]) || !is_slot_tuple(args[3], (PyTypeObject *)args[2], R_COUNT)
+        || (!PyList_CheckExact(args[0]) && !PyTuple_CheckExact(args[0]))) {
+        PyErr_SetString(PyExc_TypeError, "scan(requests: list | tuple, start >= 0, type, fields: the type's slot "
+                                         "descriptors, lo, ro, ln)");
         return NULL;
     }
-    PyTypeObject *tp = (PyTypeObject *)args[1];
+    PyTypeObject *tp = (PyTypeObject *)args[2];
     Py_ssize_t off[R_COUNT];
     for (int f = 0; f < R_COUNT; f++)
-        off[f] = ((PyMemberDescrObject *)PyTuple_GET_ITEM(args[2], f))->d_member->offset;
-    PyObject *seq = args[0];
-    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq))
-        return PyLong_FromLong(0);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq); /* no Python code runs below: the list stays put */
+        off[f] = ((PyMemberDescrObject *)PyTuple_GET_ITEM(args[3], f))->d_member->offset;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(args[0]), start = j;
+    PyObject **items = PySequence_Fast_ITEMS(args[0]); /* no Python code runs below: the list stays put */
     Py_buffer b[3];
-    if (int64_buffers(args + 3, b, PyBUF_WRITABLE, n) < 0)
+    if (int64_buffers(args + 4, b, PyBUF_WRITABLE, n) < 0)
         return NULL;
     long long *lo = b[0].buf, *ro = b[1].buf, *ln = b[2].buf;
     PyObject *first[R_COUNT] = {NULL};
-    Py_ssize_t j = 0;
     for (; j < n; j++) {
         PyObject *r = items[j];
         if (!Py_IS_TYPE(r, tp))
@@ -482,9 +478,8 @@ static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyObject *v[R_COUNT];
         for (int f = 0; f < R_COUNT; f++)
             v[f] = *(PyObject **)((char *)r + off[f]); /* borrowed; NULL: an unset slot */
-        if (j == 0)
-            for (int f = 0; f < R_COUNT; f++)
-                first[f] = v[f];
+        if (j == start)
+            memcpy(first, v, sizeof v);
         if (v[R_OP] == NULL || v[R_LOCAL] == NULL || v[R_REMOTE] == NULL || v[R_TIMEOUT] == NULL
             || v[R_ROUTE] == NULL || v[R_OP] != first[R_OP] || v[R_LOCAL] != first[R_LOCAL]
             || v[R_REMOTE] != first[R_REMOTE] || v[R_TIMEOUT] != first[R_TIMEOUT]
@@ -503,11 +498,11 @@ static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static PyMethodDef mp_methods[] = {
     {"scan", (PyCFunction)(void (*)(void))py_scan, METH_FASTCALL,
-     "the leading requests of a batch that form one group, their integers copied"},
+     "the run of a batch's requests from start on that forms one group, their integers copied"},
     {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound pair's run callable"},
     {"go", (PyCFunction)(void (*)(void))py_go, METH_FASTCALL, "Engine.write/read's lookup of a bound pair"},
     {"first_bad", (PyCFunction)(void (*)(void))py_first_bad, METH_FASTCALL,
-     "checks.first_bad over three array('q') buffers"},
+     "the first entry of three array('q') buffers out of bounds, or -1"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,18 +6,24 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BackPressureError, MpcommError, OutOfBoundsError, PermissionDeniedError, RegionClosedError
+from ..errors import (BackPressureError, EngineClosedError, MpcommError, OutOfBoundsError, PermissionDeniedError,
+                      RegionClosedError)
 from ..memory import Region, region_of
 from ..remote import RemoteRegion
 from ..transfer import Batch, Request, Transfer, Dispatch
 from ..transport import Operation, OperationGroup
 from . import checks
 from .completions import CompletionQueue
-from .units import WAITING, Op
+from .units import Op
 
 
 class Admission:
     """The :class:`~mpcomm.engine.requests.Pipeline`'s admission (a mixin: its state lives on the Pipeline)."""
+
+    def check_open(self) -> None:
+        """EngineClosedError once the engine is closed (every batch entry and posting asks)."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
 
     def _dispatch_for(self, cq: Any) -> Dispatch:
         if cq is None:
@@ -37,9 +43,6 @@ class Admission:
                 raise RegionClosedError(f"region {buf.name!r} is unregistered", region=buf.name)
             return buf, False
         return region_of(buf, name=name), True  # host buffer, DLPack / CUDA array, DeviceBuffer
-
-    def _timeout(self, timeout: float | None) -> float:
-        return checks.timeout_seconds(timeout, self.default_timeout)
 
     def _hint(self, route: Any, request: Any = None) -> tuple[str, ...] | None:
         """A per-request ``route=`` hint as a tuple of installed transport names (None: the rules decide)."""
@@ -61,19 +64,15 @@ class Admission:
         if not isinstance(remote, RemoteRegion):
             raise MpcommError(f"remote must be a RemoteRegion (from Engine.open), not {type(remote).__name__}",
                               request=request)
-        if kind == "write":
-            if "w" not in remote.access:
-                raise PermissionDeniedError(f"remote region {remote.name!r} is read-only", region=remote.name,
-                                            peer=remote.address, request=request)
-        elif kind == "read":
-            if "w" not in local.access:
-                raise PermissionDeniedError(f"local buffer {local.name!r} is read-only; it cannot receive a read",
-                                            region=local.name, request=request)
-            if "r" not in remote.access:
-                raise PermissionDeniedError(f"remote region {remote.name!r} may not be read", region=remote.name,
-                                            peer=remote.address, request=request)
-        else:
+        if kind not in ("write", "read"):
             raise MpcommError(f"request op must be 'write' or 'read', not {kind!r}", request=request)
+        if kind == "read" and "w" not in local.access:
+            raise PermissionDeniedError(f"local buffer {local.name!r} is read-only; it cannot receive a read",
+                                        region=local.name, request=request)
+        if ("w" if kind == "write" else "r") not in remote.access:
+            what = "is read-only" if kind == "write" else "may not be read"
+            raise PermissionDeniedError(f"remote region {remote.name!r} {what}", region=remote.name,
+                                        peer=remote.address, request=request)
 
     def new_op(self, kind: str, local: Region, lo: int, remote: RemoteRegion, ro: int, length: int,
             timeout: float, dispatch: Dispatch, request: Request | None = None, cls: type[Op] = Op) -> Operation:
@@ -84,8 +83,8 @@ class Admission:
         op.transfer = t
         return op
 
-    def _check_group(self, g: OperationGroup, index: list[int] | None = None,
-                     requests: Sequence[Request] | None = None) -> None:
+    def _check_group(self, g: OperationGroup, start: int = 0, requests: Sequence[Request] | None = None) -> None:
+        """Bounds of every entry of ``g`` (entry ``i`` is request ``start + i`` of ``requests``)."""
         lo, ro, ln, local, remote = g.local_offsets, g.remote_offsets, g.lengths, g.local, g.remote
         i = checks.first_bad(lo, ro, ln, local.size, remote.size)
         if i < 0:
@@ -93,40 +92,27 @@ class Admission:
         try:  # the error path only: name the first bad index
             checks.check_span(local.name, local.size, remote.name, remote.size, remote.address, lo[i], ro[i], ln[i])
         except OutOfBoundsError as exc:
-            k = i if index is None else index[i]
+            k = start + i
             raise OutOfBoundsError(f"request {k} of the batch: {exc}; nothing was transferred",
                                    region=exc.region, peer=exc.peer,
                                    request=requests[k] if requests is not None else None) from None
 
-    def _adopt(self, group: OperationGroup, batch: Batch, start: int, ephemeral: bool) -> None:
-        group.transfer = batch
-        group.batch = batch
+    def _adopt(self, group: OperationGroup, batch: Batch, start: int, ephemeral: bool, hint: Any) -> None:
+        group.transfer = group.batch = batch
         group.first_index = start
-        group.stage = WAITING
         group.ephemeral = ephemeral
-        group.holds_slot = False
-        group.posting = False
-        group.deadline_entry = None
-        group.notify_after = None
-        group.tracked = False
-        group.released = False
-        group.route_hint = None
+        group.route_hint = hint
         batch.parts.append((start, group))
         batch.operation = group if not batch.operation else batch.operation
 
     def _hold(self, unit: Any) -> None:
         """Lease the local region and take a queue_depth slot; raise (holding nothing) if either fails."""
         unit.local.acquire()
-        if self._raise_on_full:
-            ok = self.slots.try_acquire()
-        else:
-            ok = self.slots.acquire(timeout=max(0.0, unit.deadline - time.monotonic()))
+        ok = self.slots.try_acquire() if self._raise_on_full else self.slots.acquire(unit.deadline)
         if not ok:
             unit.local.release()
-            raise BackPressureError(
-                f"{self.slots.capacity} requests already in flight (runtime.queue_depth)",
-                request=unit.transfer.request,
-            )
+            raise BackPressureError(f"{self.slots.capacity} requests already in flight (runtime.queue_depth)",
+                                    request=unit.transfer.request)
         unit.holds_slot = True
 
     def _unhold(self, unit: Any) -> None:

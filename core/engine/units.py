@@ -12,19 +12,18 @@ import time
 import weakref
 from typing import Any
 
-from ..transport import Operation
+from ..transport import Operation, OperationGroup
 
 # Unit stages (``unit.stage``), moved on under ``unit._lock``.
 WAITING, POSTED, FINISHED = 0, 1, 2
 
 
-class Op(Operation):
-    """An engine's request: an Operation whose bookkeeping starts at these class-level defaults.
+class Unit:
+    """What the engine keeps on a unit (an :class:`Op` or a :class:`Group`), at these class-level
+    defaults: a unit stores only the fields that leave them (most never do), which keeps making
+    one cheap on the hottest path."""
 
-    A request stores only the fields that leave their default (most never
-    do), which keeps building one cheap on the hottest path.
-    """
-
+    __slots__ = ()
     stage = WAITING
     ephemeral = False
     notify_after: bytes | None = None
@@ -37,6 +36,15 @@ class Op(Operation):
     tracked = False
     released = False
     probe: str | None = None  # the health probe slot it holds (see Retries._end_probe)
+
+
+class Op(Unit, Operation):
+    """An engine's request."""
+
+
+class Group(Unit, OperationGroup):
+    """An engine's vectorised part of a batch (its ``batch``, ``transfer`` and ``first_index`` set
+    when a batch adopts it: :meth:`Admission._adopt`)."""
 
 
 class BatchOp(Op):
@@ -93,12 +101,10 @@ class Slots:
             return False
         return True
 
-    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+    def acquire(self, deadline: float) -> bool:
+        """A slot, waiting for one until ``deadline`` (``time.monotonic()``); False when none came."""
         if self.try_acquire():
             return True
-        if not blocking:
-            return False
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             # Counted before it looks again: a release that did not see the count came before
             # that look, so its token is seen; one that did takes the lock to notify, which it
@@ -106,8 +112,8 @@ class Slots:
             self._waiting += 1
             try:
                 while not self.try_acquire():
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
                         return False
                     self._cond.wait(left)
                 return True

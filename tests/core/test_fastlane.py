@@ -27,7 +27,6 @@ import pytest
 from core_support import fastlane_c
 
 import mpcomm
-from mpcomm.engine import checks
 from mpcomm.engine.bound import Binding, native_step
 from mpcomm.health import HealthTracker
 from mpcomm.memory import Region
@@ -180,7 +179,8 @@ def test_the_c_step_lands_only_what_the_one_path_lands_inline(one: OnePath, monk
         one.moves.clear()
         got_one = one.outcome(args)
         if got_c is None:
-            assert c.moves == [] and (got_one[0] != "landed" or not checks.timeout_ok(args[3])), args
+            # C takes None or an exact float or int; the one check takes any number (True here).
+            assert c.moves == [] and (got_one[0] != "landed" or type(args[3]) not in (type(None), float, int)), args
         else:
             assert got_one == ("landed", got_c[0], got_c[4], got_c[5], got_c[6]), args
             assert c.moves == one.moves, args

@@ -165,8 +165,8 @@ TIMEOUTS = [None, 5, 5.0, True, 0, 0.0, -1, float("nan"), float("inf"), float("-
 
 @pytest.mark.parametrize("timeout", TIMEOUTS, ids=repr)
 def test_every_lane_takes_or_refuses_a_timeout_alike(setup: Setup, timeout: Any) -> None:
-    """The timeout half of the one rule (checks.timeout_seconds; the bound lanes' timeout_ok and
-    _fastlane.c decline what it would not take, so the full path raises it)."""
+    """The timeout half of the one rule (checks.timeout_seconds; _fastlane.c's bound lane declines
+    what it would not take, so the full path raises it)."""
     try:
         checks.timeout_seconds(timeout, 30.0)
         expected: Any = ("moved", 8)

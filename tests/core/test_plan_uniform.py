@@ -1,10 +1,10 @@
-"""submit()'s one-scan plan of a uniform batch decides as the general grouping loop does.
+"""submit()'s plan by runs decides alike whichever way a request is planned.
 
-A batch whose requests all share the same local buffer, remote descriptor, op, timeout and route
-objects (without notify) is planned in one scan (planning ``_one_group``: ``_fastlane.c``'s ``scan``). Whatever
-the batch holds, the outcome must be the loop's: the same bytes, or the same error class naming
-the same request. The loop is reached here with a Request subclass as the first request (the scan
-takes plain Requests only; the loop takes any Request).
+A run of requests sharing the same local buffer, remote descriptor, op, timeout and route objects
+(without notify) is planned by ``_fastlane.c``'s scan; a request it stops at is planned alone, in
+Python. Whatever the batch holds, the outcome must not depend on that: the same bytes, or the same
+error class naming the same request. The Python step is reached here with a Request subclass as the
+first request (the scan takes plain Requests only; the planner takes any Request).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mpcomm import Request
 
 
 class _Req(Request):
-    """A Request the one-scan plan passes on to the general loop."""
+    """A Request the scan leaves to the planner's Python step."""
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def _batch(src: Any, remote: Any, n: int = 8, op: str = "write", **over: Any) ->
     return make
 
 
-def test_a_uniform_batch_lands_as_through_the_loop(kv: Any) -> None:
+def test_a_uniform_batch_lands_alike(kv: Any) -> None:
     ini, remote, _ = kv
     src = ini.register(bytearray(b"u" * 4096))
     a, b = _both(ini, _batch(src, remote))
@@ -69,19 +69,19 @@ def test_a_uniform_batch_lands_as_through_the_loop(kv: Any) -> None:
     {"r2": {"remote_offset": (1 << 64) - 1}},  # outside int64
     {"r0": {"length": 0}, "r1": {"length": 1 << 20}},
 ])
-def test_a_bad_range_is_named_as_by_the_loop(kv: Any, bad: dict[str, Any]) -> None:
+def test_a_bad_range_is_named_alike(kv: Any, bad: dict[str, Any]) -> None:
     ini, remote, _ = kv
     src = ini.register(bytearray(4096))
     a, b = _both(ini, _batch(src, remote, **bad))
     assert a == b and a[0] == "OutOfBoundsError", (a, b)
 
 
-def test_what_the_scan_passes_on_still_plans_as_the_loop(kv: Any) -> None:
+def test_what_the_scan_passes_on_plans_alike(kv: Any) -> None:
     ini, remote, ro = kv
     src = ini.register(bytearray(4096))
     other = ini.register(bytearray(4096))
     cases = [
-        {"r4": {"length": None}},  # the rest of the buffer: the loop works it out
+        {"r4": {"length": None}},  # the rest of the buffer: the Python step works it out
         {"r2": {"local": other}},  # two groups
         {"r6": {"remote": ro, "op": "read"}},
         {"r1": {"notify": b"hi"}},
