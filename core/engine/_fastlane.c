@@ -18,7 +18,7 @@
  * the five attributes Landed.__init__ sets (core/transfer.py, see landed());
  * each of those places names this file, and the tests compare the two lanes.
  */
-#define MP_ABI 4
+#define MP_ABI 5
 
 int mpcomm_fastlane_abi(void) { return MP_ABI; }
 
@@ -36,9 +36,8 @@ int mpcomm_fastlane_abi(void) { return MP_ABI; }
 enum {
     S_LOCAL,      /* the local Region (see lease() below) */
     S_HELD,       /* local._held: one entry per lease */
-    S_REFUSING,   /* probe(local) -> truthy while the region refuses new leases */
-    S_CLOSERS,    /* probe(local) -> how many close() calls wait for the leases to end */
-    S_WAKE,       /* probe(local): wake them */
+    S_LEASE,      /* memory.LEASE_SLOTS: the slots of local's "refusing" (a bool) and "closers" (an int) */
+    S_WAKE,       /* wake(local): wake the close() calls waiting for the leases to end */
     S_MOVE,       /* the transport's move(lo, ro, n) -> truthy once landed */
     S_LINK,       /* the PeerLink */
     S_ALIVE,      /* probe(link) -> truthy while the peer is reachable */
@@ -118,20 +117,12 @@ static int probe_true(PyObject *probe, PyObject *o) {
     return r;
 }
 
-/* The lease protocol of Region.acquire/release (core/memory.py), without the two method
- * calls: append one entry, then probe "refusing" (close() sets it, then looks at the list,
- * so one of the two always sees the other); release pops it and wakes a waiting close()
- * once the list is empty. Both run under the GIL, as list.append/pop do there. */
 /* A call's result dropped: 0, or -1 when the call failed (its error set). */
 static int discard(PyObject *x) {
     if (x == NULL)
         return -1;
     Py_DECREF(x);
     return 0;
-}
-
-static int wake_closers(PyObject *const *s) {
-    return discard(PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]));
 }
 
 /* undo(s) with the pending exception set aside (no call into Python with one pending): that
@@ -149,44 +140,40 @@ static int aside(PyObject *const *s, int (*undo)(PyObject *const *)) {
     return -1;
 }
 
-/* A lease taken back at once (refused, or the lookup failed): its entry popped, close() woken. */
-static int unlease_refused(PyObject *const *s) {
-    Py_ssize_t n = PyList_GET_SIZE(s[S_HELD]);
-    if (PyList_SetSlice(s[S_HELD], n - 1, n, NULL) < 0)
+/* The object slot of `o` that the member descriptor d describes (lane() checked d's kind). */
+static PyObject **slot(PyObject *d, PyObject *o) {
+    return (PyObject **)((char *)o + ((PyMemberDescrObject *)d)->d_member->offset);
+}
+
+/* The lease protocol of Region.acquire/release (core/memory.py), without the two method
+ * calls: append one entry, then look at "refusing" (close() sets it, then looks at the list,
+ * so one of the two always sees the other); release pops it and wakes a waiting close()
+ * once the list is empty. Both run under the GIL, as list.append/pop do there, and read
+ * the region's slots directly (an unset one counts as refusing, and as a close waiting). */
+static int unlease(PyObject *const *s) {
+    PyObject *held = s[S_HELD], *closers = *slot(PyTuple_GET_ITEM(s[S_LEASE], 1), s[S_LOCAL]);
+    Py_ssize_t n = PyList_GET_SIZE(held);
+    if (n > 0 && PyList_SetSlice(held, n - 1, n, NULL) < 0)
         return -1;
-    return wake_closers(s);
+    /* closers is an int (the protocol keeps one there): its truth runs no Python code */
+    if (PyList_GET_SIZE(held) == 0 && (closers == NULL || PyObject_IsTrue(closers)))
+        return discard(PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]));
+    return 0;
 }
 
 /* 1 leased, 0 refused (the region is being unregistered; nothing held), -1 error */
 static int lease(PyObject *const *s) {
     if (PyList_Append(s[S_HELD], Py_None) < 0)
         return -1;
-    int refusing = probe_true(s[S_REFUSING], s[S_LOCAL]);
-    if (refusing == 0)
+    if (*slot(PyTuple_GET_ITEM(s[S_LEASE], 0), s[S_LOCAL]) == Py_False)
         return 1;
-    if (refusing < 0)
-        return aside(s, unlease_refused);
-    return unlease_refused(s) < 0 ? -1 : 0;
-}
-
-static int unlease(PyObject *const *s) {
-    PyObject *held = s[S_HELD];
-    Py_ssize_t n = PyList_GET_SIZE(held);
-    if (n > 0 && PyList_SetSlice(held, n - 1, n, NULL) < 0)
-        return -1;
-    if (PyList_GET_SIZE(held) == 0) {
-        int closers = probe_true(s[S_CLOSERS], s[S_LOCAL]);
-        if (closers < 0 || (closers && wake_closers(s) < 0))
-            return -1;
-    }
-    return 0;
+    return unlease(s) < 0 ? -1 : 0;
 }
 
 /* field = value, stored in the slot whose descriptor Landed.FIELDS hands (no name, no lookup):
  * lane() checked each is an object slot of the handle class, so a fresh handle holds it empty. */
 static void set_field(PyObject *const *s, int field, PyObject *h, PyObject *value) {
-    PyMemberDescrObject *d = (PyMemberDescrObject *)PyTuple_GET_ITEM(s[S_FIELDS], field);
-    *(PyObject **)((char *)h + d->d_member->offset) = Py_NewRef(value);
+    *slot(PyTuple_GET_ITEM(s[S_FIELDS], field), h) = Py_NewRef(value);
 }
 
 /* A handle born COMPLETED: Landed.__init__'s five attributes, set here without its frame
@@ -347,7 +334,16 @@ static int is_slot_tuple(PyObject *t, PyTypeObject *tp, Py_ssize_t n) {
     return 1;
 }
 
-/* lane(local, held, refusing, closers, wake, move, link, alive, engine, closed, failed_paths,
+/* Whether t is a tuple of n such descriptors of o's class or of a base of it (memory.LEASE_SLOTS,
+ * what lease() reads, for a Region or a subclass's instance). */
+static int has_slots(PyObject *t, PyObject *o, Py_ssize_t n) {
+    for (PyTypeObject *tp = Py_TYPE(o); tp != NULL; tp = tp->tp_base)
+        if (is_slot_tuple(t, tp, n))
+            return 1;
+    return 0;
+}
+
+/* lane(local, held, lease, wake, move, link, alive, engine, closed, failed_paths,
  *      failed_peers, landed, fields, origin, kind, remote, lsize, rsize, unbind, move_failed)
  * -> the pair's run callable */
 static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -356,7 +352,7 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
         || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
         || !is_slot_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED], FIELD_COUNT)
-        || !PyCallable_Check(args[S_REFUSING]) || !PyCallable_Check(args[S_CLOSERS]) || !PyCallable_Check(args[S_WAKE])
+        || !has_slots(args[S_LEASE], args[S_LOCAL], 2) || !PyCallable_Check(args[S_WAKE])
         || !PyCallable_Check(args[S_ALIVE]) || !PyCallable_Check(args[S_CLOSED])) {
         PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);
         return NULL;
