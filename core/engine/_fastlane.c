@@ -53,7 +53,7 @@ enum {
     S_LSIZE,      /* int: local region size */
     S_RSIZE,      /* int: remote region size */
     S_UNBIND,     /* unbind(): drop this pair from the engine's table */
-    S_MOVE_FAILED,/* move_failed(exc): a plugin bug, logged; the request declines */
+    S_MOVE_FAILED,/* move_failed(type, exc, traceback): a plugin bug, logged; the request declines */
     S_COUNT
 };
 
@@ -84,15 +84,11 @@ static int exact_i64(PyObject *o, long long *v) {
 /* A request's timeout as the one path takes it at once: None, or an exact float or int in (0, inf)
  * (NaN fails too). Anything else declines to that path, which accepts or refuses it. */
 static int timeout_ok(PyObject *o) {
-    double t;
     if (o == Py_None)
         return 1;
-    if (PyFloat_CheckExact(o))
-        t = PyFloat_AS_DOUBLE(o);
-    else if (PyLong_CheckExact(o))
-        t = PyLong_AsDouble(o);
-    else
+    if (!PyFloat_CheckExact(o) && !PyLong_CheckExact(o))
         return 0;
+    double t = PyFloat_AsDouble(o);  /* an int beyond the largest float: OverflowError */
     if (t == -1.0 && PyErr_Occurred()) {
         PyErr_Clear();
         return 0;
@@ -170,27 +166,19 @@ static int lease(PyObject *const *s) {
     return unlease(s) < 0 ? -1 : 0;
 }
 
-/* field = value, stored in the slot whose descriptor Landed.FIELDS hands (no name, no lookup):
- * lane() checked each is an object slot of the handle class, so a fresh handle holds it empty. */
-static void set_field(PyObject *const *s, int field, PyObject *h, PyObject *value) {
-    *slot(PyTuple_GET_ITEM(s[S_FIELDS], field), h) = Py_NewRef(value);
-}
-
 /* A handle born COMPLETED: Landed.__init__'s five attributes, set here without its frame
  * (tests/core/test_fastlane.py checks both make the same handle). */
 static PyObject *landed(PyObject *const *s, PyObject *nobj, PyObject *req, double t0) {
     PyTypeObject *tp = (PyTypeObject *)s[S_LANDED];
     PyObject *h = tp->tp_new(tp, s_empty, NULL);
     PyObject *t0obj = PyFloat_FromDouble(t0), *t1obj = PyFloat_FromDouble(monotonic());
-    if (h == NULL || t0obj == NULL || t1obj == NULL) {
+    PyObject *value[FIELD_COUNT] = {nobj, s[S_ORIGIN], req, t0obj, t1obj};
+    if (h == NULL || t0obj == NULL || t1obj == NULL)
         Py_CLEAR(h);
-    } else {
-        set_field(s, FIELD_BYTES_MOVED, h, nobj);
-        set_field(s, FIELD_ORIGIN, h, s[S_ORIGIN]);
-        set_field(s, FIELD_REQUEST_ARGS, h, req);
-        set_field(s, FIELD_SUBMITTED_AT, h, t0obj);
-        set_field(s, FIELD_FINISHED_AT, h, t1obj);
-    }
+    else  /* each stored in the slot whose descriptor Landed.FIELDS hands (no name, no lookup): lane()
+           * checked each is an object slot of the handle class, so a fresh handle holds it empty */
+        for (int f = 0; f < FIELD_COUNT; f++)
+            *slot(PyTuple_GET_ITEM(s[S_FIELDS], f), h) = Py_NewRef(value[f]);
     Py_XDECREF(t0obj);
     Py_XDECREF(t1obj);
     return h;
@@ -255,9 +243,7 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
         PyErr_NormalizeException(&et, &ev, &tb);
-        if (tb != NULL && ev != NULL)
-            PyException_SetTraceback(ev, tb);
-        PyObject *x = PyObject_CallOneArg(s[S_MOVE_FAILED], ev != NULL ? ev : Py_None);
+        PyObject *x = PyObject_CallFunctionObjArgs(s[S_MOVE_FAILED], et, ev ? ev : Py_None, tb ? tb : Py_None, NULL);
         Py_XDECREF(et);
         Py_XDECREF(ev);
         Py_XDECREF(tb);

@@ -48,8 +48,8 @@ PIPELINE_CLOSED = operator.attrgetter("closed")
 LINK_ALIVE = operator.attrgetter("alive")
 
 
-def move_failed(transport: str, exc: BaseException) -> None:
-    log.error("transport %s failed in its inline_path move", transport, exc_info=exc)
+def move_failed(transport: str, et: type[BaseException], exc: BaseException, tb: Any) -> None:
+    log.error("transport %s failed in its inline_path move", transport, exc_info=(et, exc, tb))
 
 
 def offers_inline(transport: Transport) -> bool:
