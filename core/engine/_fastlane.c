@@ -121,21 +121,6 @@ static int discard(PyObject *x) {
     return 0;
 }
 
-/* undo(s) with the pending exception set aside (no call into Python with one pending): that
- * exception is what the caller sees, unless undo fails, whose error then replaces it. -1. */
-static int aside(PyObject *const *s, int (*undo)(PyObject *const *)) {
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    if (undo(s) < 0) {
-        Py_XDECREF(et);
-        Py_XDECREF(ev);
-        Py_XDECREF(tb);
-        return -1;
-    }
-    PyErr_Restore(et, ev, tb);
-    return -1;
-}
-
 /* The object slot of `o` that the member descriptor d describes (lane() checked d's kind). */
 static PyObject **slot(PyObject *d, PyObject *o) {
     return (PyObject **)((char *)o + ((PyMemberDescrObject *)d)->d_member->offset);
@@ -191,12 +176,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     PyObject *const *s = &PyTuple_GET_ITEM(self, 0);
-    long long lsize = PyLong_AsLongLong(s[S_LSIZE]), rsize = PyLong_AsLongLong(s[S_RSIZE]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (lsize < 0 || rsize < 0)
-        Py_RETURN_NONE;
-    long long lo, ro, n;
+    /* lane() took two exact ints in [0, 2**63): no error here */
+    long long lsize = PyLong_AsLongLong(s[S_LSIZE]), rsize = PyLong_AsLongLong(s[S_RSIZE]), lo, ro, n;
     PyObject *length = args[2];
     if (!exact_i64(args[0], &lo) || !exact_i64(args[1], &ro) || lo < 0 || ro < 0)
         Py_RETURN_NONE;
@@ -217,7 +198,7 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return r < 0 ? NULL : Py_NewRef(Py_None);
 
     double t0 = monotonic();
-    PyObject *local = s[S_LOCAL];
+    PyObject *et, *ev, *tb;
     r = lease(s);
     if (r <= 0) {  /* refused (unregistered): the table lets go of the pair */
         if (r < 0 || discard(PyObject_CallNoArgs(s[S_UNBIND])) < 0)
@@ -231,16 +212,12 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         goto release_fail;
     PyObject *margs[3] = {args[0], args[1], nobj};
     PyObject *moved = PyObject_Vectorcall(s[S_MOVE], margs, 3, NULL);
-    int done = 0;
-    if (moved != NULL) {
-        done = PyObject_IsTrue(moved);
-        Py_DECREF(moved);
-    }
-    if (moved == NULL || done < 0) {
+    int done = moved == NULL ? -1 : PyObject_IsTrue(moved);
+    Py_XDECREF(moved);
+    if (done < 0) {
         if (!PyErr_ExceptionMatches(PyExc_Exception))
             goto release_fail_n;  /* KeyboardInterrupt and the like go on up, the lease released */
         /* A plugin bug declines; the full path reports what post() says. */
-        PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
         PyErr_NormalizeException(&et, &ev, &tb);
         PyObject *x = PyObject_CallFunctionObjArgs(s[S_MOVE_FAILED], et, ev ? ev : Py_None, tb ? tb : Py_None, NULL);
@@ -255,7 +232,7 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_DECREF(nobj);
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     }
-    PyObject *req = PyTuple_Pack(6, s[S_KIND], local, s[S_REMOTE], args[1], nobj, args[0]);
+    PyObject *req = PyTuple_Pack(6, s[S_KIND], s[S_LOCAL], s[S_REMOTE], args[1], nobj, args[0]);
     PyObject *h = req == NULL ? NULL : landed(s, nobj, req, t0);
     Py_XDECREF(req);
     Py_DECREF(nobj);
@@ -263,8 +240,12 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
 
 release_fail_n:
     Py_DECREF(nobj);
-release_fail:
-    aside(s, unlease);  /* the lease released, the pending exception kept */
+release_fail:  /* the lease released with the pending exception set aside (no call into Python with one
+                * pending): that exception goes on up, and an error of the release is reported unraisable */
+    PyErr_Fetch(&et, &ev, &tb);
+    if (unlease(s) < 0)
+        PyErr_WriteUnraisable(s[S_LOCAL]);
+    PyErr_Restore(et, ev, tb);
     return NULL;
 }
 
@@ -334,8 +315,9 @@ static int has_slots(PyObject *t, PyObject *o, Py_ssize_t n) {
  * -> the pair's run callable */
 static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != S_COUNT || !PyLong_CheckExact(args[S_LSIZE]) || !PyLong_CheckExact(args[S_RSIZE])
-        || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
+    long long lsize, rsize;
+    if (nargs != S_COUNT || !exact_i64(args[S_LSIZE], &lsize) || !exact_i64(args[S_RSIZE], &rsize) || lsize < 0
+        || rsize < 0 || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
         || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
         || !is_slot_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED], FIELD_COUNT)
         || !has_slots(args[S_LEASE], args[S_LOCAL], 2) || !PyCallable_Check(args[S_WAKE])

@@ -27,7 +27,6 @@ import pytest
 from core_support import fastlane_c
 
 import mpcomm
-from mpcomm.engine import checks
 from mpcomm.engine.bound import Binding, native_step
 from mpcomm.health import HealthTracker
 from mpcomm.memory import Region
@@ -576,3 +575,8 @@ def test_the_c_step_takes_only_object_slots_of_the_handle_class_as_its_fields(mo
             real(*args)
     args[at] = Landed.FIELDS
     assert callable(real(*args))
+    size_at = args.index(LSIZE)  # the sizes, converted once here: exact ints in [0, 2**63) only
+    for size in (-1, 2**63, 2**64 - 1, float(LSIZE), True):
+        args[size_at] = size
+        with pytest.raises(TypeError):
+            real(*args)
