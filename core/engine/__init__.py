@@ -858,6 +858,7 @@ class Engine:
         pipeline = getattr(self, "_pipeline", None)
         if pipeline is not None:
             pipeline.closed = True
+            pipeline.forget_fast()  # write()/read() find no bound pair's C step from now on (it reads no engine state)
         self.telemetry.unwatch_health(self.node_id)
         if pipeline is not None:
             pipeline.close(timeout)

@@ -41,8 +41,6 @@ enum {
     S_MOVE,       /* the transport's move(lo, ro, n) -> truthy once landed */
     S_LINK,       /* the PeerLink */
     S_ALIVE,      /* probe(link) -> truthy while the peer is reachable */
-    S_ENGINE,     /* what `closed` probes (the pipeline) */
-    S_CLOSED,     /* probe(engine) -> truthy once it is closed */
     S_FAILED_PATHS, /* the health tracker's failure tables (HealthTracker.failure_tables()): */
     S_FAILED_PEERS, /* while both are empty nothing has failed and admission is skipped */
     S_LANDED,     /* the handle class, Landed: made here with the attributes its __init__ sets */
@@ -193,9 +191,6 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int r = probe_true(s[S_ALIVE], s[S_LINK]);
     if (r <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
-    r = probe_true(s[S_CLOSED], s[S_ENGINE]);
-    if (r != 0)
-        return r < 0 ? NULL : Py_NewRef(Py_None);
 
     double t0 = monotonic();
     PyObject *et, *ev, *tb;
@@ -310,7 +305,7 @@ static int has_slots(PyObject *t, PyObject *o, Py_ssize_t n) {
     return 0;
 }
 
-/* lane(local, held, lease, wake, move, link, alive, engine, closed, failed_paths,
+/* lane(local, held, lease, wake, move, link, alive, failed_paths,
  *      failed_peers, landed, fields, origin, kind, remote, lsize, rsize, unbind, move_failed)
  * -> the pair's run callable */
 static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -321,7 +316,7 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
         || !is_slot_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED], FIELD_COUNT)
         || !has_slots(args[S_LEASE], args[S_LOCAL], 2) || !PyCallable_Check(args[S_WAKE])
-        || !PyCallable_Check(args[S_ALIVE]) || !PyCallable_Check(args[S_CLOSED])) {
+        || !PyCallable_Check(args[S_ALIVE])) {
         PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);
         return NULL;
     }

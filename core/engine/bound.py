@@ -41,10 +41,8 @@ log = logging.getLogger("mpcomm.engine")
 
 FAST_MAX = 256
 
-#: What the C step reads per request for the engine's state: the pipeline's ``closed``, the flag
-#: :meth:`Pipeline.single` reads first (set by Engine.close with the engine's own).
-PIPELINE_CLOSED = operator.attrgetter("closed")
-#: What it reads per request for the peer: PeerLink.alive (public).
+#: What the C step reads per request for the peer: PeerLink.alive (public). (Not the engine's state:
+#: Engine.close empties the tables of C steps once it is closed, and Pipeline.single checks it.)
 LINK_ALIVE = operator.attrgetter("alive")
 
 
@@ -93,9 +91,8 @@ def native_step(b: Binding, pipe: Any) -> Any:
     ``_fastlane.c`` reads and sets no attribute by name: what it reads per
     request is handed to it here, as objects. The local region's lease state
     comes as :data:`mpcomm.memory.LEASE_SLOTS` (slot descriptors, read in C) and ``LEASE_WAKE``,
-    the link's liveness as :data:`LINK_ALIVE`, the engine's state as
-    :data:`PIPELINE_CLOSED` (the flag :meth:`Pipeline.single` reads first), and
-    the handle's five attributes as ``Landed.FIELDS`` (its slots' descriptors).
+    the link's liveness as :data:`LINK_ALIVE`, and the handle's five attributes
+    as ``Landed.FIELDS`` (its slots' descriptors).
 
     Nothing this returns is kept on the binding, and the C step holds the
     binding's parts, not the binding: a cycle would keep both regions alive,
@@ -104,7 +101,7 @@ def native_step(b: Binding, pipe: Any) -> Any:
     paths, peers = pipe.e.health.failure_tables()
     local = b.local
     return fastlane.mod.lane(local, local.lease_list, LEASE_SLOTS, LEASE_WAKE, b.move, b.link, LINK_ALIVE,
-                             pipe, PIPELINE_CLOSED, paths, peers, Landed, Landed.FIELDS, b.origin, b.kind, b.remote,
+                             paths, peers, Landed, Landed.FIELDS, b.origin, b.kind, b.remote,
                              local.size, b.remote.size, functools.partial(pipe.unbind, b.key),
                              functools.partial(move_failed, b.origin.transport))
 
@@ -194,6 +191,8 @@ class BoundPairs:
         self.bindings[b.key] = b
         if run is not None:
             self.native[b.key] = run
+        if self.closed:  # Engine.close sets closed, then empties the tables: one of the two sees the other
+            self.unbind(b.key)
 
     @staticmethod
     def _ask_move(transport: Transport, kind: str, local: Region, remote: RemoteRegion) -> Any:

@@ -37,16 +37,11 @@ LSIZE, RSIZE = 1 << 16, 1 << 15
 
 
 class _Pipe:
-    """What the C step reads of its pipeline; ``closed`` follows the engine's ``_closed``, as
-    Engine.close sets both together; ``unbind`` drops the pair from ``table``."""
+    """What the C step is given of its pipeline: the engine's health, ``unbind`` (drops the pair from ``table``)."""
 
     def __init__(self, engine: Any, table: dict[Any, Any]) -> None:
         self.e = engine
         self.table = table
-
-    @property
-    def closed(self) -> bool:
-        return bool(self.e._closed)
 
     def unbind(self, key: Any) -> None:
         self.table.pop(key, None)
@@ -59,7 +54,7 @@ class Pair:
         self.local = Region(memoryview(bytearray(LSIZE)), name="src", access="rw")
         self.remote = RemoteRegion("127.0.0.1:1", "n", "e", "kv", 7, RSIZE, 0, "rw", 1)
         self.link = SimpleNamespace(alive=True)
-        self.engine = SimpleNamespace(_closed=False, health=HealthTracker())
+        self.engine = SimpleNamespace(health=HealthTracker())
         self.table: dict[Any, Any] = {}
         self.moves: list[tuple[Any, ...]] = []
         self.answer: Any = True
@@ -210,10 +205,28 @@ def test_a_bound_engine_pair_takes_the_full_routing_for_what_changed_after_bindi
     assert one.moves == [(0, 0, 16), (0, 0, 16)] and one.local.leases == 0
     one.answer = True
     assert one.outcome((0, 0, 16, None))[0] == "landed" and one.key in one.pipe.bindings
-    one.pipe.closed = True
+
+
+def test_a_closed_engine_runs_no_c_step_and_binds_no_pair(one: EnginePair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C step reads no engine state: Engine.close empties the tables of C steps after setting
+    ``closed`` (a write while it still waits for the requests in flight raises), and a pair kept
+    while it closes is let go of at once."""
+    during: list[Any] = []
+    real = one.pipe.close
+
+    def close(timeout: float) -> None:  # the engine is closing: it waits for the requests in flight
+        during.append(one.outcome((0, 0, 16, None)))
+        real(timeout)
+
+    monkeypatch.setattr(one.pipe, "close", close)
+    one.ini.close(timeout=5)
+    assert during == [("raised", mpcomm.errors.EngineClosedError)]
+    assert not one.pipe.native and not one.pipe.bindings
     with pytest.raises(mpcomm.errors.EngineClosedError):
         one.write(0, 0, 16, None)
-    one.pipe.closed = False
+    assert one.moves == []
+    one.pipe._keep(one.binding, fastlane_c("go"))  # kept by a request that passed the check before close
+    assert not one.pipe.native and not one.pipe.bindings
 
 
 def test_a_bound_engine_pair_refuses_an_unregistering_region_holding_no_lease(one: EnginePair) -> None:
@@ -297,9 +310,6 @@ def test_what_changes_after_binding_makes_the_lane_decline() -> None:
     p.link.alive = False
     assert p.run(0, 0, 16, None) is None
     p.link.alive = True
-    p.engine._closed = True
-    assert p.run(0, 0, 16, None) is None
-    p.engine._closed = False
     paths, peers = p.engine.health.failure_tables()
     peers["127.0.0.1:1"] = object()
     assert p.run(0, 0, 16, None) is None
@@ -467,8 +477,9 @@ def test_the_c_step_reads_the_lease_state_from_the_regions_slots(monkeypatch: py
     for cls in (Region, _Shadowed):
         local = cls(memoryview(bytearray(LSIZE)), name="src", access="rw")
         p.table[p.key] = True
-        p.local, p.fast = local, Binding("write", local, p.remote, p.link, SimpleNamespace(name="shm"),  # type: ignore[arg-type]
-                                         (), "default", ("shm",), p.move, p.dispatch)
+        p.local = local
+        p.fast = Binding("write", local, p.remote, p.link, SimpleNamespace(name="shm"),  # type: ignore[arg-type]
+                         (), "default", ("shm",), p.move, p.dispatch)
         p.run = native_step(p.fast, p.pipe)
         if cls is Region:
             assert p.run(0, 0, 16, None) is not None and p.moves[-1] == (0, 0, 16)
