@@ -1,12 +1,12 @@
-/* The engine's bound inline lane, per request, outside the interpreter's frames.
+/* The engine's native module: a bound pair's inline step, per request, outside the interpreter's frames.
  *
- * Built when mpcomm is installed (setup.py) as the extension module
- * _mpcomm_fastlane and loaded by core/engine/fastlane.py. It is the C form of
- * a bound pair's inline step of the engine's one request path
- * (Pipeline.single in core/engine/requests.py, with bound.Binding): where it
- * is not built, or it declines a request, that path runs instead. It must
- * land only what that path lands inline: tests/core/test_fastlane.py drives
- * both with the same arguments.
+ * Built when mpcomm is installed (setup.py; the install fails without it) as the
+ * extension module _mpcomm_fastlane and loaded by core/engine/fastlane.py
+ * (import mpcomm fails without it). lane_run is the only inline step of the
+ * engine's one request path (Pipeline.single in core/engine/requests.py, with
+ * bound.Binding): what it declines, that path takes on, through the binding's
+ * posted step or the full routing. It must land only what the full path lands:
+ * tests/core/test_fastlane.py drives both with the same arguments.
  *
  * Why C: once a (local region, remote region, kind) pair is bound, a small
  * request is a handful of checks, a lease, the transport's move (itself
@@ -16,13 +16,13 @@
  * time, for speed, and must stay in step with their Python definitions: the
  * lease protocol of Region.acquire/release (core/memory.py, see lease()) and
  * the five attributes Landed.__init__ sets (core/transfer.py, see landed());
- * each of those places names this file, and the tests compare the two lanes.
+ * each of those places names this file, and the tests compare them.
  */
 #define MP_ABI 5
 
 int mpcomm_fastlane_abi(void) { return MP_ABI; }
 
-#ifdef MP_PYMODULE  /* the plain build (no Python.h) has nothing else: the Python lane serves */
+#ifdef MP_PYMODULE  /* setup.py always builds it so; without it only the ABI function above is built */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -99,16 +99,6 @@ static int timeout_ok(PyObject *o) {
  * tests/core/test_lane_agreement.py holds the two lanes together at the int64 limits. */
 static inline int fits(unsigned long long off, unsigned long long n, unsigned long long size) {
     return n <= size && off <= size - n;
-}
-
-/* probe(o) as a truth value: 1 true, 0 false, -1 error (set) */
-static int probe_true(PyObject *probe, PyObject *o) {
-    PyObject *v = PyObject_CallOneArg(probe, o);
-    if (v == NULL)
-        return -1;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
 }
 
 /* A call's result dropped: 0, or -1 when the call failed (its error set). */
@@ -188,7 +178,9 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_RETURN_NONE;
     if (PyDict_GET_SIZE(s[S_FAILED_PATHS]) || PyDict_GET_SIZE(s[S_FAILED_PEERS]))
         Py_RETURN_NONE;
-    int r = probe_true(s[S_ALIVE], s[S_LINK]);
+    PyObject *alive = PyObject_CallOneArg(s[S_ALIVE], s[S_LINK]);
+    int r = alive == NULL ? -1 : PyObject_IsTrue(alive);
+    Py_XDECREF(alive);
     if (r <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
 

@@ -121,17 +121,13 @@ class BoundPairs:
         None: the full routing takes it (and binds the pair when it routed it).
         """
         b = self.bindings.get((id(local), id(remote), kind))
-        if b is not None:
-            if not b.link.alive or self._failing():
-                return None
-            made = False
-        else:
-            b = self._bind_cached(kind, local, remote)
+        if b is None:
+            b = self._bind_cached(kind, local, remote)  # an inline binding is kept once it lands
             if b is None:
                 return None
-            made = self.bindings.get(b.key) is not b  # an inline binding is kept once it lands
+        elif not b.link.alive or self._failing():
+            return None
         if b.move is None:  # one Operation with the cached routing (None: a closing region, no free slot)
-            local = b.local
             try:
                 local.acquire()
             except RegionClosedError:
@@ -143,10 +139,9 @@ class BoundPairs:
             op = self.new_op(kind, local, lo, remote, ro, n, timeout, self.dispatch, None, BoundOp)
             self.hand_routed(op, b.link, b.transport, b.cands, b.rule, b.names, True)
             return op.transfer
-        if not made:  # a kept pair: Engine.write/read ran its C step, and it declined
-            if n > b.landed_max:
-                return None
-            move = self._ask_move(b.transport, b.kind, b.local, b.remote)  # stale? a fresh move may land it
+        if self.bindings.get(b.key) is b:  # a kept pair: Engine.write/read ran its C step, and it declined
+            # A request no longer than one it landed: the move may have gone stale, a fresh one may land it.
+            move = self._ask_move(b.transport, kind, local, remote) if n <= b.landed_max else None
             if move is None:
                 return None
             b.move = move
