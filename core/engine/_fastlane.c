@@ -124,8 +124,8 @@ static int unlease(PyObject *const *s) {
     Py_ssize_t n = PyList_GET_SIZE(held);
     if (n > 0 && PyList_SetSlice(held, n - 1, n, NULL) < 0)
         return -1;
-    /* closers is an int (the protocol keeps one there): its truth runs no Python code */
-    if (PyList_GET_SIZE(held) == 0 && (closers == NULL || PyObject_IsTrue(closers)))
+    /* the protocol keeps an int there, whose truth runs no Python code (anything else: woken) */
+    if (PyList_GET_SIZE(held) == 0 && (closers == NULL || !PyLong_CheckExact(closers) || PyObject_IsTrue(closers)))
         return discard(PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]));
     return 0;
 }
