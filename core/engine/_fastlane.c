@@ -299,11 +299,12 @@ static int has_slots(PyObject *t, PyObject *o, Py_ssize_t n) {
 
 /* lane(local, held, lease, wake, move, link, alive, failed_paths,
  *      failed_peers, landed, fields, origin, kind, remote, lsize, rsize, unbind, move_failed)
- * -> the pair's run callable */
-static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+ * -> the pair's run callable, whose self is this very tuple of arguments */
+static PyObject *py_lane(PyObject *self, PyObject *argt) {
     (void)self;
+    PyObject *const *args = &PyTuple_GET_ITEM(argt, 0);
     long long lsize, rsize;
-    if (nargs != S_COUNT || !exact_i64(args[S_LSIZE], &lsize) || !exact_i64(args[S_RSIZE], &rsize) || lsize < 0
+    if (PyTuple_GET_SIZE(argt) != S_COUNT || !exact_i64(args[S_LSIZE], &lsize) || !exact_i64(args[S_RSIZE], &rsize) || lsize < 0
         || rsize < 0 || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
         || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
         || !is_slot_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED], FIELD_COUNT)
@@ -312,14 +313,7 @@ static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);
         return NULL;
     }
-    PyObject *t = PyTuple_New(S_COUNT);
-    if (t == NULL)
-        return NULL;
-    for (int i = 0; i < S_COUNT; i++)
-        PyTuple_SET_ITEM(t, i, Py_NewRef(args[i]));
-    PyObject *f = PyCFunction_New(&run_def, t);
-    Py_DECREF(t);
-    return f;
+    return PyCFunction_New(&run_def, argt);
 }
 
 /* first_bad(lo, ro, ln, lsize, rsize): checks.first_bad for three array('q') buffers of one
@@ -455,7 +449,7 @@ static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 static PyMethodDef mp_methods[] = {
     {"scan", (PyCFunction)(void (*)(void))py_scan, METH_FASTCALL,
      "the leading requests of a batch that form one group, their integers copied"},
-    {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound pair's run callable"},
+    {"lane", py_lane, METH_VARARGS, "a bound pair's run callable"},
     {"go", (PyCFunction)(void (*)(void))py_go, METH_FASTCALL, "Engine.write/read's lookup of a bound pair"},
     {"first_bad", (PyCFunction)(void (*)(void))py_first_bad, METH_FASTCALL,
      "checks.first_bad over three array('q') buffers"},
