@@ -476,11 +476,11 @@ def test_the_c_step_reads_the_lease_state_from_the_regions_slots(monkeypatch: py
     monkeypatch.setattr(fastlane_c(), "lane", lambda *args: seen.append(args) or real(*args))
     for cls in (Region, _Shadowed):
         local = cls(memoryview(bytearray(LSIZE)), name="src", access="rw")
-        p.table[p.key] = True
         p.local = local
         p.fast = Binding("write", local, p.remote, p.link, SimpleNamespace(name="shm"),  # type: ignore[arg-type]
                          (), "default", ("shm",), p.move, p.dispatch)
-        p.run = native_step(p.fast, p.pipe)
+        p.key = p.fast.key
+        p.table[p.key] = p.run = native_step(p.fast, p.pipe)
         if cls is Region:
             assert p.run(0, 0, 16, None) is not None and p.moves[-1] == (0, 0, 16)
         else:
