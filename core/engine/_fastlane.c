@@ -68,15 +68,11 @@ static double monotonic(void) {
 
 /* An exact int in int64 into *v: 1; anything else (bool, float, huge, an unset slot): 0, no error set. */
 static int exact_i64(PyObject *o, long long *v) {
+    int overflow = 0;
     if (o == NULL || !PyLong_CheckExact(o))
         return 0;
-    int overflow = 0;
-    *v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (overflow || (*v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        return 0;
-    }
-    return 1;
+    *v = PyLong_AsLongLongAndOverflow(o, &overflow);  /* an exact int: no error, only overflow */
+    return !overflow;
 }
 
 /* A request's timeout as the one path takes it at once: None, or an exact float or int in (0, inf)
