@@ -3,14 +3,17 @@
 Two kinds of native code, both compiled here (when the wheel or the editable
 install is built) and never at run time:
 
-* The compiled helpers (engine inline lane, shm copy loop, ucx put loop, tcp
-  busy-poll): ordinary setuptools ``Extension`` modules. setuptools is already
-  the build backend, so this needs no extra build dependency (meson-python or
-  scikit-build-core would add meson/ninja or CMake to every build for four
-  single-file C modules). Each is optional: where the build has no compiler
-  (or Python headers), the install still succeeds, records which failed and
-  why (``mpcomm/native-build.json``), and mpcomm runs its pure-Python
-  fallbacks (``mpcomm doctor`` says what that costs; see docs/packaging.md).
+* The compiled modules (the engine's native module, shm copy loop, ucx put
+  loop, tcp busy-poll and data port): ordinary setuptools ``Extension``
+  modules. setuptools is already the build backend, so this needs no extra
+  build dependency (meson-python or scikit-build-core would add meson/ninja or
+  CMake to every build for a few single-file C modules). The engine's module
+  (:data:`REQUIRED`) is the one implementation of the rules it runs, so a
+  failure to build it fails the install, saying why. The plugins' helpers are
+  optional: where one fails (no compiler, no Python headers), the install still
+  succeeds, records which failed and why (``mpcomm/native-build.json``), and
+  the plugin runs its pure-Python fallback (``mpcomm doctor`` says what that
+  costs; see docs/packaging.md).
 * The MPComm provider ``libmpcomm.so.1`` for Mooncake TENT (tent/build.py):
   into the wheel's ``mpcomm/`` (an MPCOMM_ROOT), or for an editable install
   into ``build/native/`` (never into the source tree).
@@ -38,6 +41,8 @@ HELPERS = {
     "mpcomm.plugins.tcp._mpcomm_dataport": "plugins/tcp/_dataport.c",
 }
 BUILD_RECORD = "native-build.json"  # mpcomm.native_helper.BUILD_RECORD
+#: The engine's native module: no fallback, so the install fails without it.
+REQUIRED = "mpcomm.engine._mpcomm_fastlane"
 
 
 def _builder():
@@ -48,7 +53,8 @@ def _builder():
 
 
 class optional_build_ext(build_ext):
-    """build_ext where a helper that fails to compile is recorded and skipped, never fatal."""
+    """build_ext where an optional helper that fails to compile is recorded and skipped; the
+    engine's module (REQUIRED) failing fails the build."""
 
     def run(self):
         self._failed = {}
@@ -59,6 +65,11 @@ class optional_build_ext(build_ext):
                 if not Path(self.get_ext_fullpath(ext.name)).exists():
                     self._failed.setdefault(ext.name, f"no usable C compiler ({exc})")
         self._record()
+        if REQUIRED in self._failed:
+            raise SystemExit(f"mpcomm: the engine's native module {REQUIRED} (core/engine/_fastlane.c) is required "
+                             f"and was not built: {self._failed[REQUIRED]}. Install a C compiler and Python's "
+                             "headers (e.g. gcc and python3-dev), then reinstall mpcomm (`pip install -e .` "
+                             "in a checkout).")
 
     def build_extension(self, ext):
         try:
@@ -66,8 +77,9 @@ class optional_build_ext(build_ext):
         except Exception as exc:  # CompileError, LinkError, a missing cc or Python.h
             why = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
             self._failed[ext.name] = f"{type(exc).__name__}: {why[0][:300]}"
-            print(f"mpcomm: optional helper {ext.name} not built ({self._failed[ext.name]}); "
-                  "its pure-Python fallback will serve", file=sys.stderr)
+            if ext.name != REQUIRED:
+                print(f"mpcomm: optional helper {ext.name} not built ({self._failed[ext.name]}); "
+                      "its pure-Python fallback will serve", file=sys.stderr)
 
     def _record(self):
         pkg = Path(self.get_ext_fullpath("mpcomm.x")).parent  # where mpcomm's own files go (in place or build_lib)

@@ -13,8 +13,8 @@ Processes alternate A, B, B, A, ...; each one interleaves rounds of:
   pair (a fresh local region; the remote's route cached): the binding made from the route cache.
 
 It prints the median per-request time of each and the B/A ratio. Run with
-``MPCOMM_FASTLANE=0`` too, for the one Python path without the C inline step. Compare
-an A/A run (the same tree twice) to see the noise of the machine.
+``MPCOMM_FASTLANE=0`` too, for bound pairs without the inline lane (posted with their
+cached routing). Compare an A/A run (the same tree twice) to see the noise of the machine.
 
     python benchmarks/ab_engine_paths.py /path/to/checkout-A /path/to/checkout-B --reps 10
 """

@@ -27,7 +27,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from operator import attrgetter, methodcaller
 from typing import Any
 
 from .errors import AlignmentError, AllocationError, RegionBusyError, RegionClosedError, RegionError
@@ -234,6 +233,10 @@ class Region:
         token: random capability that every remote access must present.
     """
 
+    # The lease state (see __init__) sits in slots: the engine's C inline lane reads ``_refusing``
+    # and ``_closers`` straight from them (LEASE_SLOTS), with no Python call and no attribute name.
+    __slots__ = ("_held", "_refusing", "_closers", "__dict__", "__weakref__")
+
     def __init__(
         self,
         view: memoryview | None,
@@ -285,7 +288,8 @@ class Region:
         # looks at the list (so one of the two always sees the other). Refusing first is
         # what lets close() finish while other threads keep taking leases. The Condition
         # is only waited on by close(). The engine's C inline lane (engine/_fastlane.c) takes
-        # and releases leases by this same protocol.
+        # and releases leases by this same protocol (LEASE_SLOTS, LEASE_WAKE), and only ever stores
+        # a bool in _refusing and an int in _closers.
         self._held: list[None] = []
         self._refusing = False
         self._closed = False
@@ -342,12 +346,7 @@ class Region:
         """Take a lease; raises RegionClosedError if the region is gone."""
         held = self._held
         held.append(None)
-        try:
-            refusing = self._refusing
-        except BaseException:
-            held.pop()  # as _fastlane.c's lease(): a failed look-up holds nothing
-            raise
-        if refusing:
+        if self._refusing:
             held.pop()
             self._wake_closers()
             state = "is unregistered" if self._closed else "is being unregistered"
@@ -430,12 +429,13 @@ class Region:
 
 
 
-#: A region's lease state as the engine's C lane (engine/_fastlane.c) reads it: whether it
-#: refuses new leases, how many close() calls wait, and how to wake them. The lane takes and
-#: releases leases by the protocol of :meth:`Region.acquire`/:meth:`Region.release` without
-#: calling them; it gets these probes when a pair is bound (engine/bound.py), so no C
-#: code names an attribute, and they sit here, beside the attributes they read.
-LEASE_PROBES = (attrgetter("_refusing"), attrgetter("_closers"), methodcaller("_wake_closers"))
+#: A region's lease state as the engine's C lane (engine/_fastlane.c) reads it: the slots holding
+#: whether it refuses new leases and how many close() calls wait, and the function that wakes them
+#: (called with the region). The lane takes and releases leases by the protocol of
+#: :meth:`Region.acquire`/:meth:`Region.release` without calling them; it gets these when a pair is
+#: bound (engine/bound.py), so no C code names an attribute, and they sit here, beside the protocol.
+LEASE_SLOTS = (Region._refusing, Region._closers)
+LEASE_WAKE = Region._wake_closers
 
 
 def region_of(obj: Any, *, name: str, access: str | None = None) -> Region:

@@ -1,4 +1,4 @@
-"""The optional compiled helpers, built when mpcomm was installed; loaded here, never compiled here.
+"""The compiled modules, built when mpcomm was installed; loaded here, never compiled here.
 
 A part whose hot loop costs more in the interpreter than in the kernel (the
 engine's inline lane, shm's copy loop, ucx's put-and-flush, tcp's busy-poll)
@@ -6,9 +6,11 @@ ships a C file that ``setup.py`` compiles into an ordinary extension module
 when the wheel or the editable install is built (see :data:`HELPERS`). At run
 time nothing is compiled and nothing is written: :func:`load` imports the
 module that the install put beside its package, or says in words why there is
-none. Every caller keeps working without it (each has a pure-Python
-fallback), at the cost :data:`COST` records, which :func:`missing` reports to
-``mpcomm doctor`` and :func:`warn_missing_once` logs when an engine starts.
+none. The engine's module is required (:mod:`mpcomm.engine.fastlane` raises
+ImportError without it); the plugins' helpers are optional: each caller keeps
+working without its helper (a pure-Python fallback), at the cost :data:`COST`
+records, which :func:`missing` reports to ``mpcomm doctor`` and
+:func:`warn_missing_once` logs when an engine starts.
 
 The same file is also used through ``ctypes`` (``ctypes.CDLL(module.__file__)``)
 where a caller wants a plain C call that releases the GIL for a whole batch.
@@ -41,17 +43,15 @@ HELPERS = {
     "mpcomm.plugins.tcp._mpcomm_dataport": ("tcp native data port", "plugins/tcp/_dataport.c"),
 }
 
-#: What running without each helper costs: measured by scripts/measure_native_cost.py --rounds 3 on
+#: What running without each optional helper costs: measured by scripts/measure_native_cost.py --rounds 3 on
 #: this project's development machine (2 CPU cores shared with other work, CPython 3.11.7, gcc -O2 via
 #: setuptools, 2026-12-06). Each case times the same operation in a fresh process with the helper
 #: turned off by its switch and on, against a target engine in another process; per process the fastest
 #: twentieth of the operations counts, and the best of 3 runs:
-#: - engine inline lane: Engine.write(64 B) + result() on a bound shm pair: 1.1 us with, 1.5 us without;
 #: - shm copy loop: Engine.write_many of 256 pieces of 64 B + result() over shm: 52 us with, 200 us without;
 #: - ucx loop: the same batch over ucx (UCX shm/tcp lanes of libucx-cu12): 218 us with, 506 us without;
 #: - tcp busy-poll: Engine.write(64 B) + result() over loopback tcp: 30 us with, 43 us without.
 COST = {
-    "mpcomm.engine._mpcomm_fastlane": "about 1.4x the latency of a small write+result() on a bound pair",
     "mpcomm.plugins.shm._mpcomm_copyloop": "about 3.9x the time of a batch of small shm writes",
     "mpcomm.plugins.ucx._mpcomm_ucxloop": "about 2.3x the time of a batch of small ucx writes",
     "mpcomm.plugins.tcp._mpcomm_busypoll": "about 1.5x the latency of a small tcp write+result()",
@@ -114,9 +114,10 @@ def load(name: str, abi: int, abi_symbol: str) -> Helper | str:
 
 
 def missing() -> dict[str, str]:
-    """{what it accelerates: why it is missing; what that costs} for every helper that does not import."""
+    """{what it accelerates: why it is missing; what that costs} for every optional helper that does not import."""
     out = {}
-    for name, (what, _src) in HELPERS.items():
+    for name in COST:
+        what = HELPERS[name][0]
         try:
             importlib.import_module(name)
         except ImportError as exc:

@@ -798,8 +798,9 @@ class Engine:
         transport, now), ``connections`` (live control connections per peer,
         now) and ``failover_paths`` — also exported as OpenTelemetry metrics
         (``mpcomm.peer.*``, ``mpcomm.queue.backlog``) with ``observability.metrics``.
-        ``inline_lane``: whether small requests of a bound pair run first through the
-        C inline step (``"in use"``) or, and why not, only through the one Python path.
+        ``inline_lane``: whether small requests of a bound pair may land through the
+        transport's inline move, in the C inline step (``"in use"``), or are posted
+        (``"disabled by MPCOMM_FASTLANE=0"``).
         ``notifications_awaiting_callbacks``: notifications queued by tcp's native
         data port whose ``on_notification`` callbacks have not run yet.
         ``notification_senders``: senders whose ``limits.notify_rate`` bucket is
@@ -807,7 +808,7 @@ class Engine:
         """
         return {
             "requests_held": self._pipeline.slots.in_use,
-            "inline_lane": fastlane.status(),
+            "inline_lane": "in use" if fastlane.inline_enabled() else "disabled by MPCOMM_FASTLANE=0",
             "queue_depth": self._pipeline.slots.capacity,
             "notifications_queued": len(self._notifications),
             "notifications_awaiting_callbacks": self._notifications.awaiting_callbacks(),
@@ -857,6 +858,7 @@ class Engine:
         pipeline = getattr(self, "_pipeline", None)
         if pipeline is not None:
             pipeline.closed = True
+            pipeline.forget_fast()  # write()/read() find no bound pair's C step from now on (it reads no engine state)
         self.telemetry.unwatch_health(self.node_id)
         if pipeline is not None:
             pipeline.close(timeout)

@@ -1,12 +1,12 @@
-/* The engine's bound inline lane, per request, outside the interpreter's frames.
+/* The engine's native module: a bound pair's inline step, per request, outside the interpreter's frames.
  *
- * Built when mpcomm is installed (setup.py) as the extension module
- * _mpcomm_fastlane and loaded by core/engine/fastlane.py. It is the C form of
- * a bound pair's inline step of the engine's one request path
- * (Pipeline.single in core/engine/requests.py, with bound.Binding): where it
- * is not built, or it declines a request, that path runs instead. It must
- * land only what that path lands inline: tests/core/test_fastlane.py drives
- * both with the same arguments.
+ * Built when mpcomm is installed (setup.py; the install fails without it) as the
+ * extension module _mpcomm_fastlane and loaded by core/engine/fastlane.py
+ * (import mpcomm fails without it). lane_run is the only inline step of the
+ * engine's one request path (Pipeline.single in core/engine/requests.py, with
+ * bound.Binding): what it declines, that path takes on, through the binding's
+ * posted step or the full routing. It must land only what the full path lands:
+ * tests/core/test_fastlane.py drives both with the same arguments.
  *
  * Why C: once a (local region, remote region, kind) pair is bound, a small
  * request is a handful of checks, a lease, the transport's move (itself
@@ -16,13 +16,13 @@
  * time, for speed, and must stay in step with their Python definitions: the
  * lease protocol of Region.acquire/release (core/memory.py, see lease()) and
  * the five attributes Landed.__init__ sets (core/transfer.py, see landed());
- * each of those places names this file, and the tests compare the two lanes.
+ * each of those places names this file, and the tests compare them.
  */
-#define MP_ABI 4
+#define MP_ABI 6
 
 int mpcomm_fastlane_abi(void) { return MP_ABI; }
 
-#ifdef MP_PYMODULE  /* the plain build (no Python.h) has nothing else: the Python lane serves */
+#ifdef MP_PYMODULE  /* setup.py always builds it so; without it only the ABI function above is built */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -36,14 +36,11 @@ int mpcomm_fastlane_abi(void) { return MP_ABI; }
 enum {
     S_LOCAL,      /* the local Region (see lease() below) */
     S_HELD,       /* local._held: one entry per lease */
-    S_REFUSING,   /* probe(local) -> truthy while the region refuses new leases */
-    S_CLOSERS,    /* probe(local) -> how many close() calls wait for the leases to end */
-    S_WAKE,       /* probe(local): wake them */
+    S_LEASE,      /* memory.LEASE_SLOTS: the slots of local's "refusing" (a bool) and "closers" (an int) */
+    S_WAKE,       /* wake(local): wake the close() calls waiting for the leases to end */
     S_MOVE,       /* the transport's move(lo, ro, n) -> truthy once landed */
     S_LINK,       /* the PeerLink */
     S_ALIVE,      /* probe(link) -> truthy while the peer is reachable */
-    S_ENGINE,     /* what `closed` probes (the pipeline) */
-    S_CLOSED,     /* probe(engine) -> truthy once it is closed */
     S_FAILED_PATHS, /* the health tracker's failure tables (HealthTracker.failure_tables()): */
     S_FAILED_PEERS, /* while both are empty nothing has failed and admission is skipped */
     S_LANDED,     /* the handle class, Landed: made here with the attributes its __init__ sets */
@@ -54,7 +51,7 @@ enum {
     S_LSIZE,      /* int: local region size */
     S_RSIZE,      /* int: remote region size */
     S_UNBIND,     /* unbind(): drop this pair from the engine's table */
-    S_MOVE_FAILED,/* move_failed(exc): a plugin bug, logged; the request declines */
+    S_MOVE_FAILED,/* move_failed(type, exc, traceback): a plugin bug, logged; the request declines */
     S_COUNT
 };
 
@@ -71,29 +68,21 @@ static double monotonic(void) {
 
 /* An exact int in int64 into *v: 1; anything else (bool, float, huge, an unset slot): 0, no error set. */
 static int exact_i64(PyObject *o, long long *v) {
+    int overflow = 0;
     if (o == NULL || !PyLong_CheckExact(o))
         return 0;
-    int overflow = 0;
-    *v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (overflow || (*v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        return 0;
-    }
-    return 1;
+    *v = PyLong_AsLongLongAndOverflow(o, &overflow);  /* an exact int: no error, only overflow */
+    return !overflow;
 }
 
 /* A request's timeout as the one path takes it at once: None, or an exact float or int in (0, inf)
  * (NaN fails too). Anything else declines to that path, which accepts or refuses it. */
 static int timeout_ok(PyObject *o) {
-    double t;
     if (o == Py_None)
         return 1;
-    if (PyFloat_CheckExact(o))
-        t = PyFloat_AS_DOUBLE(o);
-    else if (PyLong_CheckExact(o))
-        t = PyLong_AsDouble(o);
-    else
+    if (!PyFloat_CheckExact(o) && !PyLong_CheckExact(o))
         return 0;
+    double t = PyFloat_AsDouble(o);  /* an int beyond the largest float: OverflowError */
     if (t == -1.0 && PyErr_Occurred()) {
         PyErr_Clear();
         return 0;
@@ -108,20 +97,6 @@ static inline int fits(unsigned long long off, unsigned long long n, unsigned lo
     return n <= size && off <= size - n;
 }
 
-/* probe(o) as a truth value: 1 true, 0 false, -1 error (set) */
-static int probe_true(PyObject *probe, PyObject *o) {
-    PyObject *v = PyObject_CallOneArg(probe, o);
-    if (v == NULL)
-        return -1;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
-}
-
-/* The lease protocol of Region.acquire/release (core/memory.py), without the two method
- * calls: append one entry, then probe "refusing" (close() sets it, then looks at the list,
- * so one of the two always sees the other); release pops it and wakes a waiting close()
- * once the list is empty. Both run under the GIL, as list.append/pop do there. */
 /* A call's result dropped: 0, or -1 when the call failed (its error set). */
 static int discard(PyObject *x) {
     if (x == NULL)
@@ -130,63 +105,34 @@ static int discard(PyObject *x) {
     return 0;
 }
 
-static int wake_closers(PyObject *const *s) {
-    return discard(PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]));
+/* The object slot of `o` that the member descriptor d describes (lane() checked d's kind). */
+static PyObject **slot(PyObject *d, PyObject *o) {
+    return (PyObject **)((char *)o + ((PyMemberDescrObject *)d)->d_member->offset);
 }
 
-/* undo(s) with the pending exception set aside (no call into Python with one pending): that
- * exception is what the caller sees, unless undo fails, whose error then replaces it. -1. */
-static int aside(PyObject *const *s, int (*undo)(PyObject *const *)) {
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    if (undo(s) < 0) {
-        Py_XDECREF(et);
-        Py_XDECREF(ev);
-        Py_XDECREF(tb);
+/* The lease protocol of Region.acquire/release (core/memory.py), without the two method
+ * calls: append one entry, then look at "refusing" (close() sets it, then looks at the list,
+ * so one of the two always sees the other); release pops it and wakes a waiting close()
+ * once the list is empty. Both run under the GIL, as list.append/pop do there, and read
+ * the region's slots directly (an unset one counts as refusing, and as a close waiting). */
+static int unlease(PyObject *const *s) {
+    PyObject *held = s[S_HELD], *closers = *slot(PyTuple_GET_ITEM(s[S_LEASE], 1), s[S_LOCAL]);
+    Py_ssize_t n = PyList_GET_SIZE(held);
+    if (n > 0 && PyList_SetSlice(held, n - 1, n, NULL) < 0)
         return -1;
-    }
-    PyErr_Restore(et, ev, tb);
-    return -1;
-}
-
-/* A lease taken back at once (refused, or the lookup failed): its entry popped, close() woken. */
-static int unlease_refused(PyObject *const *s) {
-    Py_ssize_t n = PyList_GET_SIZE(s[S_HELD]);
-    if (PyList_SetSlice(s[S_HELD], n - 1, n, NULL) < 0)
-        return -1;
-    return wake_closers(s);
+    /* the protocol keeps an int there, whose truth runs no Python code (anything else: woken) */
+    if (PyList_GET_SIZE(held) == 0 && (closers == NULL || !PyLong_CheckExact(closers) || PyObject_IsTrue(closers)))
+        return discard(PyObject_CallOneArg(s[S_WAKE], s[S_LOCAL]));
+    return 0;
 }
 
 /* 1 leased, 0 refused (the region is being unregistered; nothing held), -1 error */
 static int lease(PyObject *const *s) {
     if (PyList_Append(s[S_HELD], Py_None) < 0)
         return -1;
-    int refusing = probe_true(s[S_REFUSING], s[S_LOCAL]);
-    if (refusing == 0)
+    if (*slot(PyTuple_GET_ITEM(s[S_LEASE], 0), s[S_LOCAL]) == Py_False)
         return 1;
-    if (refusing < 0)
-        return aside(s, unlease_refused);
-    return unlease_refused(s) < 0 ? -1 : 0;
-}
-
-static int unlease(PyObject *const *s) {
-    PyObject *held = s[S_HELD];
-    Py_ssize_t n = PyList_GET_SIZE(held);
-    if (n > 0 && PyList_SetSlice(held, n - 1, n, NULL) < 0)
-        return -1;
-    if (PyList_GET_SIZE(held) == 0) {
-        int closers = probe_true(s[S_CLOSERS], s[S_LOCAL]);
-        if (closers < 0 || (closers && wake_closers(s) < 0))
-            return -1;
-    }
-    return 0;
-}
-
-/* field = value, stored in the slot whose descriptor Landed.FIELDS hands (no name, no lookup):
- * lane() checked each is an object slot of the handle class, so a fresh handle holds it empty. */
-static void set_field(PyObject *const *s, int field, PyObject *h, PyObject *value) {
-    PyMemberDescrObject *d = (PyMemberDescrObject *)PyTuple_GET_ITEM(s[S_FIELDS], field);
-    *(PyObject **)((char *)h + d->d_member->offset) = Py_NewRef(value);
+    return unlease(s) < 0 ? -1 : 0;
 }
 
 /* A handle born COMPLETED: Landed.__init__'s five attributes, set here without its frame
@@ -195,15 +141,13 @@ static PyObject *landed(PyObject *const *s, PyObject *nobj, PyObject *req, doubl
     PyTypeObject *tp = (PyTypeObject *)s[S_LANDED];
     PyObject *h = tp->tp_new(tp, s_empty, NULL);
     PyObject *t0obj = PyFloat_FromDouble(t0), *t1obj = PyFloat_FromDouble(monotonic());
-    if (h == NULL || t0obj == NULL || t1obj == NULL) {
+    PyObject *value[FIELD_COUNT] = {nobj, s[S_ORIGIN], req, t0obj, t1obj};
+    if (h == NULL || t0obj == NULL || t1obj == NULL)
         Py_CLEAR(h);
-    } else {
-        set_field(s, FIELD_BYTES_MOVED, h, nobj);
-        set_field(s, FIELD_ORIGIN, h, s[S_ORIGIN]);
-        set_field(s, FIELD_REQUEST_ARGS, h, req);
-        set_field(s, FIELD_SUBMITTED_AT, h, t0obj);
-        set_field(s, FIELD_FINISHED_AT, h, t1obj);
-    }
+    else  /* each stored in the slot whose descriptor Landed.FIELDS hands (no name, no lookup): lane()
+           * checked each is an object slot of the handle class, so a fresh handle holds it empty */
+        for (int f = 0; f < FIELD_COUNT; f++)
+            *slot(PyTuple_GET_ITEM(s[S_FIELDS], f), h) = Py_NewRef(value[f]);
     Py_XDECREF(t0obj);
     Py_XDECREF(t1obj);
     return h;
@@ -216,12 +160,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     PyObject *const *s = &PyTuple_GET_ITEM(self, 0);
-    long long lsize = PyLong_AsLongLong(s[S_LSIZE]), rsize = PyLong_AsLongLong(s[S_RSIZE]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (lsize < 0 || rsize < 0)
-        Py_RETURN_NONE;
-    long long lo, ro, n;
+    /* lane() took two exact ints in [0, 2**63): no error here */
+    long long lsize = PyLong_AsLongLong(s[S_LSIZE]), rsize = PyLong_AsLongLong(s[S_RSIZE]), lo, ro, n;
     PyObject *length = args[2];
     if (!exact_i64(args[0], &lo) || !exact_i64(args[1], &ro) || lo < 0 || ro < 0)
         Py_RETURN_NONE;
@@ -234,15 +174,14 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_RETURN_NONE;
     if (PyDict_GET_SIZE(s[S_FAILED_PATHS]) || PyDict_GET_SIZE(s[S_FAILED_PEERS]))
         Py_RETURN_NONE;
-    int r = probe_true(s[S_ALIVE], s[S_LINK]);
+    PyObject *alive = PyObject_CallOneArg(s[S_ALIVE], s[S_LINK]);
+    int r = alive == NULL ? -1 : PyObject_IsTrue(alive);
+    Py_XDECREF(alive);
     if (r <= 0)
-        return r < 0 ? NULL : Py_NewRef(Py_None);
-    r = probe_true(s[S_CLOSED], s[S_ENGINE]);
-    if (r != 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
 
     double t0 = monotonic();
-    PyObject *local = s[S_LOCAL];
+    PyObject *et, *ev, *tb;
     r = lease(s);
     if (r <= 0) {  /* refused (unregistered): the table lets go of the pair */
         if (r < 0 || discard(PyObject_CallNoArgs(s[S_UNBIND])) < 0)
@@ -256,21 +195,15 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         goto release_fail;
     PyObject *margs[3] = {args[0], args[1], nobj};
     PyObject *moved = PyObject_Vectorcall(s[S_MOVE], margs, 3, NULL);
-    int done = 0;
-    if (moved != NULL) {
-        done = PyObject_IsTrue(moved);
-        Py_DECREF(moved);
-    }
-    if (moved == NULL || done < 0) {
+    int done = moved == NULL ? -1 : PyObject_IsTrue(moved);
+    Py_XDECREF(moved);
+    if (done < 0) {
         if (!PyErr_ExceptionMatches(PyExc_Exception))
             goto release_fail_n;  /* KeyboardInterrupt and the like go on up, the lease released */
         /* A plugin bug declines; the full path reports what post() says. */
-        PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
         PyErr_NormalizeException(&et, &ev, &tb);
-        if (tb != NULL && ev != NULL)
-            PyException_SetTraceback(ev, tb);
-        PyObject *x = PyObject_CallOneArg(s[S_MOVE_FAILED], ev != NULL ? ev : Py_None);
+        PyObject *x = PyObject_CallFunctionObjArgs(s[S_MOVE_FAILED], et, ev ? ev : Py_None, tb ? tb : Py_None, NULL);
         Py_XDECREF(et);
         Py_XDECREF(ev);
         Py_XDECREF(tb);
@@ -282,7 +215,7 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_DECREF(nobj);
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     }
-    PyObject *req = PyTuple_Pack(6, s[S_KIND], local, s[S_REMOTE], args[1], nobj, args[0]);
+    PyObject *req = PyTuple_Pack(6, s[S_KIND], s[S_LOCAL], s[S_REMOTE], args[1], nobj, args[0]);
     PyObject *h = req == NULL ? NULL : landed(s, nobj, req, t0);
     Py_XDECREF(req);
     Py_DECREF(nobj);
@@ -290,8 +223,12 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
 
 release_fail_n:
     Py_DECREF(nobj);
-release_fail:
-    aside(s, unlease);  /* the lease released, the pending exception kept */
+release_fail:  /* the lease released with the pending exception set aside (no call into Python with one
+                * pending): that exception goes on up, and an error of the release is reported unraisable */
+    PyErr_Fetch(&et, &ev, &tb);
+    if (unlease(s) < 0)
+        PyErr_WriteUnraisable(s[S_LOCAL]);
+    PyErr_Restore(et, ev, tb);
     return NULL;
 }
 
@@ -347,28 +284,32 @@ static int is_slot_tuple(PyObject *t, PyTypeObject *tp, Py_ssize_t n) {
     return 1;
 }
 
-/* lane(local, held, refusing, closers, wake, move, link, alive, engine, closed, failed_paths,
+/* Whether t is a tuple of n such descriptors of o's class or of a base of it (memory.LEASE_SLOTS,
+ * what lease() reads, for a Region or a subclass's instance). */
+static int has_slots(PyObject *t, PyObject *o, Py_ssize_t n) {
+    for (PyTypeObject *tp = Py_TYPE(o); tp != NULL; tp = tp->tp_base)
+        if (is_slot_tuple(t, tp, n))
+            return 1;
+    return 0;
+}
+
+/* lane(local, held, lease, wake, move, link, alive, failed_paths,
  *      failed_peers, landed, fields, origin, kind, remote, lsize, rsize, unbind, move_failed)
- * -> the pair's run callable */
-static PyObject *py_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+ * -> the pair's run callable, whose self is this very tuple of arguments */
+static PyObject *py_lane(PyObject *self, PyObject *argt) {
     (void)self;
-    if (nargs != S_COUNT || !PyLong_CheckExact(args[S_LSIZE]) || !PyLong_CheckExact(args[S_RSIZE])
-        || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
+    PyObject *const *args = &PyTuple_GET_ITEM(argt, 0);
+    long long lsize, rsize;
+    if (PyTuple_GET_SIZE(argt) != S_COUNT || !exact_i64(args[S_LSIZE], &lsize) || !exact_i64(args[S_RSIZE], &rsize) || lsize < 0
+        || rsize < 0 || !PyList_CheckExact(args[S_HELD]) || !PyDict_CheckExact(args[S_FAILED_PATHS])
         || !PyDict_CheckExact(args[S_FAILED_PEERS]) || !PyType_Check(args[S_LANDED])
         || !is_slot_tuple(args[S_FIELDS], (PyTypeObject *)args[S_LANDED], FIELD_COUNT)
-        || !PyCallable_Check(args[S_REFUSING]) || !PyCallable_Check(args[S_CLOSERS]) || !PyCallable_Check(args[S_WAKE])
-        || !PyCallable_Check(args[S_ALIVE]) || !PyCallable_Check(args[S_CLOSED])) {
+        || !has_slots(args[S_LEASE], args[S_LOCAL], 2) || !PyCallable_Check(args[S_WAKE])
+        || !PyCallable_Check(args[S_ALIVE])) {
         PyErr_Format(PyExc_TypeError, "lane() takes %d arguments (see _fastlane.c)", S_COUNT);
         return NULL;
     }
-    PyObject *t = PyTuple_New(S_COUNT);
-    if (t == NULL)
-        return NULL;
-    for (int i = 0; i < S_COUNT; i++)
-        PyTuple_SET_ITEM(t, i, Py_NewRef(args[i]));
-    PyObject *f = PyCFunction_New(&run_def, t);
-    Py_DECREF(t);
-    return f;
+    return PyCFunction_New(&run_def, argt);
 }
 
 /* first_bad(lo, ro, ln, lsize, rsize): the one batch bounds check (checks.first_bad), over
@@ -499,7 +440,7 @@ static PyObject *py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 static PyMethodDef mp_methods[] = {
     {"scan", (PyCFunction)(void (*)(void))py_scan, METH_FASTCALL,
      "the run of a batch's requests from start on that forms one group, their integers copied"},
-    {"lane", (PyCFunction)(void (*)(void))py_lane, METH_FASTCALL, "a bound pair's run callable"},
+    {"lane", py_lane, METH_VARARGS, "a bound pair's run callable"},
     {"go", (PyCFunction)(void (*)(void))py_go, METH_FASTCALL, "Engine.write/read's lookup of a bound pair"},
     {"first_bad", (PyCFunction)(void (*)(void))py_first_bad, METH_FASTCALL,
      "the first entry of three array('q') buffers out of bounds, or -1"},

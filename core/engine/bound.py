@@ -6,16 +6,17 @@ pair's binding: the link, the transport, its candidates, the rule and route
 names the full routing chose for the pair, and -- where that transport offers
 the inline lane (:meth:`Transport.inline_path`) -- its bound ``move``. With a
 binding the request skips the route decision: it is moved by that ``move`` on
-the caller's thread (lease, move, release: :meth:`BoundPairs._move`), or
-handed to ``hand_routed`` as one Operation with the cached routing
-(both in :meth:`BoundPairs._cached`). Anything the binding does not cover (a
-dead link, a failing path, a full queue, a closing region, a declined move)
-goes on to the full routing, which raises what it raises.
+the caller's thread by the binding's C step (:func:`native_step`: lease, move,
+release, in ``_fastlane.c``), or handed to ``hand_routed`` as one Operation
+with the cached routing (both in :meth:`BoundPairs._cached`). Anything the
+binding does not cover (a dead link, a failing path, a full queue, a closing
+region, a declined move) goes on to the full routing, which raises what it
+raises.
 
-The native form of the inline step is ``_fastlane.c`` (:func:`native_step`):
-``Engine.write``/``read`` try it first, and when it declines (or is not built,
-or ``MPCOMM_FASTLANE=0``) the request takes the one Python path with the same
-binding.
+``Engine.write``/``read`` run a kept pair's C step first; a pair's first
+request (and a kept pair's stale move, asked for anew) runs it here.
+``MPCOMM_FASTLANE=0`` (read at each binding) keeps every binding off the
+inline move: those pairs are posted.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RegionClosedError
-from ..memory import LEASE_PROBES, Region
+from ..memory import LEASE_SLOTS, LEASE_WAKE, Region
 from ..remote import RemoteRegion
 from ..transfer import Landed, LandedOrigin, Transfer
 from ..transport import Operation, Transport
@@ -41,22 +41,22 @@ log = logging.getLogger("mpcomm.engine")
 
 FAST_MAX = 256
 
-#: What the C step reads per request for the engine's state: the pipeline's ``closed``, the flag
-#: :meth:`Pipeline.single` reads first (set by Engine.close with the engine's own).
-PIPELINE_CLOSED = operator.attrgetter("closed")
-#: What it reads per request for the peer: PeerLink.alive (public).
+#: What the C step reads per request for the peer: PeerLink.alive (public). (Not the engine's state:
+#: Engine.close empties the tables of C steps once it is closed, and Pipeline.single checks it.)
 LINK_ALIVE = operator.attrgetter("alive")
 
 
-def move_failed(transport: str, exc: BaseException) -> None:
-    log.error("transport %s failed in its inline_path move", transport, exc_info=exc)
+def move_failed(transport: str, et: type[BaseException], exc: BaseException, tb: Any) -> None:
+    log.error("transport %s failed in its inline_path move", transport, exc_info=(et, exc, tb))
 
 
 def offers_inline(transport: Transport) -> bool:
-    """Whether ``transport``'s class implements the inline lane (``inline_path``, or ``post_inline``
-    which the default ``inline_path`` binds)."""
+    """Whether a binding to ``transport`` takes its inline move: its class implements the inline lane
+    (``inline_path``, or ``post_inline`` which the default ``inline_path`` binds), and
+    ``MPCOMM_FASTLANE`` is not ``0``."""
     cls = type(transport)
-    return cls.inline_path is not Transport.inline_path or cls.post_inline is not Transport.post_inline
+    offered = cls.inline_path is not Transport.inline_path or cls.post_inline is not Transport.post_inline
+    return offered and fastlane.inline_enabled()
 
 
 class Binding:
@@ -67,9 +67,9 @@ class Binding:
     restarts or is lost, the routes or health change, or the table is full.
     ``move`` is the transport's bound inline move (None: the transport
     answers later, and requests are posted with the cached routing).
-    ``landed_max``: the longest request the Python step landed through
-    ``move``; a declined request no longer than that suggests the move went
-    stale (a transport may shut a move for good) and is asked for anew.
+    ``landed_max``: the longest request landed here through ``move``; a
+    declined request no longer than that suggests the move went stale (a
+    transport may shut a move for good) and is asked for anew.
     """
 
     __slots__ = ("kind", "local", "remote", "link", "transport", "cands", "rule", "names", "move", "origin",
@@ -84,31 +84,26 @@ class Binding:
         self.landed_max = 0
 
 
-def native_step(b: Binding, pipe: Any, unbind: Any) -> Any:
-    """The binding's inline step in C (engine/_fastlane.c): ``run(lo, ro, length, timeout) -> handle | None``,
-    or None where the module is not in use (:mod:`.fastlane`). It calls ``unbind()`` when the local
-    region refuses leases.
+def native_step(b: Binding, pipe: Any) -> Any:
+    """The binding's inline step in C (engine/_fastlane.c): ``run(lo, ro, length, timeout) -> handle | None``.
+    It unbinds the pair (``pipe.unbind``) when the local region refuses leases.
 
     ``_fastlane.c`` reads and sets no attribute by name: what it reads per
     request is handed to it here, as objects. The local region's lease state
-    comes as :data:`mpcomm.memory.LEASE_PROBES`, the link's liveness as
-    :data:`LINK_ALIVE`, the engine's state as :data:`PIPELINE_CLOSED` (the flag
-    the Python lane reads first), and the handle's five attributes as
-    ``Landed.FIELDS`` (its slots' descriptors).
+    comes as :data:`mpcomm.memory.LEASE_SLOTS` (slot descriptors, read in C) and ``LEASE_WAKE``,
+    the link's liveness as :data:`LINK_ALIVE`, and the handle's five attributes
+    as ``Landed.FIELDS`` (its slots' descriptors).
 
     Nothing this returns is kept on the binding, and the C step holds the
     binding's parts, not the binding: a cycle would keep both regions alive,
     after the tables let go of them, until the garbage collector runs.
     """
-    mod = fastlane.module()
-    if mod is None:
-        return None
     paths, peers = pipe.e.health.failure_tables()
-    refusing, closers, wake = LEASE_PROBES
     local = b.local
-    return mod.lane(local, local.lease_list, refusing, closers, wake, b.move, b.link, LINK_ALIVE, pipe,
-                    PIPELINE_CLOSED, paths, peers, Landed, Landed.FIELDS, b.origin, b.kind, b.remote, local.size,
-                    b.remote.size, unbind, functools.partial(move_failed, b.origin.transport))
+    return fastlane.mod.lane(local, local.lease_list, LEASE_SLOTS, LEASE_WAKE, b.move, b.link, LINK_ALIVE,
+                             paths, peers, Landed, Landed.FIELDS, b.origin, b.kind, b.remote,
+                             local.size, b.remote.size, functools.partial(pipe.unbind, b.key),
+                             functools.partial(move_failed, b.origin.transport))
 
 
 class BoundPairs:
@@ -118,8 +113,6 @@ class BoundPairs:
         """The engine's route policy is set: decide once whether a pair may ever be bound."""
         self._inline_ok = (not self._lazy and not self.e.telemetry.enabled and not self._splits()
                            and not self.e.route_policy.size_rules)
-        if self._inline_ok:
-            fastlane.module()  # imported here, not inside the first bound request
 
     def _cached(self, kind: str, local: Region, remote: RemoteRegion, lo: int, ro: int, n: int,
                 timeout: float) -> Transfer | None:
@@ -128,17 +121,13 @@ class BoundPairs:
         None: the full routing takes it (and binds the pair when it routed it).
         """
         b = self.bindings.get((id(local), id(remote), kind))
-        if b is not None:
-            if not b.link.alive or self._failing():
-                return None
-            made = False
-        else:
-            b = self._bind_cached(kind, local, remote)
+        if b is None:
+            b = self._bind_cached(kind, local, remote)  # an inline binding is kept once it lands
             if b is None:
                 return None
-            made = self.bindings.get(b.key) is not b  # an inline binding is kept once it lands
+        elif not b.link.alive or self._failing():
+            return None
         if b.move is None:  # one Operation with the cached routing (None: a closing region, no free slot)
-            local = b.local
             try:
                 local.acquire()
             except RegionClosedError:
@@ -150,39 +139,18 @@ class BoundPairs:
             op = self.new_op(kind, local, lo, remote, ro, n, timeout, self.dispatch, None, BoundOp)
             self.hand_routed(op, b.link, b.transport, b.cands, b.rule, b.names, True)
             return op.transfer
-        if type(lo) is not int or type(ro) is not int or type(n) is not int:
-            return None
-        # A kept pair with a C step: Engine.write/read ran this move there, and it declined.
-        landed = None if not made and b.key in self.native else self._move(b, b.move, lo, ro, n)
-        if landed is None and not made and n <= b.landed_max:
-            move = self._ask_move(b.transport, b.kind, b.local, b.remote)  # stale? a fresh move may land it
-            landed = None if move is None else self._move(b, move, lo, ro, n)
-            if landed is not None:
-                b.move, made = move, True
-        if landed is not None and made:
-            self._keep(b)
+        if self.bindings.get(b.key) is b:  # a kept pair: Engine.write/read ran its C step, and it declined
+            # A request no longer than one it landed: the move may have gone stale, a fresh one may land it.
+            move = self._ask_move(b.transport, kind, local, remote) if n <= b.landed_max else None
+            if move is None:
+                return None
+            b.move = move
+        run = native_step(b, self)
+        landed = run(lo, ro, n, timeout)
+        if landed is not None:
+            b.landed_max = max(b.landed_max, n)
+            self._keep(b, run)
         return landed
-
-    def _move(self, b: Binding, move: Any, lo: int, ro: int, n: int) -> Transfer | None:
-        local = b.local
-        t0 = time.monotonic()
-        try:
-            local.acquire()
-        except RegionClosedError:
-            self.unbind(b.key)
-            return None
-        try:
-            ok = bool(move(lo, ro, n))
-        except Exception as exc:  # noqa: BLE001 - a plugin bug declines; the full path reports what post() says
-            move_failed(b.origin.transport, exc)
-            return None
-        finally:
-            local.release()
-        if not ok:
-            return None
-        if n > b.landed_max:
-            b.landed_max = n
-        return Landed(n, b.origin, (b.kind, local, b.remote, ro, n, lo), t0)
 
     def _bind_cached(self, kind: str, local: Region, remote: RemoteRegion) -> Binding | None:
         """A binding made from the route cache, when the peer is linked at the descriptor's epoch."""
@@ -208,19 +176,18 @@ class BoundPairs:
         if transport.post_may_block:
             return None
         b = Binding(kind, local, remote, link, transport, cands, rule, names, None, self.dispatch)
-        self._keep(b)
+        self._keep(b, None)
         return b
 
-    def _keep(self, b: Binding) -> None:
+    def _keep(self, b: Binding, run: Any) -> None:
+        """Keep ``b`` (and its C step ``run``, which Engine.write/read try first; None: a posted binding)."""
         if b.key not in self.bindings and len(self.bindings) >= FAST_MAX:
             self.forget_fast()  # bounded; the pairs in use bind again on their next request
         self.bindings[b.key] = b
-        if b.move is not None:
-            run = native_step(b, self, functools.partial(self.unbind, b.key))
-            if run is not None:
-                self.native[b.key] = run
-            else:
-                self.native.pop(b.key, None)
+        if run is not None:
+            self.native[b.key] = run
+        if self.closed:  # Engine.close sets closed, then empties the tables: one of the two sees the other
+            self.unbind(b.key)
 
     @staticmethod
     def _ask_move(transport: Transport, kind: str, local: Region, remote: RemoteRegion) -> Any:

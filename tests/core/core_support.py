@@ -13,8 +13,6 @@ import threading
 import types
 from typing import Any, ClassVar
 
-import pytest
-
 import mpcomm
 from mpcomm import Availability, Capabilities, Operation, Transport, TransportContext
 from mpcomm.engine import fastlane
@@ -25,13 +23,9 @@ I64 = (1 << 63) - 1
 
 
 def fastlane_c(name: str | None = None) -> Any:
-    """The C lane (``_fastlane.c``'s module), or its function ``name``; skips the test where
-    it is not in use (not built, or disabled by MPCOMM_FASTLANE=0), saying why."""
-    mod = fastlane.module()
-    got = mod if name is None else getattr(mod, name, None)
-    if got is None:
-        pytest.skip(f"the C lane is not in use: {fastlane.status()}")
-    return got
+    """The engine's native module (``_fastlane.c``'s, required: ``import mpcomm`` fails without it),
+    or its function ``name``."""
+    return fastlane.mod if name is None else getattr(fastlane.mod, name)
 
 # -- a target engine in a subprocess ------------------------------------------------
 

@@ -1,17 +1,17 @@
-"""The C form of a bound pair's inline step (core/engine/_fastlane.c) against the one request path.
+"""A bound pair's inline step (core/engine/_fastlane.c, the only one) against the full request path.
 
-The C step (``bound.native_step``) runs before the one Python path
-(``Pipeline.single``) for a bound pair and may only decline what that path
-would not land inline: whatever it lands, it lands as the one path does (the
-same handle, the same move), holding the local region's lease only while the
-move runs, and leaving nothing behind (no reference, no lease). The one path
-itself is driven through a real engine with ``MPCOMM_FASTLANE=0`` and a
-stand-in move; the engine-level tests show a real pair lands both ways.
+The C step (``bound.native_step``) runs a bound pair's plain request inline and
+may only land what the full path (the same request with a ``route=`` hint)
+lands, with the same outcome; what it declines, the full path raises or takes
+on. It holds the local region's lease only while the move runs and leaves
+nothing behind (no reference, no lease). It is driven with stand-ins for the
+peer link and the move (:class:`Pair`), and through a real engine whose
+transport's move is a stand-in (:class:`EnginePair`); the engine-level tests
+show a real pair lands with the inline lane and without it (``MPCOMM_FASTLANE=0``).
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import math
@@ -36,42 +36,36 @@ from mpcomm.transfer import COMPLETED, Dispatch, Landed
 LSIZE, RSIZE = 1 << 16, 1 << 15
 
 
-def _native() -> Any:
-    return fastlane_c()
-
-
 class _Pipe:
-    """What the C step reads of its pipeline; ``closed`` follows the engine's ``_closed``, as
-    Engine.close sets both together."""
+    """What the C step is given of its pipeline: the engine's health, ``unbind`` (drops the pair from ``table``)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, table: dict[Any, Any]) -> None:
         self.e = engine
+        self.table = table
 
-    @property
-    def closed(self) -> bool:
-        return bool(self.e._closed)
+    def unbind(self, key: Any) -> None:
+        self.table.pop(key, None)
 
 
 class Pair:
     """A bound pair's C step with stand-ins only for what is not under test: the peer link, the move."""
 
-    def __init__(self, native: bool = True) -> None:
+    def __init__(self) -> None:
         self.local = Region(memoryview(bytearray(LSIZE)), name="src", access="rw")
         self.remote = RemoteRegion("127.0.0.1:1", "n", "e", "kv", 7, RSIZE, 0, "rw", 1)
         self.link = SimpleNamespace(alive=True)
-        self.engine = SimpleNamespace(_closed=False, health=HealthTracker())
+        self.engine = SimpleNamespace(health=HealthTracker())
         self.table: dict[Any, Any] = {}
         self.moves: list[tuple[Any, ...]] = []
         self.answer: Any = True
         self.leases_seen: list[int] = []
         self.pushed: list[Any] = []
-        self.pipe = _Pipe(self.engine)
+        self.pipe = _Pipe(self.engine, self.table)
         self.dispatch = Dispatch(self.pushed.append, lambda: False, lambda t: None)
         self.key = (id(self.local), id(self.remote), "write")
         self.fast = Binding("write", self.local, self.remote, self.link, SimpleNamespace(name="shm"),  # type: ignore[arg-type]
                             (), "default", ("shm", "tcp"), self.move, self.dispatch)
-        _native()
-        self.run = native_step(self.fast, self.pipe, functools.partial(self.table.pop, self.key, None))
+        self.run = native_step(self.fast, self.pipe)
         assert type(self.run).__name__ == "builtin_function_or_method"
         self.table[self.key] = self.run
 
@@ -110,12 +104,12 @@ def _outcome(pair: Pair, args: tuple[Any, ...]) -> Any:
             sorted(vars(h)), h.status)
 
 
-class OnePath:
-    """The one request path of a real engine with no C step (``MPCOMM_FASTLANE=0``), its pair
-    (LSIZE bytes to RSIZE) bound to a stand-in move as :class:`Pair`'s."""
+class EnginePair:
+    """A real engine's pair (LSIZE bytes to RSIZE over shm), bound with its C step to a stand-in
+    move as :class:`Pair`'s; :meth:`full` sends the same request down the full path instead
+    (a ``route=`` hint: no binding, the transport's post())."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setenv("MPCOMM_FASTLANE", "0")
+    def __init__(self) -> None:
         self.target = mpcomm.Engine(transports=["shm"])
         self.ini = mpcomm.Engine(transports=["shm"])
         self.target.allocate(RSIZE, name="kv")
@@ -124,23 +118,24 @@ class OnePath:
         self.moves: list[tuple[Any, ...]] = []
         self.leases_seen: list[int] = []
         self.answer: Any = True
-        monkeypatch.setattr(self.ini.transports["shm"], "inline_path", lambda kind, local, remote: self.move)
+        self.ini.transports["shm"].inline_path = lambda kind, local, remote: self.move
         assert self.ini.write(self.local, self.remote, 0, 16).result(5) == 16  # routed in full: the route cached
         assert isinstance(self.ini.write(self.local, self.remote, 0, 16), Landed)  # the stand-in moved it: bound
         self.key = (id(self.local), id(self.remote), "write")
         self.pipe = self.ini._pipeline
-        assert self.key in self.pipe.bindings and not self.pipe.native
+        assert self.key in self.pipe.bindings and self.key in self.pipe.native
         self.binding = self.pipe.bindings[self.key]
         self.moves.clear()
         self.leases_seen.clear()
 
     move = Pair.move
 
-    def write(self, lo: Any, ro: Any, n: Any, timeout: Any) -> Any:
-        return self.ini.write(self.local, self.remote, ro, n, local_offset=lo, timeout=timeout)
+    def write(self, lo: Any, ro: Any, n: Any, timeout: Any, route: Any = None) -> Any:
+        return self.ini.write(self.local, self.remote, ro, n, local_offset=lo, timeout=timeout, route=route)
 
     def outcome(self, args: tuple[Any, ...]) -> Any:
-        """("landed", ...) as :func:`_outcome`, ("posted", result) for the full path, or ("raised", class)."""
+        """("landed", bytes, request, fields, status) for a handle born done, ("posted", result) for one
+        the transport answers, or ("raised", class)."""
         try:
             h = self.write(*args)
         except Exception as exc:  # noqa: BLE001 - the outcome compared
@@ -154,44 +149,54 @@ class OnePath:
         except Exception as exc:  # noqa: BLE001 - e.g. a float length the full path posts (not this test's concern)
             return ("posted", type(exc))
 
+    def full(self, args: tuple[Any, ...]) -> Any:
+        """The same request down the full path: ("posted", result, request), or ("raised", class)."""
+        try:
+            h = self.write(*args, route="shm")
+            r = h.request
+            return ("posted", h.result(5), (r.op, r.remote_offset, r.length, r.local_offset))
+        except Exception as exc:  # noqa: BLE001 - the outcome compared
+            return ("raised", type(exc))
+
     def close(self) -> None:
         self.ini.close(timeout=5)
         self.target.close(timeout=5)
 
 
 @pytest.fixture
-def one(monkeypatch: pytest.MonkeyPatch) -> Any:
-    p = OnePath(monkeypatch)
+def one() -> Any:
+    p = EnginePair()
     yield p
     p.close()
 
 
-def test_the_c_step_lands_only_what_the_one_path_lands_inline(one: OnePath, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each of ARGS through the C step (a stand-in pair) and through the one path (a real engine):
-    whatever C lands, the one path lands the same way with the same move; what C declines, the one
-    path raises, or routes in full, or (a timeout only the one check takes) moves inline itself."""
+#: What the C step declines although the full path takes it: a type only the one check converts
+#: (bool and float offsets or lengths, a bool timeout).
+TAKEN_BY_THE_FULL_PATH_ONLY = {(True, 0, 16, None), (0, False, 16, None), (0, 0, 16.0, None), (1.0, 0, 16, None),
+                               (0, 0, 16, True)}
+
+
+def test_the_c_step_lands_what_the_full_path_lands_and_declines_what_it_refuses(one: EnginePair) -> None:
+    """Each of ARGS through the C step (a stand-in pair) and down the full path (a real engine,
+    route= hint): whatever C lands, the full path moves the same bytes for the same request, and
+    what C declines, the full path raises (but for the few a type rule of the one check takes)."""
     # RSIZE < LSIZE: a whole-region write (length None) does not fit the remote one.
     for args in ARGS:
-        with monkeypatch.context() as m:
-            m.delenv("MPCOMM_FASTLANE")  # for the stand-in pair's C step only; the engine's pair is bound
-            c = Pair()
+        c = Pair()
         got_c = _outcome(c, args)
-        one.moves.clear()
-        got_one = one.outcome(args)
+        got_full = one.full(args)
         if got_c is None:
-            # C takes None or an exact float or int; the one check takes any number (True here).
-            assert c.moves == [] and (got_one[0] != "landed" or type(args[3]) not in (type(None), float, int)), args
+            assert c.moves == [] and (got_full[0] == "raised" or args in TAKEN_BY_THE_FULL_PATH_ONLY), (args, got_full)
         else:
-            assert got_one == ("landed", got_c[0], got_c[4], got_c[5], got_c[6]), args
-            assert c.moves == one.moves, args
+            assert got_full == ("posted", got_c[0], got_c[4]), args
+            assert c.moves == [(got_c[4][3], got_c[4][1], got_c[4][2])], args
         assert c.local.leases == one.local.leases == 0, args
 
 
-def test_the_one_path_takes_the_full_routing_for_what_changed_after_binding(one: OnePath) -> None:
-    real_link = one.binding.link
-    one.binding.link = SimpleNamespace(alive=False)
+def test_a_bound_engine_pair_takes_the_full_routing_for_what_changed_after_binding(one: EnginePair) -> None:
+    one.binding.link.alive = False  # as the link's reader marks a lost peer
     assert one.outcome((0, 0, 16, None)) == ("posted", 16) and one.moves == []
-    one.binding.link = real_link
+    one.binding.link.alive = True
     one.ini.health.failure(one.remote.address, "shm")
     assert one.outcome((0, 0, 16, None)) == ("posted", 16) and one.moves == []
     one.ini.health.success(one.remote.address, "shm")
@@ -200,13 +205,31 @@ def test_the_one_path_takes_the_full_routing_for_what_changed_after_binding(one:
     assert one.moves == [(0, 0, 16), (0, 0, 16)] and one.local.leases == 0
     one.answer = True
     assert one.outcome((0, 0, 16, None))[0] == "landed" and one.key in one.pipe.bindings
-    one.pipe.closed = True
+
+
+def test_a_closed_engine_runs_no_c_step_and_binds_no_pair(one: EnginePair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C step reads no engine state: Engine.close empties the tables of C steps after setting
+    ``closed`` (a write while it still waits for the requests in flight raises), and a pair kept
+    while it closes is let go of at once."""
+    during: list[Any] = []
+    real = one.pipe.close
+
+    def close(timeout: float) -> None:  # the engine is closing: it waits for the requests in flight
+        during.append(one.outcome((0, 0, 16, None)))
+        real(timeout)
+
+    monkeypatch.setattr(one.pipe, "close", close)
+    one.ini.close(timeout=5)
+    assert during == [("raised", mpcomm.errors.EngineClosedError)]
+    assert not one.pipe.native and not one.pipe.bindings
     with pytest.raises(mpcomm.errors.EngineClosedError):
         one.write(0, 0, 16, None)
-    one.pipe.closed = False
+    assert one.moves == []
+    one.pipe._keep(one.binding, fastlane_c("go"))  # kept by a request that passed the check before close
+    assert not one.pipe.native and not one.pipe.bindings
 
 
-def test_the_one_path_refuses_an_unregistering_region_holding_no_lease(one: OnePath) -> None:
+def test_a_bound_engine_pair_refuses_an_unregistering_region_holding_no_lease(one: EnginePair) -> None:
     one.local._refusing = True  # what close() sets first
     with pytest.raises(mpcomm.errors.RegionClosedError):
         one.write(0, 0, 16, None)
@@ -214,7 +237,7 @@ def test_the_one_path_refuses_an_unregistering_region_holding_no_lease(one: OneP
     one.local._refusing = False
 
 
-def test_the_one_path_logs_a_move_that_raises_and_routes_in_full(one: OnePath,
+def test_a_bound_engine_pair_logs_a_move_that_raises_and_routes_in_full(one: EnginePair,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     one.answer = ValueError("plugin bug")
     with caplog.at_level(logging.ERROR, logger="mpcomm.engine"):
@@ -224,7 +247,7 @@ def test_the_one_path_logs_a_move_that_raises_and_routes_in_full(one: OnePath,
     assert "test_fastlane.py" in caplog.text and one.local.leases == 0
 
 
-def test_an_interrupt_in_the_one_paths_move_goes_up_with_the_lease_released(one: OnePath) -> None:
+def test_an_interrupt_in_a_bound_engine_pairs_move_goes_up_with_the_lease_released(one: EnginePair) -> None:
     one.answer = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt):
         one.write(0, 0, 16, None)
@@ -240,7 +263,7 @@ def test_an_interrupt_in_the_one_paths_move_goes_up_with_the_lease_released(one:
     assert one.outcome((0, 0, 16, None)) == ("posted", 16) and one.local.leases == 0
 
 
-def test_unregister_waits_for_a_request_inside_the_one_paths_move(one: OnePath) -> None:
+def test_unregister_waits_for_a_request_inside_a_bound_engine_pairs_move(one: EnginePair) -> None:
     inside, go = threading.Event(), threading.Event()
 
     def slow(lo: int, ro: int, n: int) -> bool:
@@ -267,7 +290,7 @@ def test_unregister_waits_for_a_request_inside_the_one_paths_move(one: OnePath) 
 
 
 def test_a_landed_handle_is_whole_and_born_done() -> None:
-    p = Pair(native=True)
+    p = Pair()
     before = time.monotonic()
     h = p.run(16, 32, 4096, None)
     assert isinstance(h, Landed) and h.status is COMPLETED and h.done() and h.result(0) == 4096
@@ -287,9 +310,6 @@ def test_what_changes_after_binding_makes_the_lane_decline() -> None:
     p.link.alive = False
     assert p.run(0, 0, 16, None) is None
     p.link.alive = True
-    p.engine._closed = True
-    assert p.run(0, 0, 16, None) is None
-    p.engine._closed = False
     paths, peers = p.engine.health.failure_tables()
     peers["127.0.0.1:1"] = object()
     assert p.run(0, 0, 16, None) is None
@@ -366,7 +386,7 @@ def test_unregister_waits_for_a_request_inside_the_move() -> None:
 
 
 def test_the_c_lane_keeps_no_reference() -> None:
-    p = Pair(native=True)
+    p = Pair()
     watched = [p.local, p.remote, p.link, p.engine, p.fast]
     for _ in range(50):
         p.run(0, 0, 16, None)
@@ -397,18 +417,16 @@ def test_the_c_lane_keeps_no_reference() -> None:
 
 @contextmanager
 def _shm_pair(native: bool, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, Any, Any]]:
-    """Two shm engines with the C step (skips, saying why, when it is not built) or without it
-    (MPCOMM_FASTLANE=0): ``(target, initiator, kv, remote)`` with a 1 MiB target region "kv"."""
-    if native:
-        _native()
-    else:
+    """Two shm engines with the inline lane (a bound pair's C step) or without it (MPCOMM_FASTLANE=0:
+    the pair's binding is posted): ``(target, initiator, kv, remote)`` with a 1 MiB target region "kv"."""
+    if not native:
         monkeypatch.setenv("MPCOMM_FASTLANE", "0")
     with mpcomm.Engine(transports=["shm"]) as target, mpcomm.Engine(transports=["shm"]) as ini:
         kv = target.allocate(1 << 20, name="kv")
         yield target, ini, kv, ini.open(target.address, "kv")
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+@pytest.mark.parametrize("native", [True, False], ids=["c", "off"])
 def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     with _shm_pair(native, monkeypatch) as (target, ini, kv, remote):
         src = ini.allocate(1 << 16, name="src")
@@ -435,43 +453,51 @@ def test_a_bound_shm_pair_lands_through_each_lane(native: bool, monkeypatch: pyt
         assert not ini._pipeline.native and not ini._pipeline.bindings
 
 
-class _FailingLookup(Region):
-    """A region whose ``_refusing`` cannot be read (the C lane reads it through memory.LEASE_PROBES)."""
-
-    fail = False
+class _Shadowed(Region):
+    """A region whose ``_refusing`` is a property: the protocol's slot stays unset beneath it."""
 
     @property  # type: ignore[override]
     def _refusing(self) -> bool:
-        if self.fail:
-            raise LookupError("no _refusing today")
-        return self.__dict__["_r"]
+        raise LookupError("no _refusing today")
 
     @_refusing.setter
     def _refusing(self, value: bool) -> None:
-        self.__dict__["_r"] = value
+        pass
 
 
-def test_a_failed_refusing_lookup_raises_it_and_holds_nothing() -> None:
-    """Issue 28: the C lane took the lease entry back and woke closers (a call into Python)
-    with the lookup's exception still pending; it now raises that exception, like Region.acquire."""
+def test_the_c_step_reads_the_lease_state_from_the_regions_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28: the C lane looked ``_refusing`` up per request (and, when that failed, called into
+    Python with the exception pending). It now reads the region's slots (memory.LEASE_SLOTS): no
+    lookup, no Python call; an unset slot refuses, holding nothing; a subclass's slots are the
+    region's; lane() takes slots of the region's class only."""
     p = Pair()
-    local = _FailingLookup(memoryview(bytearray(LSIZE)), name="src", access="rw")
-    p.local = local
-    p.fast = Binding("write", local, p.remote, p.link, SimpleNamespace(name="shm"), (), "default",  # type: ignore[arg-type]
-                     ("shm",), p.move, p.dispatch)
-    p.run = native_step(p.fast, p.pipe, functools.partial(p.table.pop, p.key, None))
-    local.fail = True
-    with pytest.raises(LookupError, match="no _refusing today"):
-        p.run(0, 0, 16, None)
-    assert p.moves == [] and local.leases == 0
-    local.fail = False
-    assert p.run(0, 0, 16, None) is not None and local.leases == 0
+    seen: list[tuple[Any, ...]] = []
+    real = fastlane_c("lane")
+    monkeypatch.setattr(fastlane_c(), "lane", lambda *args: seen.append(args) or real(*args))
+    for cls in (Region, _Shadowed):
+        local = cls(memoryview(bytearray(LSIZE)), name="src", access="rw")
+        p.local = local
+        p.fast = Binding("write", local, p.remote, p.link, SimpleNamespace(name="shm"),  # type: ignore[arg-type]
+                         (), "default", ("shm",), p.move, p.dispatch)
+        p.key = p.fast.key
+        p.table[p.key] = p.run = native_step(p.fast, p.pipe)
+        if cls is Region:
+            assert p.run(0, 0, 16, None) is not None and p.moves[-1] == (0, 0, 16)
+        else:
+            p.moves.clear()
+            assert p.run(0, 0, 16, None) is None and p.moves == [] and p.key not in p.table
+        assert local.leases == 0
+    args = list(seen[0])
+    at = next(i for i, a in enumerate(args) if a is mpcomm.memory.LEASE_SLOTS)
+    for slots in (Landed.FIELDS[:2], mpcomm.memory.LEASE_SLOTS[:1], (property(lambda s: False),) * 2):
+        args[at] = slots
+        with pytest.raises(TypeError):
+            real(*args)
 
 
 def test_a_region_open_again_after_a_refused_lease_gets_its_c_step_back() -> None:
     """The C step unbinds the whole pair (binding and C step) when its region refuses a lease (a
     close under way); a close that timed out leaves the region open, and the pair binds again."""
-    _native()
     with mpcomm.Engine(transports=["shm"]) as target, mpcomm.Engine(transports=["shm"]) as ini:
         target.allocate(1 << 20, name="kv")
         remote = ini.open(target.address, "kv")
@@ -489,7 +515,7 @@ def test_a_region_open_again_after_a_refused_lease_gets_its_c_step_back() -> Non
         assert key in ini._pipeline.native and key in ini._pipeline.bindings
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+@pytest.mark.parametrize("native", [True, False], ids=["c", "off"])
 def test_the_write_step_finds_each_pair_and_nothing_after_its_unbinding(native: bool,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Engine.write's first step keeps the last pair's key for the next request (issue 28, shm 4 KiB
@@ -523,7 +549,7 @@ def test_a_handles_attributes_take_the_plain_lookup_and_its_future_is_built_on_d
     import concurrent.futures as cf
 
     assert not hasattr(mpcomm.Transfer, "__getattr__") and not hasattr(Landed, "__getattr__")
-    p = Pair(native=True)
+    p = Pair()
     h = p.run(0, 0, 64, None)
     assert isinstance(h, Landed) and "_future_built" not in h.__dict__
     with pytest.raises(AttributeError):
@@ -541,11 +567,11 @@ def test_a_handles_attributes_take_the_plain_lookup_and_its_future_is_built_on_d
 def test_the_c_step_takes_only_object_slots_of_the_handle_class_as_its_fields(monkeypatch: pytest.MonkeyPatch) -> None:
     """The C step stores a born-done handle's five fields straight into their slots (issue 28, shm
     4 KiB latency): lane() refuses anything else as FIELDS (a property, another class's slot)."""
-    mod = _native()
+    mod = fastlane_c()
     seen: list[tuple[Any, ...]] = []
     real = mod.lane
     monkeypatch.setattr(mod, "lane", lambda *args: seen.append(args) or real(*args))
-    p = Pair(native=True)
+    p = Pair()
     assert p.run is not None and len(seen) == 1
     args = list(seen[0])
     at = next(i for i, a in enumerate(args) if a is Landed.FIELDS)
@@ -560,3 +586,8 @@ def test_the_c_step_takes_only_object_slots_of_the_handle_class_as_its_fields(mo
             real(*args)
     args[at] = Landed.FIELDS
     assert callable(real(*args))
+    size_at = args.index(LSIZE)  # the sizes, converted once here: exact ints in [0, 2**63) only
+    for size in (-1, 2**63, 2**64 - 1, float(LSIZE), True):
+        args[size_at] = size
+        with pytest.raises(TypeError):
+            real(*args)

@@ -5,7 +5,7 @@ a second, unchecked copy of that name. Renaming the attribute in Python breaks t
 time only, on whatever path reaches the lookup (the fast lane's was the hottest there is),
 and nothing in Python shows the coupling. So the native code takes what it reads and calls
 as objects handed to it at bind or setup time (probes, descriptors, callables: see
-core/engine/bound.py native_step, core/memory.py LEASE_PROBES, core/transfer.py Landed.FIELDS,
+core/engine/bound.py native_step, core/memory.py LEASE_SLOTS and LEASE_WAKE, core/transfer.py Landed.FIELDS,
 tent/_bridge.py open_bridge), and this test keeps every C/C++ source of the project,
 tests' included, free of the CPython calls that take an attribute name.
 """

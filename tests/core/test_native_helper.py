@@ -1,5 +1,6 @@
-"""mpcomm.native_helper: the compiled helpers are built at install (setup.py), only loaded at run time,
-and their absence is a WARNING with its cost, never an error."""
+"""mpcomm.native_helper: the compiled modules are built at install (setup.py), only loaded at run time.
+The engine's module is required (no build, no install; no module, no ``import mpcomm``, saying how
+to rebuild); an optional helper's absence is a WARNING with its cost, never an error."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import mpcomm
 from mpcomm import native_helper
 
 ROOT = Path(__file__).resolve().parents[2]
+REQUIRED = "mpcomm.engine._mpcomm_fastlane"
 PKG = Path(mpcomm.__file__).resolve().parent
 
 
@@ -33,7 +35,7 @@ def test_setup_builds_exactly_the_helpers_the_library_loads() -> None:
     if not (ROOT / "setup.py").exists():
         pytest.skip("no source tree")
     built = _setup_helpers()
-    assert set(built) == set(native_helper.HELPERS) == set(native_helper.COST)
+    assert set(built) == set(native_helper.HELPERS) == set(native_helper.COST) | {REQUIRED}
     for name, src in built.items():
         assert (ROOT / src).is_file(), src
         # package-dir maps mpcomm -> core/, mpcomm.plugins -> plugins/: the library's path is the source's
@@ -78,13 +80,12 @@ def test_a_wrong_abi_is_refused_in_words() -> None:
 
 HIDE_ONE = """
 import logging, sys
-sys.modules["mpcomm.engine._mpcomm_fastlane"] = None  # as if the install had no compiler for it
+sys.modules["mpcomm.plugins.shm._mpcomm_copyloop"] = None  # as if the install had no compiler for it
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
 import mpcomm
 for _ in range(2):
     with mpcomm.Engine(transports=["tcp"]):
         pass
-print("INLINE", mpcomm.engine.fastlane.status())
 """
 
 
@@ -93,27 +94,56 @@ def test_an_engine_warns_once_which_helper_is_missing_and_what_it_costs() -> Non
     assert proc.returncode == 0, proc.stderr
     warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("WARNING mpcomm.native")]
     assert len(warnings) == 1, proc.stderr  # two engines, one warning
-    assert "engine inline lane" in warnings[0] and native_helper.COST["mpcomm.engine._mpcomm_fastlane"] in warnings[0]
-    assert "INLINE not installed" in proc.stdout  # the Python lane serves
+    assert "shm copy loop" in warnings[0] and native_helper.COST["mpcomm.plugins.shm._mpcomm_copyloop"] in warnings[0]
 
 
-def test_a_build_without_a_compiler_succeeds_and_records_what_failed(tmp_path: Path) -> None:
-    """The wheel built with no C/C++ compiler: it builds, ships no helper, and native-build.json says why."""
+@pytest.mark.parametrize("how", ["missing", "stale"])
+def test_import_mpcomm_fails_without_the_engines_module_saying_how_to_rebuild(how: str) -> None:
+    """The engine's module has no Python twin: missing, or of another ABI (a build of other sources),
+    ``import mpcomm`` raises ImportError naming the module, why, and the fix."""
+    hide = (f"sys.modules[{REQUIRED!r}] = None" if how == "missing" else
+            f"import types\nold = sys.modules[{REQUIRED!r}] = types.ModuleType({REQUIRED!r})\n"
+            "old.ABI, old.__file__ = 1, '/an/old/build.so'")
+    code = f"import sys\n{hide}\ntry:\n    import mpcomm\nexcept ImportError as e:\n    print('ImportError', e)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("ImportError "), proc.stdout + proc.stderr
+    assert REQUIRED in proc.stdout and "pip install -e ." in proc.stdout and "reinstall mpcomm" in proc.stdout
+    assert ("not installed" if how == "missing" else "ABI") in proc.stdout
+
+
+def _build_wheel(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     if not (ROOT / "setup.py").exists():
         pytest.skip("no source tree")
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info",
                                                              "__pycache__", "*.so", "native-build.json"))
-    env = {**os.environ, "CC": "/nonexistent/cc", "CXX": "/nonexistent/c++", "LDSHARED": "/nonexistent/cc -shared"}
-    proc = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(src)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(src)],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+
+
+def test_a_build_without_a_compiler_fails_naming_the_engines_module(tmp_path: Path) -> None:
+    proc = _build_wheel(tmp_path, {"CC": "/nonexistent/cc", "CXX": "/nonexistent/c++",
+                                   "LDSHARED": "/nonexistent/cc -shared"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not list((tmp_path / "dist").glob("*.whl")), out[-3000:]
+    assert f"the engine's native module {REQUIRED}" in out and "is required" in out and "pip install -e ." in out
+
+
+def test_a_build_whose_optional_helpers_fail_succeeds_and_records_what_failed(tmp_path: Path) -> None:
+    """A compiler that fails every plugin's C file (and builds the engine's): the wheel builds, ships
+    the engine's module only, and native-build.json says why the others are missing."""
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\ncase "$*" in *plugins/*) echo "no plugins today" >&2; exit 1;; esac\nexec gcc "$@"\n')
+    cc.chmod(0o755)
+    proc = _build_wheel(tmp_path, {"CC": str(cc)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("mpcomm-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         record = json.loads(z.read(f"mpcomm/{native_helper.BUILD_RECORD}"))
-    assert set(record["failed"]) == set(native_helper.HELPERS), record
-    assert not [n for n in names if "/_mpcomm_" in n and n.endswith(".so")], names
+    assert set(record["failed"]) == set(native_helper.COST), record
+    assert [n for n in names if "/_mpcomm_" in n and n.endswith(".so")] == [
+        n for n in names if n.startswith("mpcomm/engine/_mpcomm_fastlane") and n.endswith(".so")] != [], names
     assert "pure-Python fallback will serve" in proc.stdout + proc.stderr
 
 
