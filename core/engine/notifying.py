@@ -26,8 +26,7 @@ class Notifying:
         carries it with the data, else leave it to the notify workers. Asked at each post (a
         request a busy transport handed back is asked again). One whose note was carried is not
         failed over after a failed attempt (Retries._retry: the note might be delivered twice)."""
-        note = op.notify_after if op.kind == "write" and t.carries_notification(op) else None
-        op.notification = note
+        op.notification = op.notify_after if op.kind == "write" and t.carries_notification(op) else None
 
     def _queue_notification(self, op: Operation, nbytes: int) -> None:
         """Send ``op``'s notification on a notify worker, at most ``_notify_per_peer`` per peer.
@@ -36,9 +35,7 @@ class Notifying:
         """
         addr = op.remote.address
         with self._notify_lock:
-            lane = self._notify_lanes.get(addr)
-            if lane is None:
-                lane = self._notify_lanes[addr] = [deque(), 0]
+            lane = self._notify_lanes.setdefault(addr, [deque(), 0])  # [waiting (op, nbytes), workers]
             lane[0].append((op, nbytes))
             if lane[1] >= self._notify_per_peer:
                 return  # a worker of this peer's takes it next

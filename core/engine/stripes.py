@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
-from ..routing import Route, SplitPlan
-from ..transport import Operation, Transport
+from ..routing import Route
+from ..transport import Capabilities, Operation, Transport
 from .units import FINISHED, POSTED, WAITING
 
 if TYPE_CHECKING:
@@ -21,8 +20,6 @@ class Striped:
     post_may_block = False
 
     def __init__(self, pipeline: Pipeline, subs: list[Operation]) -> None:
-        from ..transport import Capabilities
-
         self._p = pipeline
         self._subs = subs
         ts = {s.transport.name: s.transport for s in subs}
@@ -48,14 +45,13 @@ class Stripes:
             s = self._split_rules = any(r.split_min is not None for r in self.e.route_policy.rules)
         return s
 
-    def _split_plan(self, link: PeerLink, op: Operation, cands: tuple[Transport, ...], rule: str) -> SplitPlan | None:
+    def _post_split(self, op: Operation, link: PeerLink, cands: tuple[Transport, ...], rule: str,
+                    names: tuple[str, ...], inline: bool) -> bool:
+        """Post ``op`` as stripes when a rule's ``split_min`` splits it (False: it is not split)."""
         q = self._query(link, op)
-        if q.hint:
-            return None
-        return self.e.route_policy.split(q, Route(tuple(t.name for t in cands), rule))
-
-    def _post_split(self, op: Operation, link: PeerLink, plan: SplitPlan, cands: tuple[Transport, ...], rule: str,
-                    names: tuple[str, ...], inline: bool) -> None:
+        plan = None if q.hint else self.e.route_policy.split(q, Route(tuple(t.name for t in cands), rule))
+        if plan is None:
+            return False
         self._end_probe(op)  # the stripes carry it: each is admitted (and probes) on its own
         subs: list[Operation] = []
         try:
@@ -67,8 +63,6 @@ class Stripes:
                 sub.parent = op
                 sub.stage = POSTED
                 sub.ephemeral = op.ephemeral
-                sub.route_hint = None
-                sub.batch = None
                 sub.candidates = own
                 sub.transfer = op.transfer
                 sub.transport = self._admit(sub, own, 0)
@@ -77,15 +71,11 @@ class Stripes:
                 subs.append(sub)
         except BaseException as exc:  # noqa: BLE001 - nothing posted yet
             self._fail_unposted(op, exc, inline)
-            return
-        op.candidates = ()
+            return True
         op.stripe_ops = subs
         op.stripes_left = len(subs)
         op.stripe_error = None
-        op.stripe_lock = threading.Lock()
-        striped = Striped(self, subs)
-        transfer = self._mark_posted(op, link, striped, striped.name, names, rule)
-        op.posting = inline
+        self._mark_posted(op, link, Striped(self, subs), names, rule, inline)
         # Tracked (so its release lets go of it) and armed before posting: a stripe transport may
         # wait on the peer in post().
         self._watch(op)
@@ -95,22 +85,17 @@ class Stripes:
                 sub.fail(op.abort_exc)
                 continue
             self._repost(sub, sub.transport)
-        if inline:
-            with op.lock:
-                op.posting = False
-            if transfer.outcome is not None and op.batch is None:
-                transfer.finish_inline()
+        self._after_post(op, inline)
+        return True
 
     def _stripe_reported(self, sub: Operation, error: BaseException | None, nbytes: int) -> None:
-        if error is not None and self._retry(sub, error):
+        if self._retried(sub, error):
             return
-        if error is None:
-            self._succeeded(sub)
         self._end_probe(sub)  # a stripe is never released: its own ending frees its probe
         if sub.transport is not None:  # a stripe holds no slot: release() would not drain for it
             self._kick_backlog(sub.transport.name)
         op = sub.parent
-        with op.stripe_lock:
+        with op.lock:  # (never held while a stripe reports)
             if error is not None and op.stripe_error is None:
                 op.stripe_error = error
             op.stripes_left -= 1
