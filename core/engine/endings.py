@@ -48,13 +48,12 @@ class Endings:
         if not unit.released:
             unit.released = True
             self._unhold(unit)
-            t = unit.transfer if isinstance(unit, Operation) else None
-            if t is not None and t.operation is unit:
+            if isinstance(unit, Operation) and unit.transfer.operation is unit:
                 # Break handle <-> operation (a lone request, or one inside a batch): a finished
                 # request's buffer is freed when the engine and the caller drop it, not at the next
                 # cyclic GC (8 MiB requests piled up to GiBs between collections). The handle keeps
                 # what `request` needs.
-                t.drop_operation()
+                unit.transfer.drop_operation()
             if unit.ephemeral:
                 local = unit.local
                 if unit.batch is None or all(p.local is not local or p.done for _, p in unit.batch.parts):

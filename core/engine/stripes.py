@@ -17,8 +17,6 @@ class Striped:
     """The ``transport`` of a split request: stands for its stripes' transports
     (an abort reaches every stripe; in-flight cancel only if all of them can)."""
 
-    post_may_block = False
-
     def __init__(self, pipeline: Pipeline, subs: list[Operation]) -> None:
         self._p = pipeline
         self._subs = subs
@@ -92,8 +90,7 @@ class Stripes:
         if self._retried(sub, error):
             return
         self._end_probe(sub)  # a stripe is never released: its own ending frees its probe
-        if sub.transport is not None:  # a stripe holds no slot: release() would not drain for it
-            self._kick_backlog(sub.transport.name)
+        self._kick_backlog(sub.transport.name)  # a stripe holds no slot: release() would not drain for it
         op = sub.parent
         with op.lock:  # (never held while a stripe reports)
             if error is not None and op.stripe_error is None:
