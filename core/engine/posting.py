@@ -34,7 +34,10 @@ class Posting:
                 self._deliver_inline(batch, lambda: self._settle_batch_inline(batch))
 
     def _launch(self, unit: Any, inline: bool) -> None:
-        """Route and post ``unit`` now if its peer is connected, else queue it on that peer."""
+        """Route and post ``unit`` now if its peer is connected, else queue it on that peer.
+
+        ``inline``: the caller is in ``write()``/``read()`` and ``unit`` is its lone request (an
+        Operation in no batch), which it may settle, or fail by raising, on its own thread."""
         remote = unit.remote
         link = self.peers.ready(remote.address)
         if link is None:
@@ -78,7 +81,7 @@ class Posting:
             return
         if isinstance(unit, Operation) and self._splits() and self._post_split(unit, link, cands, rule, names, inline):
             return
-        if inline and self._inline_ok and unit.batch is None and isinstance(unit, Operation):
+        if inline and self._inline_ok:
             self.bind_routed(unit, link, transport, cands, rule, names)
         self.hand_routed(unit, link, transport, cands, rule, names, inline)
 
@@ -118,8 +121,7 @@ class Posting:
             with unit.lock:
                 unit.posting = False
                 # Exactly one of this thread and _publish hands the handle on.
-                mine = (transfer.outcome is not None and isinstance(unit, Operation) and unit.batch is None
-                        and not unit.handed)
+                mine = transfer.outcome is not None and not unit.handed
                 if mine:
                     unit.handed = True
             if mine:
@@ -146,7 +148,7 @@ class Posting:
     def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
         unit.stage = FINISHED
         err = exc if isinstance(exc, MpcommError) else MpcommError(str(exc))
-        if inline and isinstance(unit, Operation) and unit.batch is None:
+        if inline:
             # The caller is still in write(): raise, holding nothing.
             self._release(unit)
             raise err
