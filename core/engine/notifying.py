@@ -25,7 +25,7 @@ class Notifying:
         """Just before ``t.post(op)`` of a request with a notification: hand the note to ``t`` when it
         carries it with the data, else leave it to the notify workers. Asked at each post (a
         request a busy transport handed back is asked again). One whose note was carried is not
-        failed over after a failed attempt (Retries._retry: the note might be delivered twice)."""
+        failed over after a failed attempt (Retries._retried: the note might be delivered twice)."""
         op.notification = op.notify_after if op.kind == "write" and t.carries_notification(op) else None
 
     def _queue_notification(self, op: Operation, nbytes: int) -> None:

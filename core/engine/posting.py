@@ -88,22 +88,9 @@ class Posting:
     def hand_routed(self, unit: Any, link: PeerLink, transport: Transport, cands: tuple[Transport, ...], rule: str,
                 names: tuple[str, ...], inline: bool) -> None:
         """Hand a routed, claimed unit to ``transport``; settle it here if it finished inside post()."""
-        self._mark_posted(unit, link, transport, names, rule, inline)
-        unit.candidates = cands
-        if transport.post_may_block:
-            # A transport written for the first contract may wait on the peer
-            # inside post(): its deadline and close() must be able to interrupt it.
-            self._watch(unit)
-        for waiting in self._hand_to(transport, unit):
-            self._to_backlog(transport, waiting)
-        self._after_post(unit, inline)
-
-    def _mark_posted(self, unit: Any, link: PeerLink, transport: Any, names: tuple[str, ...], rule: str,
-                     inline: bool) -> None:
-        """A unit about to be posted to ``transport`` (by this caller's thread if ``inline``): it and
-        its handle say so."""
         unit.peer = link.info
         unit.transport = transport
+        unit.candidates = cands
         unit.posting = inline
         transfer = unit.transfer
         transfer.transport = transport.name
@@ -113,11 +100,13 @@ class Posting:
             unit.batch.status = TransferStatus.POSTED
         if self.e.telemetry.enabled and isinstance(unit, Operation):
             self.e.telemetry.on_post(unit, transport.name)
-
-    def _after_post(self, unit: Any, inline: bool) -> None:
-        """``unit`` was handed on: settle it on this thread if it finished inside post(), else track it."""
+        if transport.post_may_block:
+            # A transport written for the first contract may wait on the peer
+            # inside post(): its deadline and close() must be able to interrupt it.
+            self._watch(unit)
+        for waiting in self._hand_to(transport, unit):
+            self._to_backlog(transport, waiting)
         if inline:
-            transfer = unit.transfer
             with unit.lock:
                 unit.posting = False
                 # Exactly one of this thread and _publish hands the handle on.

@@ -68,12 +68,13 @@ class Retries:
         unit.transport = nxt
         unit.transfer.transport = nxt.name
         try:
-            self.executor.submit(self._repost, unit, nxt)
+            self.executor.submit(self.repost, unit, nxt)
         except RuntimeError:
             return False
         return True
 
-    def _repost(self, unit: Any, t: Transport) -> None:
+    def repost(self, unit: Any, t: Transport) -> None:
+        """Post ``unit`` (a retry, or a stripe) on ``t``, registering its buffer there first where need be."""
         if self._lazy or unit.ephemeral:
             try:
                 self.regions.ensure_registered(unit.local, t)

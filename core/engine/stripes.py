@@ -14,8 +14,13 @@ if TYPE_CHECKING:
 
 
 class Striped:
-    """The ``transport`` of a split request: stands for its stripes' transports
-    (an abort reaches every stripe; in-flight cancel only if all of them can)."""
+    """The ``transport`` of a split request: stands for its stripes' transports (its post() posts
+    each stripe on its own transport; an abort reaches every stripe; in-flight cancel only if all
+    of them can)."""
+
+    #: Its stripes' transports may wait on the peer in post(): the split request is tracked (so its
+    #: release lets go of it) and its deadline armed before they are posted.
+    post_may_block = True
 
     def __init__(self, pipeline: Pipeline, subs: list[Operation]) -> None:
         self._p = pipeline
@@ -23,6 +28,18 @@ class Striped:
         ts = {s.transport.name: s.transport for s in subs}
         self.name = "+".join(ts)
         self.capabilities = Capabilities(inflight_cancel=all(t.capabilities.inflight_cancel for t in ts.values()))
+
+    @staticmethod
+    def carries_notification(op: Operation) -> bool:
+        return False  # a split write's note is sent once every stripe landed
+
+    def post(self, op: Operation) -> None:
+        for sub in self._subs:
+            if op.abort_exc is not None:  # aborted before it was posted
+                sub.abort_exc = op.abort_exc  # not retried
+                sub.fail(op.abort_exc)
+                continue
+            self._p.repost(sub, sub.transport)
 
     def abort(self, op: Operation) -> None:
         exc = op.abort_exc
@@ -73,17 +90,7 @@ class Stripes:
         op.stripe_ops = subs
         op.stripes_left = len(subs)
         op.stripe_error = None
-        self._mark_posted(op, link, Striped(self, subs), names, rule, inline)
-        # Tracked (so its release lets go of it) and armed before posting: a stripe transport may
-        # wait on the peer in post().
-        self._watch(op)
-        for sub in subs:
-            if op.abort_exc is not None:
-                sub.abort_exc = op.abort_exc  # not retried
-                sub.fail(op.abort_exc)
-                continue
-            self._repost(sub, sub.transport)
-        self._after_post(op, inline)
+        self.hand_routed(op, link, Striped(self, subs), (), rule, names, inline)
         return True
 
     def _stripe_reported(self, sub: Operation, error: BaseException | None, nbytes: int) -> None:
