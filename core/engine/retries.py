@@ -57,10 +57,10 @@ class Retries:
         unit.tries = getattr(unit, "tries", 1) + 1
         health.metrics.retry(peer)
         health.metrics.failover(peer, t.name, nxt.name)
-        if self.e.telemetry.enabled and isinstance(unit, Operation):
-            self.e.telemetry.on_retry(unit, error)
         # The whole range is moved again: a partial first attempt is rewritten.
         if isinstance(unit, Operation):
+            if self.e.telemetry.enabled:
+                self.e.telemetry.on_retry(unit, error)
             unit.rearm()
         else:
             unit.rearm_failed()
