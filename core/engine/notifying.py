@@ -36,17 +36,16 @@ class Notifying:
         addr = op.remote.address
         with self._notify_lock:
             lane = self._notify_lanes.setdefault(addr, [deque(), 0])  # [waiting (op, nbytes), workers]
+            if lane[1] < self._notify_per_peer:  # else a worker of this peer's takes it next
+                try:
+                    self.notifier.submit(self._drain_notifications, addr)
+                except RuntimeError:
+                    if not lane[0] and not lane[1]:
+                        del self._notify_lanes[addr]
+                    raise
+                lane[1] += 1
+            # (The worker takes it under this lock, so it finds it queued.)
             lane[0].append((op, nbytes))
-            if lane[1] >= self._notify_per_peer:
-                return  # a worker of this peer's takes it next
-            try:
-                self.notifier.submit(self._drain_notifications, addr)
-            except RuntimeError:
-                lane[0].pop()
-                if not lane[0] and not lane[1]:
-                    del self._notify_lanes[addr]
-                raise
-            lane[1] += 1
 
     def _drain_notifications(self, addr: str) -> None:
         """Notify worker: send ``addr``'s waiting notifications in order until none is left."""
