@@ -21,15 +21,9 @@ class Cancelling:
         if group is not None:
             self._cancel_member(transfer, group, transfer.index)  # type: ignore[attr-defined]
             return
-        if isinstance(transfer, Batch):
-            units = [p for _, p in transfer.parts]
-        else:
-            units = [transfer.operation]
+        units = [p for _, p in transfer.parts] if isinstance(transfer, Batch) else [transfer.operation]
         for unit in units:
-            if unit is None or unit.done:
-                continue
-            if self.claim(unit, WAITING, FINISHED):
-                self._finish(unit, CancelledError(), 0, failed_group=True)
+            if unit is None or unit.done or self._abandon(unit, CancelledError()):
                 continue
             t = unit.transport
             if t is not None and t.capabilities.inflight_cancel:
@@ -46,29 +40,22 @@ class Cancelling:
             group.errors[i] = err
             group.left -= 1
             last = group.left == 0
-        if last:
-            if self.claim(group, WAITING, FINISHED):
-                self._finish(group, err, 0)
+        if last and self.claim(group, WAITING, FINISHED):
+            self._finish(group, err, 0)
         if member.record_outcome(err, 0):
             member.dispatch.push(member)
 
     def abort_peer(self, address: str, error: BaseException) -> None:
         for unit in list(self._inflight):  # one C call: a snapshot (see Pipeline._inflight)
-            if unit.remote.address == address:
-                if self.claim(unit, WAITING, FINISHED):
-                    self._finish(unit, error, 0, failed_group=True)
-                else:
-                    unit.abort(error)
+            if unit.remote.address == address and not self._abandon(unit, error):
+                unit.abort(error)
 
     def close(self, timeout: float) -> None:
         """Resolve every handle: waiting units fail at once, posted ones are aborted and waited for."""
         closed = EngineClosedError("the engine was closed while the request was in flight")
         units = list(self._inflight)
         for unit in units:
-            if self.claim(unit, WAITING, FINISHED):
-                self._finish(unit, EngineClosedError("the engine was closed before the request was posted"), 0,
-                             failed_group=True)
-            else:
+            if not self._abandon(unit, EngineClosedError("the engine was closed before the request was posted")):
                 unit.abort(closed)
         deadline = time.monotonic() + timeout
         for unit in units:

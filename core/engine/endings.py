@@ -22,10 +22,8 @@ class Endings:
 
     def _reported(self, op: Operation, error: BaseException | None, nbytes: int) -> None:
         """An Operation's sink: the transport's word that it ended."""
-        if error is not None and self._retry(op, error):
+        if self._retried(op, error):
             return
-        if error is None:
-            self._succeeded(op)
         if error is None and op.notify_after is not None and op.notification is None:
             # (A note the transport carried was delivered with the data: nothing is left to send.)
             try:
@@ -36,13 +34,8 @@ class Endings:
         self._finish(op, error, nbytes)
 
     def _group_reported(self, group: OperationGroup) -> None:
-        if group.errors:
-            first = group.errors[min(group.errors)]
-            if self._retry(group, first):
-                return
-        else:
-            self._succeeded(group)
-        self._finish(group, None, 0)
+        if not self._retried(group, group.errors[min(group.errors)] if group.errors else None):
+            self._finish(group, None, 0)
 
     def _release(self, unit: Any) -> None:
         dl = unit.deadline_entry
@@ -55,13 +48,12 @@ class Endings:
         if not unit.released:
             unit.released = True
             self._unhold(unit)
-            t = unit.transfer if isinstance(unit, Operation) else None
-            if t is not None and t.operation is unit:
+            if isinstance(unit, Operation) and unit.transfer.operation is unit:
                 # Break handle <-> operation (a lone request, or one inside a batch): a finished
                 # request's buffer is freed when the engine and the caller drop it, not at the next
                 # cyclic GC (8 MiB requests piled up to GiBs between collections). The handle keeps
                 # what `request` needs.
-                t.drop_operation()
+                unit.transfer.drop_operation()
             if unit.ephemeral:
                 local = unit.local
                 if unit.batch is None or all(p.local is not local or p.done for _, p in unit.batch.parts):
@@ -82,17 +74,7 @@ class Endings:
         self._release(unit)
         batch = unit.batch
         if batch is None:
-            t = unit.transfer
-            if t.dispatch is self.dispatch:
-                # Recorded, and whether a result() waiter settles it, under one hold of its lock.
-                left = t.record_outcome_for_waiter(error, nbytes)
-                if left is None:
-                    return  # resolved already (an unconfirmed timeout): the resources are free now
-            elif not t.record_outcome(error, nbytes):
-                return
-            else:
-                left = False  # a completion queue's poller settles it
-            self._push(unit, left)
+            self._publish(unit, error, nbytes)
             return
         if isinstance(unit, Operation):
             unit.transfer.record_outcome(error, nbytes)
@@ -100,45 +82,41 @@ class Endings:
         if batch.part_ended():
             self._batch_done(batch)
 
-    def _push(self, op: Operation, left: bool | None = None) -> None:
-        """Hand a recorded outcome on: to the completion thread, unless the posting thread or a
-        ``result()`` waiter settles it. ``left``: the waiter's part already decided
-        (:meth:`Transfer.record_outcome_for_waiter`); None: decide it here."""
+    def _publish(self, op: Operation, error: BaseException | None, nbytes: int) -> None:
+        """Record a lone request's outcome (unless one is recorded already) and hand it on: to the
+        completion thread, unless the posting thread or a ``result()`` waiter settles it."""
+        t = op.transfer
+        if t.dispatch is self.dispatch:
+            # Recorded, and whether a result() waiter settles it, under one hold of its lock.
+            left = t.record_outcome_for_waiter(error, nbytes)
+        else:
+            left = False if t.record_outcome(error, nbytes) else None  # a completion queue's poller settles it
+        if left is None:
+            return  # resolved already (an unconfirmed timeout): the resources are free now
         with op.lock:
             if op.posting or op.handed:
                 return  # the posting thread settles it when post() returns
             op.handed = True
-        t = op.transfer
-        if left is None:
-            left = t.dispatch is self.dispatch and t.leave_to_waiter()
-        if left:
-            return  # the thread blocked in result() settles it: no completion-thread hop
-        t.dispatch.push(t)
+        if not left:  # (left: the thread blocked in result() settles it: no completion-thread hop)
+            t.dispatch.push(t)
 
     def _batch_done(self, batch: Batch) -> None:
-        total = 0
-        clean = True
+        error, total = None, 0
         for _, part in batch.parts:
-            if isinstance(part, OperationGroup):
-                if part.errors:
-                    clean = False
-                    break
-                total += part.total_bytes
-            else:
-                clean = False
+            if not isinstance(part, OperationGroup) or part.errors:
+                _statuses, errors, lengths = batch.index_state()
+                error = errors[min(errors)] if errors else None
+                total = sum(lengths)
                 break
-        if clean:
-            error = None
-        else:
-            _statuses, errors, lengths = batch.index_state()
-            error = errors[min(errors)] if errors else None
-            total = sum(lengths)
+            total += part.total_bytes
         if any(isinstance(p, OperationGroup) and p.member_handles for _, p in batch.parts):
             # Per-request handles exist (batch.transfers): their callbacks run on the completion thread.
             batch.on_settled = settle_members
-        if not batch.record_outcome(error, total):
-            return
-        if batch.take_handover():
+        self._hand_batch(batch, error, total)
+
+    def _hand_batch(self, batch: Batch, error: BaseException | None, nbytes: int) -> None:
+        """Record ``batch``'s outcome and hand it on, once: to a ``result()`` waiter, else to its dispatch."""
+        if batch.record_outcome(error, nbytes) and batch.take_handover():
             if batch.dispatch is self.dispatch and batch.leave_to_waiter():
                 return  # the thread blocked in result() settles it: no completion-thread hop
             batch.dispatch.push(batch)

@@ -25,9 +25,8 @@ class Notifying:
         """Just before ``t.post(op)`` of a request with a notification: hand the note to ``t`` when it
         carries it with the data, else leave it to the notify workers. Asked at each post (a
         request a busy transport handed back is asked again). One whose note was carried is not
-        failed over after a failed attempt (Retries._retry: the note might be delivered twice)."""
-        note = op.notify_after if op.kind == "write" and t.carries_notification(op) else None
-        op.notification = note
+        failed over after a failed attempt (Retries._retried: the note might be delivered twice)."""
+        op.notification = op.notify_after if op.kind == "write" and t.carries_notification(op) else None
 
     def _queue_notification(self, op: Operation, nbytes: int) -> None:
         """Send ``op``'s notification on a notify worker, at most ``_notify_per_peer`` per peer.
@@ -36,20 +35,17 @@ class Notifying:
         """
         addr = op.remote.address
         with self._notify_lock:
-            lane = self._notify_lanes.get(addr)
-            if lane is None:
-                lane = self._notify_lanes[addr] = [deque(), 0]
+            lane = self._notify_lanes.setdefault(addr, [deque(), 0])  # [waiting (op, nbytes), workers]
+            if lane[1] < self._notify_per_peer:  # else a worker of this peer's takes it next
+                try:
+                    self.notifier.submit(self._drain_notifications, addr)
+                except RuntimeError:
+                    if not lane[0] and not lane[1]:
+                        del self._notify_lanes[addr]
+                    raise
+                lane[1] += 1
+            # (The worker takes it under this lock, so it finds it queued.)
             lane[0].append((op, nbytes))
-            if lane[1] >= self._notify_per_peer:
-                return  # a worker of this peer's takes it next
-            try:
-                self.notifier.submit(self._drain_notifications, addr)
-            except RuntimeError:
-                lane[0].pop()
-                if not lane[0] and not lane[1]:
-                    del self._notify_lanes[addr]
-                raise
-            lane[1] += 1
 
     def _drain_notifications(self, addr: str) -> None:
         """Notify worker: send ``addr``'s waiting notifications in order until none is left."""

@@ -25,10 +25,8 @@ class Posting:
         batch.posting = True
         try:
             for u in units:
-                if staged and not self.claim(u, WAITING):
+                if staged and not self.claim(u, WAITING, WAITING):  # still waiting: _launch claims it
                     continue
-                if staged:
-                    u.stage = WAITING  # _launch claims it again
                 self._launch(u, inline=False)
         finally:
             # Exactly one of this thread and _batch_done hands the batch on.
@@ -36,14 +34,16 @@ class Posting:
                 self._deliver_inline(batch, lambda: self._settle_batch_inline(batch))
 
     def _launch(self, unit: Any, inline: bool) -> None:
-        """Route and post ``unit`` now if its peer is connected, else queue it on that peer."""
+        """Route and post ``unit`` now if its peer is connected, else queue it on that peer.
+
+        ``inline``: the caller is in ``write()``/``read()`` and ``unit`` is its lone request (an
+        Operation in no batch), which it may settle, or fail by raising, on its own thread."""
         remote = unit.remote
         link = self.peers.ready(remote.address)
         if link is None:
             self._watch(unit)
             try:
-                self.peers.when_ready(remote.address, unit.deadline,
-                                         lambda lk, err, u=unit: self._connected(u, lk, err))
+                self.peers.when_ready(remote.address, unit.deadline, lambda lk, err, u=unit: self._connected(u, lk, err))
             except MpcommError as exc:
                 self._abandon(unit, exc)
             return
@@ -79,34 +79,38 @@ class Posting:
         except BaseException as exc:  # noqa: BLE001 - the unit fails with it, nothing moved
             self._fail_unposted(unit, exc, inline)
             return
-        if isinstance(unit, Operation) and self._splits():
-            plan = self._split_plan(link, unit, cands, rule)
-            if plan is not None:
-                self._post_split(unit, link, plan, cands, rule, names, inline)
-                return
-        if inline and self._inline_ok and unit.batch is None and isinstance(unit, Operation):
+        if isinstance(unit, Operation) and self._splits() and self._post_split(unit, link, cands, rule, names, inline):
+            return
+        if inline and self._inline_ok:
             self.bind_routed(unit, link, transport, cands, rule, names)
         self.hand_routed(unit, link, transport, cands, rule, names, inline)
 
     def hand_routed(self, unit: Any, link: PeerLink, transport: Transport, cands: tuple[Transport, ...], rule: str,
                 names: tuple[str, ...], inline: bool) -> None:
         """Hand a routed, claimed unit to ``transport``; settle it here if it finished inside post()."""
-        transfer = self._mark_posted(unit, link, transport, transport.name, names, rule)
+        unit.peer = link.info
+        unit.transport = transport
         unit.candidates = cands
         unit.posting = inline
+        transfer = unit.transfer
+        transfer.transport = transport.name
+        transfer.route, transfer.route_rule = names, rule
+        transfer.status = TransferStatus.POSTED
+        if unit.batch is not None:
+            unit.batch.status = TransferStatus.POSTED
+        if self.e.telemetry.enabled and isinstance(unit, Operation):
+            self.e.telemetry.on_post(unit, transport.name)
         if transport.post_may_block:
             # A transport written for the first contract may wait on the peer
             # inside post(): its deadline and close() must be able to interrupt it.
             self._watch(unit)
-        busy = self._hand_to(transport, unit)
-        for waiting in busy:
+        for waiting in self._hand_to(transport, unit):
             self._to_backlog(transport, waiting)
         if inline:
             with unit.lock:
                 unit.posting = False
-                # Exactly one of this thread and _push hands the handle on.
-                mine = (transfer.outcome is not None and isinstance(unit, Operation) and unit.batch is None
-                        and not unit.handed)
+                # Exactly one of this thread and _publish hands the handle on.
+                mine = transfer.outcome is not None and not unit.handed
                 if mine:
                     unit.handed = True
             if mine:
@@ -116,21 +120,6 @@ class Posting:
             # Tracked (for close() and peer loss) only when it outlives post():
             # requests finished inline never touch the table or the timer.
             self._watch(unit)
-
-    def _mark_posted(self, unit: Any, link: PeerLink, transport: Any, name: str, names: tuple[str, ...],
-                     rule: str) -> Any:
-        """A unit posted to ``transport`` (named ``name``): it and its handle say so; the handle."""
-        unit.peer = link.info
-        unit.transport = transport
-        transfer = unit.transfer
-        transfer.transport = name
-        transfer.route, transfer.route_rule = names, rule
-        transfer.status = TransferStatus.POSTED
-        if unit.batch is not None:
-            unit.batch.status = TransferStatus.POSTED
-        if self.e.telemetry.enabled and isinstance(unit, Operation):
-            self.e.telemetry.on_post(unit, name)
-        return transfer
 
     def _watch(self, unit: Any) -> None:
         """Track ``unit`` (for close() and peer loss) and arm its deadline, once it may outlive the
@@ -148,17 +137,19 @@ class Posting:
     def _fail_unposted(self, unit: Any, exc: BaseException, inline: bool) -> None:
         unit.stage = FINISHED
         err = exc if isinstance(exc, MpcommError) else MpcommError(str(exc))
-        if inline and isinstance(unit, Operation) and unit.batch is None:
+        if inline:
             # The caller is still in write(): raise, holding nothing.
             self._release(unit)
             raise err
         self._finish(unit, err, 0, failed_group=True)
 
-    def _abandon(self, unit: Any, exc: BaseException) -> None:
-        """Finish a unit that never got posted (connection failed, cancelled, closed, deadline)."""
+    def _abandon(self, unit: Any, exc: BaseException) -> bool:
+        """Finish ``unit`` with ``exc`` if it is still waiting, never posted (connection failed, cancelled,
+        closed, deadline): claimed here, so nothing moved. False: someone else moved it on (posted, in flight)."""
         if not self.claim(unit, WAITING, FINISHED):
-            return
+            return False
         self._finish(unit, exc, 0, failed_group=True)
+        return True
 
     def _route(self, link: PeerLink, unit: Any) -> tuple[tuple[Transport, ...], str, tuple[str, ...]]:
         """The transports that may carry ``unit``, in the route policy's order, and the rule's name.
@@ -167,10 +158,8 @@ class Posting:
         the rules look at sizes, so the cache stays bounded by the rules).
         """
         remote = unit.remote
-        local_kind = unit.local.kind
         policy = self.e.route_policy
-        key: tuple[Any, ...] = (remote.address, remote.epoch, remote.region_id, local_kind,
-                                getattr(unit, "route_hint", None))
+        key: tuple[Any, ...] = (remote.address, remote.epoch, remote.region_id, unit.local.kind, unit.route_hint)
         route = None
         if policy.size_rules:
             route = policy.choose(self._query(link, unit))
@@ -191,17 +180,13 @@ class Posting:
             except TransportUnavailable as exc:
                 raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r}: {exc}",
                                            peer=remote.address, region=remote.name) from None
-        cands = []
-        reasons = []
-        for name in route.transports:
-            t = self.transports.get(name)
-            if t is None:
-                continue
+        cands, reasons = [], []
+        for t in filter(None, map(self.transports.get, route.transports)):
             avail = t.reach(link.info)
-            if not avail:
-                reasons.append(f"{name}: {avail.reason}")
-                continue
-            cands.append(t)
+            if avail:
+                cands.append(t)
+            else:
+                reasons.append(f"{t.name}: {avail.reason}")
         if not cands:
             raise TransportUnavailable(f"no transport reaches {remote.address} for {remote.name!r} "
                                        f"(route {route.rule!r}): " + "; ".join(reasons),
@@ -217,7 +202,7 @@ class Posting:
             same_host=same_host(self.e.host, link.info.host, need=("net_ns",)),
             local_kind=unit.local.kind, remote_kind=remote.kind, size=size,
             peer_transports=frozenset(n for n in remote.transports if n in link.info.transports),
-            hint=getattr(unit, "route_hint", None))
+            hint=unit.route_hint)
 
     def _admit(self, unit: Any, cands: tuple[Transport, ...], start: int) -> Transport:
         """The first of ``cands[start:]`` whose path to the peer is not cooling down."""

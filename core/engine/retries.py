@@ -16,22 +16,25 @@ from .units import WAITING
 class Retries:
     """The :class:`~mpcomm.engine.requests.Pipeline`'s retries (a mixin: its state lives on the Pipeline)."""
 
-    def _retry(self, unit: Any, error: BaseException) -> bool:
-        """After a failed attempt: post ``unit`` again on the next transport of its route if that may help."""
+    def _retried(self, unit: Any, error: BaseException | None) -> bool:
+        """An attempt ended (``error`` None: it succeeded): its path's health hears of it, and a failed
+        ``unit`` is posted again on the next transport of its route if that may help (True)."""
         t = unit.transport
+        health = self.e.health
+        if error is None:
+            if health.any_failures() and t is not None:
+                unit.probe = None  # the success report ends the probe
+                health.success(unit.remote.address, t.name)
+            return False
         if isinstance(t, Striped):
             return False  # each stripe was retried on its own
-        if isinstance(error, BackPressureError) and getattr(unit, "notification", None) is not None:
-            # The target refused the note this write carried (its queue is full) before a byte
-            # landed: that says nothing about the path, and another transport reaches the same
-            # queue (and would land the data before the note is refused). The caller may retry.
-            self._end_probe(unit)
-            return False
-        cands = getattr(unit, "candidates", ())
-        health = self.e.health
+        # A note this write carried with its data (see below). If the target refused it (its queue is
+        # full: BackPressureError) before a byte landed, that says nothing about the path, and another
+        # transport reaches the same queue (and would land the data before the note is refused).
+        noted = getattr(unit, "notification", None) is not None
         peer = unit.remote.address
-        if t is not None and unit.abort_exc is None and counts_against_path(
-                error, deadline_passed=unit.time_left() <= 0):
+        if (t is not None and unit.abort_exc is None and not (noted and isinstance(error, BackPressureError))
+                and counts_against_path(error, deadline_passed=unit.time_left() <= 0)):
             # Only the transport's own failures count against the path: the
             # request's deadline (reported by the transport or by our timer), a
             # cancel or a closing engine say nothing about it. The report ends
@@ -40,26 +43,24 @@ class Retries:
             health.failure(peer, t.name, error)
         else:
             self._end_probe(unit)
-        if getattr(unit, "notification", None) is not None:
-            # Its note went in the same frame as the data: a connection lost after the target
-            # queued it but before the reply came cannot be told apart from one lost before, and
-            # a second attempt would deliver the note twice. The caller gets the error (still
-            # retryable where it was) and decides (docs/contract.md §7).
-            return False
-        if (t is None or unit.abort_exc is not None or not is_retryable(error) or self.closed
+        # Its note went in the same frame as the data: a connection lost after the target
+        # queued it but before the reply came cannot be told apart from one lost before, and
+        # a second attempt would deliver the note twice. The caller gets the error (still
+        # retryable where it was) and decides (docs/contract.md §7).
+        if (noted or t is None or unit.abort_exc is not None or not is_retryable(error) or self.closed
                 or unit.time_left() <= 0 or getattr(unit, "tries", 1) >= health.policy.max_attempts):
             return False
         try:
-            nxt = self._admit(unit, cands, unit.attempt + 1)
+            nxt = self._admit(unit, unit.candidates, unit.attempt + 1)
         except PeerConnectionError:
             return False
         unit.tries = getattr(unit, "tries", 1) + 1
         health.metrics.retry(peer)
         health.metrics.failover(peer, t.name, nxt.name)
-        if self.e.telemetry.enabled and isinstance(unit, Operation):
-            self.e.telemetry.on_retry(unit, error)
         # The whole range is moved again: a partial first attempt is rewritten.
         if isinstance(unit, Operation):
+            if self.e.telemetry.enabled:
+                self.e.telemetry.on_retry(unit, error)
             unit.rearm()
         else:
             unit.rearm_failed()
@@ -67,12 +68,13 @@ class Retries:
         unit.transport = nxt
         unit.transfer.transport = nxt.name
         try:
-            self.executor.submit(self._repost, unit, nxt)
+            self.executor.submit(self.repost, unit, nxt)
         except RuntimeError:
             return False
         return True
 
-    def _repost(self, unit: Any, t: Transport) -> None:
+    def repost(self, unit: Any, t: Transport) -> None:
+        """Post ``unit`` (a retry, or a stripe) on ``t``, registering its buffer there first where need be."""
         if self._lazy or unit.ephemeral:
             try:
                 self.regions.ensure_registered(unit.local, t)
@@ -128,12 +130,6 @@ class Retries:
                         self._backlog.setdefault(name, deque()).appendleft(waiting)
                 self._schedule_drain(name, min(delay * 2, 0.05))
                 return
-
-    def _succeeded(self, unit: Any) -> None:
-        health = self.e.health
-        if health.any_failures() and unit.transport is not None:
-            unit.probe = None  # the success report ends the probe
-            health.success(unit.remote.address, unit.transport.name)
 
     def _end_probe(self, unit: Any) -> None:
         """Free the probe slot ``unit`` holds, if any, with no verdict on the path.

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
-from ..routing import Route, SplitPlan
-from ..transport import Operation, Transport
+from ..routing import Route
+from ..transport import Capabilities, Operation, Transport
 from .units import FINISHED, POSTED, WAITING
 
 if TYPE_CHECKING:
@@ -15,19 +14,32 @@ if TYPE_CHECKING:
 
 
 class Striped:
-    """The ``transport`` of a split request: stands for its stripes' transports
-    (an abort reaches every stripe; in-flight cancel only if all of them can)."""
+    """The ``transport`` of a split request: stands for its stripes' transports (its post() posts
+    each stripe on its own transport; an abort reaches every stripe; in-flight cancel only if all
+    of them can)."""
 
-    post_may_block = False
+    #: Its stripes' transports may wait on the peer in post(): the split request is tracked (so its
+    #: release lets go of it) and its deadline armed before they are posted.
+    post_may_block = True
 
     def __init__(self, pipeline: Pipeline, subs: list[Operation]) -> None:
-        from ..transport import Capabilities
-
         self._p = pipeline
         self._subs = subs
         ts = {s.transport.name: s.transport for s in subs}
         self.name = "+".join(ts)
         self.capabilities = Capabilities(inflight_cancel=all(t.capabilities.inflight_cancel for t in ts.values()))
+
+    @staticmethod
+    def carries_notification(op: Operation) -> bool:
+        return False  # a split write's note is sent once every stripe landed
+
+    def post(self, op: Operation) -> None:
+        for sub in self._subs:
+            if op.abort_exc is not None:  # aborted before it was posted
+                sub.abort_exc = op.abort_exc  # not retried
+                sub.fail(op.abort_exc)
+                continue
+            self._p.repost(sub, sub.transport)
 
     def abort(self, op: Operation) -> None:
         exc = op.abort_exc
@@ -48,14 +60,13 @@ class Stripes:
             s = self._split_rules = any(r.split_min is not None for r in self.e.route_policy.rules)
         return s
 
-    def _split_plan(self, link: PeerLink, op: Operation, cands: tuple[Transport, ...], rule: str) -> SplitPlan | None:
+    def _post_split(self, op: Operation, link: PeerLink, cands: tuple[Transport, ...], rule: str,
+                    names: tuple[str, ...], inline: bool) -> bool:
+        """Post ``op`` as stripes when a rule's ``split_min`` splits it (False: it is not split)."""
         q = self._query(link, op)
-        if q.hint:
-            return None
-        return self.e.route_policy.split(q, Route(tuple(t.name for t in cands), rule))
-
-    def _post_split(self, op: Operation, link: PeerLink, plan: SplitPlan, cands: tuple[Transport, ...], rule: str,
-                    names: tuple[str, ...], inline: bool) -> None:
+        plan = None if q.hint else self.e.route_policy.split(q, Route(tuple(t.name for t in cands), rule))
+        if plan is None:
+            return False
         self._end_probe(op)  # the stripes carry it: each is admitted (and probes) on its own
         subs: list[Operation] = []
         try:
@@ -67,8 +78,6 @@ class Stripes:
                 sub.parent = op
                 sub.stage = POSTED
                 sub.ephemeral = op.ephemeral
-                sub.route_hint = None
-                sub.batch = None
                 sub.candidates = own
                 sub.transfer = op.transfer
                 sub.transport = self._admit(sub, own, 0)
@@ -77,40 +86,20 @@ class Stripes:
                 subs.append(sub)
         except BaseException as exc:  # noqa: BLE001 - nothing posted yet
             self._fail_unposted(op, exc, inline)
-            return
-        op.candidates = ()
+            return True
         op.stripe_ops = subs
         op.stripes_left = len(subs)
         op.stripe_error = None
-        op.stripe_lock = threading.Lock()
-        striped = Striped(self, subs)
-        transfer = self._mark_posted(op, link, striped, striped.name, names, rule)
-        op.posting = inline
-        # Tracked (so its release lets go of it) and armed before posting: a stripe transport may
-        # wait on the peer in post().
-        self._watch(op)
-        for sub in subs:
-            if op.abort_exc is not None:
-                sub.abort_exc = op.abort_exc  # not retried
-                sub.fail(op.abort_exc)
-                continue
-            self._repost(sub, sub.transport)
-        if inline:
-            with op.lock:
-                op.posting = False
-            if transfer.outcome is not None and op.batch is None:
-                transfer.finish_inline()
+        self.hand_routed(op, link, Striped(self, subs), (), rule, names, inline)
+        return True
 
     def _stripe_reported(self, sub: Operation, error: BaseException | None, nbytes: int) -> None:
-        if error is not None and self._retry(sub, error):
+        if self._retried(sub, error):
             return
-        if error is None:
-            self._succeeded(sub)
         self._end_probe(sub)  # a stripe is never released: its own ending frees its probe
-        if sub.transport is not None:  # a stripe holds no slot: release() would not drain for it
-            self._kick_backlog(sub.transport.name)
+        self._kick_backlog(sub.transport.name)  # a stripe holds no slot: release() would not drain for it
         op = sub.parent
-        with op.stripe_lock:
+        with op.lock:  # (never held while a stripe reports)
             if error is not None and op.stripe_error is None:
                 op.stripe_error = error
             op.stripes_left -= 1

@@ -8,7 +8,6 @@ from typing import Any
 
 from ..errors import TransferTimeout
 from ..transport import Operation, timeout_error
-from .units import FINISHED, WAITING
 
 log = logging.getLogger("mpcomm.engine")
 
@@ -20,8 +19,7 @@ class Timeouts:
         if unit.done:
             return
         err = timeout_error(unit)
-        if self.claim(unit, WAITING, FINISHED):  # never posted: nothing moved
-            self._finish(unit, err, 0, failed_group=True)
+        if self._abandon(unit, err):  # never posted: nothing moved
             return
         unit.abort(err)
         self.timer.schedule(time.monotonic() + self._grace, lambda: self._on_abort_overdue(unit))
@@ -39,16 +37,12 @@ class Timeouts:
         err.confirmed = False
         # The transport may still touch the local buffer: keep the lease (and
         # so the buffer) until it reports, but resolve the handle now.
-        unit.unconfirmed = True
         self._end_probe(unit)  # resolved by its deadline: the transport's late report says nothing
         if isinstance(unit, Operation):
-            unit.transfer.record_outcome(err, 0)
-            self._push(unit)
+            self._publish(unit, err, 0)
         else:
             # As for an Operation: the handle fails now with the unconfirmed error, while
             # the group keeps its lease and slot until the transport reports (failing the
             # group here released them with bytes still able to land, and replaced the
             # error with the abort's confirmed-looking timeout).
-            batch = unit.batch
-            if batch.record_outcome(err, 0) and batch.take_handover():
-                batch.dispatch.push(batch)
+            self._hand_batch(unit.batch, err, 0)

@@ -131,3 +131,25 @@ def test_a_finished_split_request_lets_go_of_the_callers_buffer() -> None:
         del data, t
         gc.collect()
         assert alive() is None, "the finished split request still holds the caller's buffer"
+
+
+def test_a_split_request_finished_inside_post_reaches_its_completion_queue() -> None:
+    """A split request whose stripes all land inside post() (shm copies there) is handed to its
+    completion queue as any other request is, and its poller reaps it. It used to be settled on
+    the posting thread and never queued, so a poller waited for it forever."""
+    rules = [{"name": "big-split", "transports": ["shm"], "split_min": "1MiB", "max_stripes": 2,
+              "split_across": "lanes"}]
+    target = mpcomm.Engine({"route": rules}, transports=["shm"], endpoint="127.0.0.1:0")
+    initiator = mpcomm.Engine({"route": rules}, transports=["shm"], endpoint="127.0.0.1:0")
+    with target, initiator:
+        kv = target.allocate(4 * MiB, "kv")
+        remote = initiator.open(target.address, "kv")
+        src = initiator.allocate(4 * MiB)
+        src.view[:] = os.urandom(4 * MiB)
+        for _ in range(5):
+            cq = initiator.completion_queue()
+            t = initiator.write(src, remote, timeout=20, completion_queue=cq)
+            assert cq.poll(timeout=10) == [t], "the split request never reached its completion queue"
+            assert t.result(0) == 4 * MiB and len(t.stripes) == 2
+        assert _sha(kv.view) == _sha(src.view)
+        assert initiator.stats()["requests_held"] == 0
