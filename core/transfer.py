@@ -199,8 +199,9 @@ class Transfer(Future):  # type: ignore[type-arg]
     #: without the lock (single stores under the GIL); a recorder reads it under ``_lock``.
     _driver = 0
     _left_to_waiter = False  # the engine left settling to a waiter (no completion-thread push)
-    #: done() answered False once: a poller waits on it (see done()). A plain store, read unlocked.
-    _polled = False
+    #: How many times done() answered False, up to 2: a second one is a poller's (see done()). A plain
+    #: store, read unlocked.
+    _polls = 0
     #: Held until the outcome is recorded; a result() waiter with no outcome after its drive
     #: blocks on it, and whoever records the outcome releases it: the waiter wakes directly,
     #: not through the completion thread. Made (under _lock) by the first waiter that has to
@@ -286,19 +287,23 @@ class Transfer(Future):  # type: ignore[type-arg]
     def done(self) -> bool:
         """True once the request is over. Never blocks.
 
-        A False answer is a poll (an event loop's, or ``MPI_Test``'s): whoever asks may never
-        drive this request in ``result()``, so the first one hands it to its transport as a
+        A second False answer is a poll (an event loop's, or ``MPI_Test``'s): whoever asks may
+        never drive this request in ``result()``, so it hands the request to its transport as a
         callback does (:meth:`Transport.undriven`: tcp's reader reads its reply at once rather
-        than leaving it to a driver), once per handle; later polls only look.
+        than leaving it to a driver), once per handle; other answers only look. The first False
+        answer does not: ``if not t.done(): t.result()`` is a check before a wait, whose
+        ``result()`` reads its own reply.
         """
         self._sync()
         if self._applied:
             return True
         if self._built and Future.done(self):
             return True
-        if not self._polled:
-            self._polled = True  # before the hand-over: a post racing it sees it (waits_undriven)
-            undriven(self._driven())
+        polls = self._polls
+        if polls < 2:
+            self._polls = polls + 1  # before the hand-over: a post racing it sees it (waits_undriven)
+            if polls:
+                undriven(self._driven())
         return False
 
     def running(self) -> bool:
@@ -407,7 +412,7 @@ class Transfer(Future):  # type: ignore[type-arg]
         held before it was posted (its peer still connecting, ``post=False``, a busy transport)
         is handed over as one posted at once would have been."""
         d = self.dispatch
-        return self._polled or bool(self._callbacks) or (d is not None and d.undriven)
+        return self._polls > 1 or bool(self._callbacks) or (d is not None and d.undriven)
 
     def leave_to_waiter(self) -> bool:
         """Engine, after :meth:`record_outcome`: True when a ``result()`` waiter will settle this handle.

@@ -5,7 +5,7 @@ a tcp connection's reader leaves new replies to the driver expected next and loo
 LOOK_MAX (docs/tcp.md, "Paths"). A request no driver will read must not wait for that look:
 
 * one posted with a completion queue (known at post: ``Operation.undriven``, read by tcp's post);
-* one whose user polls ``Transfer.done()`` (the first False answer hands it to the reader);
+* one whose user polls ``Transfer.done()`` (the second False answer hands it to the reader; a single check before result() does not);
 * one a callback waited for before it was posted (``post=False``, posted later: ``undriven`` at post).
 
 Each test measures, on real engines over loopback with the target in a child process, how long such
@@ -83,7 +83,7 @@ def test_a_completion_queue_user_after_driven_requests_is_answered_promptly(
 
 def test_a_done_poller_after_driven_requests_is_answered_promptly(
         spawn: Any, make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An event loop polling ``done()``: its first False answer hands the request to the reader."""
+    """An event loop polling ``done()``: its second False answer hands the request to the reader."""
 
     def poll_lag(ini: mpcomm.Engine, remote: Any, src: Any) -> float:
         t0 = time.monotonic()
@@ -132,3 +132,22 @@ def test_done_answers_true_without_handing_anything_over(spawn: Any, make_engine
     q = ini.write(src, remote, 0, 4096, completion_queue=cq)
     assert q.waits_undriven()  # reaped by poll(): handed to the reader at post
     assert cq.poll(1, timeout=10) == [q]
+
+
+def test_a_single_done_check_before_result_leaves_the_reply_to_the_waiter(spawn: Any, make_engine: Any) -> None:
+    """``if not t.done(): t.result()``: one False answer is a check before a wait, not a poll, so the
+    request stays the waiter's to drive; a second False answer hands it over."""
+    target = spawn()
+    ini = make_engine({"plugins": {"tcp": {"connections": 1}}})
+    remote = ini.open(target.address, "kv")
+    src = ini.allocate(8192)
+    for _ in range(40):
+        t = ini.write(src, remote, 0, 4096)
+        if t.done():
+            continue  # finished already: nothing to check
+        assert not t.waits_undriven()
+        second = t.done()
+        assert second or t.waits_undriven()
+        assert t.result(10) == 4096
+        return
+    pytest.skip("every write finished before its first done() (nothing in flight to check)")
