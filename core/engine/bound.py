@@ -111,14 +111,15 @@ class BoundPairs:
 
     def policy_ready(self) -> None:
         """The engine's route policy is set: decide once whether a pair may ever be bound."""
-        self._inline_ok = (not self._lazy and not self.e.telemetry.enabled and not self._splits()
+        self.split_rules = any(r.split_min is not None for r in self.e.route_policy.rules)
+        self._inline_ok = (not self._lazy and not self.e.telemetry.enabled and not self.split_rules
                            and not self.e.route_policy.size_rules)
 
     def _cached(self, kind: str, local: Region, remote: RemoteRegion, lo: int, ro: int, n: int,
                 timeout: float) -> Transfer | None:
         """A checked, plain request through its pair's binding (made from the route cache if need be).
 
-        None: the full routing takes it (and binds the pair when it routed it).
+        None: the full routing takes it (and caches the route its next request binds the pair from).
         """
         b = self.bindings.get((id(local), id(remote), kind))
         if b is None:
@@ -153,7 +154,11 @@ class BoundPairs:
         return landed
 
     def _bind_cached(self, kind: str, local: Region, remote: RemoteRegion) -> Binding | None:
-        """A binding made from the route cache, when the peer is linked at the descriptor's epoch."""
+        """A binding made from the route cache, when the peer is linked at the descriptor's epoch, or None.
+
+        With the inline lane it is kept once its move has landed a request (:meth:`_keep`); without,
+        at once (not for a transport whose post() may wait on the peer).
+        """
         entry = self._routes.get((remote.address, remote.epoch, remote.region_id, local.kind, None))
         if entry is None or local.closed:
             return None
@@ -161,22 +166,14 @@ class BoundPairs:
         if link is None or link.info.epoch != remote.epoch or self.e.health.any_failures():
             return None
         cands, rule, names = entry
-        return self._bind(kind, local, remote, link, cands[0], cands, rule, names)
-
-    def _bind(self, kind: str, local: Region, remote: RemoteRegion, link: PeerLink, transport: Transport,
-              cands: tuple[Transport, ...], rule: str, names: tuple[str, ...]) -> Binding | None:
-        """A binding for the pair, or None. With the inline lane it is kept once its move has
-        landed a request (:meth:`_keep`); without, at once (not for a transport whose post() may wait
-        on the peer)."""
-        if offers_inline(transport):
-            move = self._ask_move(transport, kind, local, remote)
-            if move is None:
-                return None
-            return Binding(kind, local, remote, link, transport, cands, rule, names, move, self.dispatch)
-        if transport.post_may_block:
+        transport = cands[0]
+        inline = offers_inline(transport)
+        move = self._ask_move(transport, kind, local, remote) if inline else None
+        if (inline and move is None) or (not inline and transport.post_may_block):
             return None
-        b = Binding(kind, local, remote, link, transport, cands, rule, names, None, self.dispatch)
-        self._keep(b, None)
+        b = Binding(kind, local, remote, link, transport, cands, rule, names, move, self.dispatch)
+        if move is None:
+            self._keep(b, None)
         return b
 
     def _keep(self, b: Binding, run: Any) -> None:
@@ -196,19 +193,6 @@ class BoundPairs:
         except Exception:  # noqa: BLE001 - a plugin bug: the full path still works
             log.exception("transport %s failed in inline_path", transport.name)
             return None
-
-    def bind_routed(self, op: Operation, link: PeerLink, transport: Transport, cands: tuple[Transport, ...],
-                    rule: str, names: tuple[str, ...]) -> None:
-        """After the full routing of a plain request to a transport without the inline lane: bind the pair.
-
-        (A transport with the inline lane binds at the pair's next request,
-        from the route cache, once its ``inline_path`` has a move.)
-        """
-        if (op.route_hint is not None or op.notify_after is not None or op.ephemeral
-                or op.transfer.dispatch is not self.dispatch or offers_inline(transport)
-                or self.e.health.any_failures() or (id(op.local), id(op.remote), op.kind) in self.bindings):
-            return
-        self._bind(op.kind, op.local, op.remote, link, transport, cands, rule, names)
 
     def unbind(self, key: tuple[int, int, str]) -> None:
         """Drop one pair's binding and C step (its local region refuses leases)."""

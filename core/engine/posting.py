@@ -79,10 +79,8 @@ class Posting:
         except BaseException as exc:  # noqa: BLE001 - the unit fails with it, nothing moved
             self._fail_unposted(unit, exc, inline)
             return
-        if isinstance(unit, Operation) and self._splits() and self._post_split(unit, link, cands, rule, names, inline):
+        if isinstance(unit, Operation) and self.split_rules and self._post_split(unit, link, cands, rule, names, inline):
             return
-        if inline and self._inline_ok:
-            self.bind_routed(unit, link, transport, cands, rule, names)
         self.hand_routed(unit, link, transport, cands, rule, names, inline)
 
     def hand_routed(self, unit: Any, link: PeerLink, transport: Transport, cands: tuple[Transport, ...], rule: str,

@@ -31,9 +31,9 @@ or size rule, no lazy registration) then looks up its pair's *binding*
 (local region, remote region, kind) -- link, transport, candidates, rule,
 route names and, where the transport offers it, its bound inline ``move``
 (:meth:`~mpcomm.transport.Transport.inline_path`). A binding is made from the
-route cache once the peer is linked (a pair's first request already lands
-inline when its route is cached), or after the full routing of a plain
-request. With one, the request is either moved by that ``move`` on this
+route cache once the peer is linked and the pair's route cached (a pair's first
+request already lands inline when its route is cached; otherwise its second
+request binds it, after the first one's full routing cached the route). With one, the request is either moved by that ``move`` on this
 thread (lease, move, release: a handle born COMPLETED, no slot, deadline or
 table), or becomes one Operation handed to its transport with the cached
 routing (steps 2 and 5-6 above, without the route decision). Whatever the

@@ -54,12 +54,6 @@ class Striped:
 class Stripes:
     """The :class:`~mpcomm.engine.requests.Pipeline`'s stripes (a mixin: its state lives on the Pipeline)."""
 
-    def _splits(self) -> bool:
-        s = getattr(self, "_split_rules", None)
-        if s is None:
-            s = self._split_rules = any(r.split_min is not None for r in self.e.route_policy.rules)
-        return s
-
     def _post_split(self, op: Operation, link: PeerLink, cands: tuple[Transport, ...], rule: str,
                     names: tuple[str, ...], inline: bool) -> bool:
         """Post ``op`` as stripes when a rule's ``split_min`` splits it (False: it is not split)."""
