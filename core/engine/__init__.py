@@ -178,9 +178,9 @@ class Engine:
         self._pipeline = Pipeline(self, peers=self._peers, transports=self._transports, regions=self._regions,
                                   timer=self._timer, completions=self._completions, executor=self._executor,
                                   notifier=self._notifier)
-        # The bound pairs' C inline step (bound.native_step), which write()/read() try first.
-        self._write_step = fastlane.step(self._pipeline.native, "write")
-        self._read_step = fastlane.step(self._pipeline.native, "read")
+        #: The bound pairs' C inline steps (bound.native_step) by (id(local), id(remote), kind), which
+        #: write()/read() try first.
+        self._steps = self._pipeline.native
 
         bind_host, port = parse_endpoint(cfg.transport.endpoint)
         self._bind_host = bind_host
@@ -658,7 +658,8 @@ class Engine:
         BackPressureError) comes before a byte is written.
         """
         if notify is None and completion_queue is None and route is None:
-            landed = self._write_step(src, remote, local_offset, remote_offset, length, timeout)
+            run = self._steps.get((id(src), id(remote), "write"))
+            landed = None if run is None else run(local_offset, remote_offset, length, timeout)
             if landed is not None:
                 return landed
         return self._pipeline.single("write", src, remote, remote_offset, length, local_offset, notify, timeout,
@@ -669,7 +670,8 @@ class Engine:
              completion_queue: CompletionQueue | None = None, route: Sequence[str] | str | None = None) -> Transfer:
         """Read ``length`` bytes of ``remote`` into ``dst`` (a Region or a writable buffer); ``route`` as for :meth:`write`."""
         if notify is None and completion_queue is None and route is None:
-            landed = self._read_step(dst, remote, local_offset, remote_offset, length, timeout)
+            run = self._steps.get((id(dst), id(remote), "read"))
+            landed = None if run is None else run(local_offset, remote_offset, length, timeout)
             if landed is not None:
                 return landed
         return self._pipeline.single("read", dst, remote, remote_offset, length, local_offset, notify, timeout,

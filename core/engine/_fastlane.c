@@ -18,7 +18,7 @@
  * the five attributes Landed.__init__ sets (core/transfer.py, see landed());
  * each of those places names this file, and the tests compare them.
  */
-#define MP_ABI 6
+#define MP_ABI 7
 
 int mpcomm_fastlane_abi(void) { return MP_ABI; }
 
@@ -235,40 +235,6 @@ release_fail:  /* the lease released with the pending exception set aside (no ca
 static PyMethodDef run_def = {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
                               "run(lo, ro, length, timeout): one request on a bound pair, or None"};
 
-/* go(state, src, remote, lo, ro, length, timeout) -> handle | None: Engine.write/read's first
- * step (fastlane.step binds state). The pair's run in the engine's table (bound.py keys it
- * (id(local), id(remote), kind)), called; None: no binding, or it declined. state is
- * [table, kind, key]: key is the last pair's, kept for the next request of the same pair (the
- * ids compared, as the table compares them; the lookup is made anew each time). */
-static PyObject *py_go(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    PyObject *st = nargs == 7 ? args[0] : NULL;
-    if (st == NULL || !PyList_CheckExact(st) || PyList_GET_SIZE(st) != 3
-        || !PyDict_CheckExact(PyList_GET_ITEM(st, 0))) {
-        PyErr_SetString(PyExc_TypeError, "go([table, kind, key], src, remote, lo, ro, length, timeout)");
-        return NULL;
-    }
-    PyObject *key = PyList_GET_ITEM(st, 2);
-    if (!PyTuple_CheckExact(key) || PyTuple_GET_SIZE(key) != 3 || PyLong_AsVoidPtr(PyTuple_GET_ITEM(key, 0)) != args[1]
-        || PyLong_AsVoidPtr(PyTuple_GET_ITEM(key, 1)) != args[2]) {
-        PyErr_Clear();  /* a key not of ours: made anew */
-        PyObject *a = PyLong_FromVoidPtr(args[1]), *b = PyLong_FromVoidPtr(args[2]);
-        key = a == NULL || b == NULL ? NULL : PyTuple_Pack(3, a, b, PyList_GET_ITEM(st, 1));
-        Py_XDECREF(a);
-        Py_XDECREF(b);
-        if (key == NULL || PyList_SetItem(st, 2, key) < 0)  /* the list takes key */
-            return NULL;
-    }
-    Py_INCREF(key);  /* held through the lookup, whatever another thread's go sets in st */
-    PyObject *run = Py_XNewRef(PyDict_GetItemWithError(PyList_GET_ITEM(st, 0), key));
-    Py_DECREF(key);
-    if (run == NULL)  /* held: the run may unbind its own pair */
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    PyObject *h = PyObject_Vectorcall(run, args + 3, 4, NULL);
-    Py_DECREF(run);
-    return h;
-}
-
 /* Whether t is a tuple of n descriptors of writable object slots tp defines (Landed.FIELDS, what
  * set_field stores into; Request.FIELDS, what scan reads). */
 static int is_slot_tuple(PyObject *t, PyTypeObject *tp, Py_ssize_t n) {
@@ -441,7 +407,6 @@ static PyMethodDef mp_methods[] = {
     {"scan", (PyCFunction)(void (*)(void))py_scan, METH_FASTCALL,
      "the run of a batch's requests from start on that forms one group, their integers copied"},
     {"lane", py_lane, METH_VARARGS, "a bound pair's run callable"},
-    {"go", (PyCFunction)(void (*)(void))py_go, METH_FASTCALL, "Engine.write/read's lookup of a bound pair"},
     {"first_bad", (PyCFunction)(void (*)(void))py_first_bad, METH_FASTCALL,
      "the first entry of three array('q') buffers out of bounds, or -1"},
     {NULL, NULL, 0, NULL},

@@ -16,12 +16,11 @@ operator can compare the two in one process.
 from __future__ import annotations
 
 import os
-from types import MethodType
 from typing import Any
 
 from .. import native_helper
 
-ABI = 6  # 6: scan from a start index; 5: a region's lease state read from its slots; 4: go; 3: scan; 2: probes and descriptors
+ABI = 7  # 7: no go (Engine.write/read's lookup is Python's dict); 6: scan from a start index; 5: a region's lease state read from its slots; 4: go; 3: scan; 2: probes and descriptors
 MODULE = "mpcomm.engine._mpcomm_fastlane"
 
 
@@ -45,10 +44,3 @@ def native(name: str) -> Any:
 def inline_enabled() -> bool:
     """Whether bindings may use a transport's inline move (``MPCOMM_FASTLANE`` is not ``0``)."""
     return os.environ.get("MPCOMM_FASTLANE", "1") != "0"
-
-
-def step(table: dict[Any, Any], kind: str) -> Any:
-    """``go(src, remote, lo, ro, length, timeout) -> handle | None``: ``Engine.write`` (``kind``
-    "write") or ``read`` looks up a bound pair's C step in ``table`` (keyed ``(id(local), id(remote),
-    kind)``) and runs it (the module's ``go`` bound to its state)."""
-    return MethodType(mod.go, [table, kind, None])
