@@ -24,10 +24,10 @@ def _rules(across: str = "transports", transports: tuple[str, ...] = ("faulty", 
              "split_across": across}]
 
 
-def _pair(rules: list[dict], **faulty: object):
+def _pair(rules: list[dict], transports: tuple[str, ...] = ("faulty", "tcp"), **faulty: object):
     cfg = {"route": rules, "plugins": {"faulty": dict(faulty)}}
-    target = mpcomm.Engine(cfg, transports=["faulty", "tcp"], endpoint="127.0.0.1:0")
-    initiator = mpcomm.Engine(cfg, transports=["faulty", "tcp"], endpoint="127.0.0.1:0")
+    target = mpcomm.Engine(cfg, transports=list(transports), endpoint="127.0.0.1:0")
+    initiator = mpcomm.Engine(cfg, transports=list(transports), endpoint="127.0.0.1:0")
     return target, initiator
 
 
@@ -116,10 +116,7 @@ def test_a_finished_split_request_lets_go_of_the_callers_buffer() -> None:
     """A split request used to stay in the engine's in-flight table after it finished (it was
     added without being marked tracked, so its release never took it out): the caller's buffer
     (and the request) stayed referenced until the engine closed."""
-    rules = [{"name": "big-split", "transports": ["tcp"], "split_min": "1MiB", "max_stripes": 2,
-              "split_across": "lanes"}]
-    target = mpcomm.Engine({"route": rules}, transports=["tcp"], endpoint="127.0.0.1:0")
-    initiator = mpcomm.Engine({"route": rules}, transports=["tcp"], endpoint="127.0.0.1:0")
+    target, initiator = _pair(_rules("lanes", ("tcp",)), ("tcp",))
     with target, initiator:
         kv = target.allocate(4 * MiB, "kv")
         remote = initiator.open(target.address, "kv")
@@ -137,10 +134,7 @@ def test_a_split_request_finished_inside_post_reaches_its_completion_queue() -> 
     """A split request whose stripes all land inside post() (shm copies there) is handed to its
     completion queue as any other request is, and its poller reaps it. It used to be settled on
     the posting thread and never queued, so a poller waited for it forever."""
-    rules = [{"name": "big-split", "transports": ["shm"], "split_min": "1MiB", "max_stripes": 2,
-              "split_across": "lanes"}]
-    target = mpcomm.Engine({"route": rules}, transports=["shm"], endpoint="127.0.0.1:0")
-    initiator = mpcomm.Engine({"route": rules}, transports=["shm"], endpoint="127.0.0.1:0")
+    target, initiator = _pair(_rules("lanes", ("shm",)), ("shm",))
     with target, initiator:
         kv = target.allocate(4 * MiB, "kv")
         remote = initiator.open(target.address, "kv")
