@@ -868,7 +868,7 @@ class Transport:
     def undriven(self, op: Operation | OperationGroup) -> None:
         """Optional: a callback or a poller now waits for the posted ``op``, and maybe no ``result()``
         caller will :meth:`drive` it. A transport that leaves answers to a driver for a while reads
-        ``op``'s promptly instead. Called by ``Transfer.add_done_callback`` and by the first
+        ``op``'s promptly instead. Called by ``Transfer.add_done_callback`` and by the second
         ``Transfer.done()`` that answers False, on that thread, outside every engine lock; never
         blocks, never raises. What is known at post (a completion queue reaps it, or a callback or
         poller came before the post) is ``op.undriven``: read it in :meth:`post`/:meth:`post_many`

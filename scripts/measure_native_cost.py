@@ -6,8 +6,9 @@ setting (the helpers are chosen once per process), against a target engine in
 another child; per process the fastest twentieth of the operations is timed, and the
 best of ``--rounds`` is kept (a shared machine only ever adds time). Cases:
 
-* ``fastlane``: ``Engine.write(64 B) + result()`` on a bound shm pair
-  (``MPCOMM_FASTLANE=0`` against 1);
+* ``fastlane``: ``Engine.write(64 B) + result()`` on a bound shm pair with the inline
+  lane off (``MPCOMM_FASTLANE=0``: the pair's requests are posted) against on. The
+  engine's native module itself is required, so this figure is no ``COST`` entry;
 * ``copyloop``: ``Engine.write_many`` of 256 pieces of 64 B + ``result()`` over shm
   (``MPCOMM_SHM_NATIVE=0`` against 1);
 * ``ucxloop``: the same batch over ucx (``MPCOMM_UCX_NATIVE=0`` against 1);
